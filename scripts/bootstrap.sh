@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs everything Tandem needs on a fresh Debian 12 machine: Debian packages, then the pinned Python
+# environment in .venv. Idempotent: a second run only checks. Used by `make test`, `make up` and CI.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# libibverbs1/librdmacm1/libnuma1: shared libraries the Mooncake transfer engine loads even for TCP.
+# etcd-server: the registry of the local stack and tests. wrk: the benchmarks' load generator.
+# iproute2 + util-linux: loopback-only network namespaces for the tests (Mooncake listens on all interfaces).
+DEB_PACKAGES=(libibverbs1 librdmacm1 libnuma1 etcd-server wrk iproute2 util-linux)
+
+missing=()
+for pkg in "${DEB_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "bootstrap: installing Debian packages: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+PYTHON="${PYTHON:-python3.11}"
+stamp=.venv/.tandem-installed
+want="$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)"
+if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "bootstrap: creating .venv and installing pinned Python packages"
+  [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+  .venv/bin/python -m pip install -q --disable-pip-version-check "pip==25.3"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
+  echo "$want" > "$stamp"
+fi
+echo "bootstrap: ready"

@@ -1,0 +1,61 @@
+"""The ``tandem`` command line: one entry point, one subcommand per component.
+
+Each subcommand lives in its own package and is imported lazily, so ``tandem sim`` does not pay for importing
+the operator's Kubernetes client, and a broken optional dependency only breaks the subcommand that needs it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+# subcommand -> (module, function, one-line help). The function takes argv (without the subcommand) and
+# returns an exit code.
+SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
+    "sim": (
+        "tandem_sim.main",
+        "main",
+        "simulated SGLang worker (drop-in for python -m sglang.launch_server)",
+    ),
+    "router": ("tandem_router.main", "main", "OpenAI-compatible prefill/decode router"),
+    "operator": ("tandem_operator.main", "main", "Kubernetes operator for PDCluster/PDPool"),
+    "up": ("tandem.local_stack", "main", "run the embedded local stack: etcd, workers, router on :8000"),
+    "bench": ("tandem.bench", "main", "run the benchmarks and print tables"),
+    "dev-cluster": (
+        "tandem.devcluster.cli",
+        "main",
+        "start a real Kubernetes control plane with fake GPU nodes",
+    ),
+}
+
+
+def _usage() -> str:
+    width = max(len(name) for name in SUBCOMMANDS)
+    lines = ["usage: tandem <command> [options]", "", "commands:"]
+    lines += [f"  {name.ljust(width)}  {help_}" for name, (_, _, help_) in SUBCOMMANDS.items()]
+    lines += ["", "Run 'tandem <command> --help' for the options of one command."]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in {"-h", "--help", "help"}:
+        print(_usage())
+        return 0
+    if args[0] == "--version":
+        from tandem import __version__
+
+        print(f"tandem {__version__}")
+        return 0
+    name = args[0]
+    if name not in SUBCOMMANDS:
+        print(f"tandem: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name, func_name, _ = SUBCOMMANDS[name]
+    func: Callable[[list[str]], int] = getattr(importlib.import_module(module_name), func_name)
+    return func(args[1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,67 @@
+"""The etcd endpoint registry: key layout and value schema shared by the operator (writer) and router (reader).
+
+One key per serving group (the group's rank-0 pod), written under a lease the writer keeps alive, so a writer
+that dies stops advertising its endpoints after the lease TTL, and a writer that *fences* a group deletes the
+key at once::
+
+    /tandem/v1/clusters/<namespace>/<cluster>/endpoints/<role>/<group>  ->  Endpoint (JSON)
+
+This module is pure: no I/O. ``tandem.registry_etcd`` is the thin etcd adapter.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+ROOT = "/tandem/v1/clusters"
+
+Name = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=253)]
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class Endpoint(BaseModel):
+    """What a router needs to send a request to one serving group, and to tell one incarnation from the next."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    role: Role
+    group: Name = Field(description="Group name, unique within the cluster and role (e.g. 'decode-3').")
+    url: str = Field(pattern=r"^https?://[^/\s]+$", description="HTTP base URL of the group's rank-0 SGLang server.")
+    bootstrap_port: int | None = Field(
+        default=None, ge=1, le=65535, description="Prefill bootstrap port (prefill only)."
+    )
+    mooncake_session: str | None = Field(
+        default=None,
+        pattern=r"^[^\s:]+:\d+$",
+        description="Mooncake transfer-engine session id 'ip:rpc_port'.",
+    )
+    ib_devices: tuple[str, ...] = Field(default=(), description="RDMA devices the group transfers KV over.")
+    attn_dp_size: int = Field(default=1, ge=1, description="Attention data-parallel size of the group.")
+    model: str = Field(min_length=1, description="Served model name.")
+    revision: str = Field(default="", description="Spec revision: routers pair only equal revisions.")
+    epoch: int = Field(default=0, ge=0, description="Incremented each time the group is recreated.")
+
+
+def cluster_prefix(namespace: str, cluster: str) -> str:
+    """Prefix of every endpoint key of one PD cluster (ends with '/')."""
+    return f"{ROOT}/{namespace}/{cluster}/endpoints/"
+
+
+def endpoint_key(namespace: str, cluster: str, endpoint: Endpoint) -> str:
+    return f"{cluster_prefix(namespace, cluster)}{endpoint.role.value}/{endpoint.group}"
+
+
+def encode(endpoint: Endpoint) -> bytes:
+    return endpoint.model_dump_json().encode()
+
+
+def decode(value: bytes) -> Endpoint:
+    """Parse a registry value; raises ``pydantic.ValidationError`` on a malformed one."""
+    return Endpoint.model_validate_json(value)

@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from tandem import registry
+from tandem.registry import Endpoint, Role
+
+
+def test_endpoint_round_trip_and_key() -> None:
+    ep = Endpoint(
+        role=Role.PREFILL,
+        group="prefill-0",
+        url="http://127.0.0.5:30000",
+        bootstrap_port=8998,
+        mooncake_session="127.0.0.5:15001",
+        model="kimi-k2.6",
+        revision="abc",
+        epoch=3,
+    )
+    assert registry.decode(registry.encode(ep)) == ep
+    assert registry.endpoint_key("ns", "c1", ep) == "/tandem/v1/clusters/ns/c1/endpoints/prefill/prefill-0"
+    assert registry.endpoint_key("ns", "c1", ep).startswith(registry.cluster_prefix("ns", "c1"))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("url", "not a url"), ("bootstrap_port", 70000), ("mooncake_session", "nohostport"), ("epoch", -1)],
+)
+def test_endpoint_rejects_bad_fields(field: str, value: object) -> None:
+    base: dict[str, object] = {
+        "role": "decode",
+        "group": "decode-0",
+        "url": "http://127.0.0.1:1",
+        "model": "m",
+    }
+    with pytest.raises(pydantic.ValidationError, match=field):
+        Endpoint.model_validate({**base, field: value})
+
+
+def test_unknown_field_rejected() -> None:
+    with pytest.raises(pydantic.ValidationError):
+        registry.decode(b'{"role":"decode","group":"d","url":"http://h:1","model":"m","surprise":1}')
