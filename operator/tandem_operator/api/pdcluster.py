@@ -341,6 +341,7 @@ class RoleStatus(CrdModel):
     groups: int = Field(default=0, ge=0, description="Desired groups (the PDPool's replicas).")
     ready_groups: int = Field(default=0, ge=0, description="Groups whose every pod is Ready.")
     updated_groups: int = Field(default=0, ge=0, description="Groups running the current template.")
+    recovering_groups: int = Field(default=0, ge=0, description="Groups being recreated after a member died.")
     template_hash: str = ""
 
 

@@ -84,10 +84,14 @@ def pdcluster_crd() -> dict[str, Any]:
     )
     schema["x-kubernetes-validations"] = [
         {
+            "rule": "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
+            "message": "metadata.name must be a DNS label (lowercase letters, digits, '-'): Services derive from it",
+        },
+        {
             "rule": f"self.metadata.name.size() <= {MAX_CLUSTER_NAME}",
             "message": f"metadata.name must be at most {MAX_CLUSTER_NAME} characters (pod and Service names derive "
             "from it)",
-        }
+        },
     ]
     columns: list[dict[str, Any]] = [
         {"name": "Prefill", "type": "integer", "jsonPath": ".status.prefill.readyGroups",
