@@ -33,7 +33,7 @@ bench: bootstrap
 
 ## verify: generated files are up to date.
 verify: bootstrap
-	@echo "verify: nothing generated yet"
+	$(PY) scripts/gen_sglang_flags.py --check
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -26,8 +26,8 @@ from tandem_sim.config import SimConfig
 from tandem_sim.kvpool import PagedPool
 from tandem_sim.metrics import Metrics
 
-# Simulated device->host copy time per page (a DMA is not instantaneous; the race needs a window).
-OFFLOAD_COPY_S = 0.002
+# Simulated device->host(+storage backend) copy time per page: not instantaneous, which is the races' window.
+OFFLOAD_COPY_S = 0.05
 
 
 @dataclass(eq=False)  # identity semantics: offload state is keyed by the request object, never by its id
@@ -89,6 +89,8 @@ class Engine:
             return
         req.finished = True
         self._running -= 1
+        if self.cfg.offload and not req.released:
+            self._offload_tail(req)
         if req.inflight_offloads == 0 or self.cfg.inject_offload_race:
             await self._free(req)
         self._gauges()
@@ -169,12 +171,23 @@ class Engine:
         expected = model.compute_kv(self.weights, req.output_ids[start - req.prompt_len :][: self.cfg.page_size], start)
         asyncio.get_running_loop().call_later(OFFLOAD_COPY_S, self._finish_copy, req, start, expected)
 
+    def _offload_tail(self, req: RunningRequest) -> None:
+        """At finish, the decoded tokens not yet offloaded (a partial page) are copied too."""
+        tail = len(req.output_ids) - req.offloaded_tokens
+        if tail <= 0:
+            return
+        start = req.prompt_len + req.offloaded_tokens
+        req.offloaded_tokens += tail
+        req.inflight_offloads += 1
+        expected = model.compute_kv(self.weights, req.output_ids[-tail:], start)
+        asyncio.get_running_loop().call_later(OFFLOAD_COPY_S, self._finish_copy, req, start, expected)
+
     def _finish_copy(self, req: RunningRequest, start: int, expected: np.ndarray) -> None:
         """The device->host copy lands: it reads the device slots *now*."""
-        copied = self.pool.read(req.pages, start, self.cfg.page_size)
+        copied = self.pool.read(req.pages, start, len(expected))
         host_page = self._host_cursor % self.host.num_pages
         self._host_cursor += 1
-        self.host.write([host_page], 0, copied)
+        self.host.write([host_page], 0, copied[: self.cfg.page_size])
         self.offloaded_pages += 1
         if not np.array_equal(copied, expected):
             self.poisoned_pages += 1

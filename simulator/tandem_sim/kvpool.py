@@ -56,7 +56,7 @@ class PagedPool:
         return taken[::-1]
 
     def free(self, pages: Sequence[int]) -> None:
-        self._free.extend(reversed(pages))
+        self._free.extend(pages)  # the request's last page ends up on top: reused first
 
     def slots(self, pages: Sequence[int], start: int, count: int) -> npt.NDArray[np.int64]:
         positions = np.arange(start, start + count, dtype=np.int64)
@@ -68,15 +68,3 @@ class PagedPool:
 
     def write(self, pages: Sequence[int], start: int, kv: npt.NDArray[np.uint8]) -> None:
         self.data[self.slots(pages, start, len(kv))] = kv
-
-    def page_runs(self, pages: Sequence[int], tokens: int) -> list[tuple[int, int, int]]:
-        """(token offset, byte offset in pool, byte length) per page for the first ``tokens`` tokens."""
-        row = self.kv_bytes
-        out = []
-        for i, page in enumerate(pages):
-            first = i * self.page_size
-            if first >= tokens:
-                break
-            n = min(self.page_size, tokens - first)
-            out.append((first, page * self.page_size * row, n * row))
-        return out

@@ -4,7 +4,8 @@ Pure computation, no I/O. Three properties make the simulator useful for integri
 
 * KV bytes are a deterministic function of (seed, token id, position): prefill and decode agree only when they
   run the same ``--sim-seed`` ("weights"). The token id is recoverable from a slot's bytes, whatever its
-  position, so the model can copy tokens out of its context (induction heads do that in real models).
+  position, so the model can copy tokens out of its context (induction heads do that in real models). Words it
+  makes up itself come from a "common" part of the vocabulary; a rarer word in the output was copied.
 * The decoder's output depends on the KV bytes it reads back from the decode's own memory: it digests the whole
   prompt KV once, then every step reads one or two context slots chosen by a hash of the running state and
   either copies the token stored there or emits a vocabulary word. A slot that was overwritten by another
@@ -27,6 +28,7 @@ VOCAB_SIZE = 4096
 EOS_ID = 0
 _SPECIAL = ("</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>")
 FIRST_WORD_ID = 64  # ids below are special tokens (unused ones are reserved)
+COMMON_WORDS_END = 1024  # the decoder's own words come from [FIRST_WORD_ID, COMMON_WORDS_END); rarer ones are copied
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
 _SYLLABLES = [c + v for c in _CONSONANTS for v in _VOWELS]  # 70 syllables; CV pairs decode uniquely
@@ -157,7 +159,8 @@ class Decoder:
         elif h[4] % 8 < 6:
             token = read_token
         else:
-            token = FIRST_WORD_ID + (int.from_bytes(h[5:9], "little") ^ read_token) % (VOCAB_SIZE - FIRST_WORD_ID)
+            common = COMMON_WORDS_END - FIRST_WORD_ID
+            token = FIRST_WORD_ID + (int.from_bytes(h[5:9], "little") ^ read_token) % common
         if token < FIRST_WORD_ID:
             token = FIRST_WORD_ID + token  # never emit template markers
         if (

@@ -53,6 +53,32 @@ class FailedSessionProbe:
     interval: float
 
 
+def transfer_segments(
+    src_base: int,
+    src_pages: list[int],
+    src_page_size: int,
+    dst_base: int,
+    dst_pages: list[int],
+    dst_page_size: int,
+    tokens: int,
+    row: int,
+) -> tuple[list[int], list[int], list[int]]:
+    """Contiguous (src address, dst address, length) runs moving ``tokens`` KV rows between two paged pools."""
+    src: list[int] = []
+    dst: list[int] = []
+    lengths: list[int] = []
+    t = 0
+    while t < tokens:
+        end = min(tokens, (t // src_page_size + 1) * src_page_size, (t // dst_page_size + 1) * dst_page_size)
+        s_slot = src_pages[t // src_page_size] * src_page_size + t % src_page_size
+        d_slot = dst_pages[t // dst_page_size] * dst_page_size + t % dst_page_size
+        src.append(src_base + s_slot * row)
+        dst.append(dst_base + d_slot * row)
+        lengths.append((end - t) * row)
+        t = end
+    return src, dst, lengths
+
+
 class PrefillSide:
     def __init__(self, cfg: SimConfig, metrics: Metrics, transfer: MooncakeTransfer) -> None:
         self.cfg = cfg
@@ -165,14 +191,13 @@ class PrefillSide:
     async def _send(
         self, room: int, reg: DecodeRegistration, src_pages: list[int], dst_pages: list[int], n: int
     ) -> None:
-        src_runs = self.staging.page_runs(src_pages, n)
         row = self.cfg.kv_bytes_per_token
-        if len(dst_pages) * reg.page_size < n or reg.kv_bytes_per_token != row or reg.page_size != self.cfg.page_size:
+        if len(dst_pages) * reg.page_size < n or reg.kv_bytes_per_token != row:
             self._transfer_failed()
-            raise TransferFailedError("Decode KV layout does not match this prefill (page size or KV bytes per token)")
-        src = [self.staging.address + off for _, off, _ in src_runs]
-        dst = [reg.kv_addr + dst_pages[i] * reg.page_size * row for i in range(len(src_runs))]
-        lengths = [length for _, _, length in src_runs]
+            raise TransferFailedError("Decode KV layout does not match this prefill (KV bytes per token or pages)")
+        src, dst, lengths = transfer_segments(
+            self.staging.address, src_pages, self.cfg.page_size, reg.kv_addr, dst_pages, reg.page_size, n, row
+        )
         started = time.monotonic()
         if self.failure_prob > 0 and self._rng.random() < self.failure_prob:
             rc = -1  # SGLANG_TEST_DISAGG_FAILURE_PROB: a send that fails like a dead peer
