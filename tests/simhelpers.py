@@ -28,14 +28,22 @@ def prompts(n: int, seed: int = 1) -> list[dict[str, Any]]:
 async def pd_generate(
     sess: aiohttp.ClientSession, prefill: SimWorker, decode: SimWorker, body: dict[str, Any], room: int
 ) -> tuple[int, dict[str, Any], int]:
-    """Send ``body`` to both workers at once, as a router does. Returns (decode status, decode body, prefill status)."""
+    """Send ``body`` to both workers at once, as a router does.
+
+    Returns (decode status, decode body, prefill status or -1 if the prefill connection broke)."""
     full = dict(body, **pd_fields(prefill, room))
 
     async def post(url: str) -> tuple[int, Any]:
         async with sess.post(f"{url}/generate", json=full) as resp:
             return resp.status, await resp.json()
 
-    (p_status, _), (d_status, d_body) = await asyncio.gather(post(prefill.url), post(decode.url))
+    async def post_prefill() -> int:
+        try:
+            return (await post(prefill.url))[0]
+        except aiohttp.ClientError:
+            return -1  # the prefill died mid-request (the failure tests kill it)
+
+    p_status, (d_status, d_body) = await asyncio.gather(post_prefill(), post(decode.url))
     return d_status, d_body, p_status
 
 

@@ -116,7 +116,10 @@ class PrefillSide:
         if not state.dst.done():
             state.dst.set_result((session_id, dst_pages))
         try:
-            return await asyncio.shield(state.result)
+            return await asyncio.wait_for(asyncio.shield(state.result), timeout=self.cfg.pd.bootstrap_timeout_s)
+        except TimeoutError:
+            elapsed = time.monotonic() - state.created
+            return f"Request {room} timed out after {elapsed:.1f}s in KVPoll.Bootstrapping (no prefill request)"
         finally:
             if state.result.done():
                 self.rooms.pop(room, None)

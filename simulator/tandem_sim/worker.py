@@ -49,6 +49,7 @@ class Worker:
             else:
                 self.decode = DecodeSide(cfg, metrics, self.transfer, self.engine.pool)
         self.tasks: dict[str, asyncio.Task[Any]] = {}
+        self._background: set[asyncio.Task[None]] = set()
 
     async def run(self, inp: GenerateInput, on_progress: OnProgress | None = None) -> Outcome:
         """Run one request to the end. Raises GenerationError (SGLang's status and message)."""
@@ -119,8 +120,17 @@ class Worker:
                     out.finish_reason = {"type": "length", "length": len(out.output_ids)}
         finally:
             if self.decode is not None and inp.bootstrap is not None and not received:
-                await self.decode.quiesce(inp.bootstrap.room)
-            await self.engine.release(req)
+                # SGLang's deferred decode KV release: the pages stay held until the prefill stopped writing.
+                task = asyncio.get_running_loop().create_task(self._deferred_release(inp.bootstrap.room, req))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+            else:
+                await self.engine.release(req)
+
+    async def _deferred_release(self, room: int, req: RunningRequest) -> None:
+        if self.decode is not None:
+            await self.decode.quiesce(room)
+        await self.engine.release(req)
 
     async def _receive(self, inp: GenerateInput, req: RunningRequest) -> bool:
         if self.decode is None or inp.bootstrap is None:
@@ -157,6 +167,8 @@ class Worker:
         return state
 
     async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
         if self.decode is not None:
             await self.decode.close()
         if self.transfer is not None:
