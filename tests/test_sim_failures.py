@@ -6,6 +6,7 @@ import asyncio
 import random
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,16 @@ FAST_PD_ENV = {
     "SGLANG_FAILED_SESSION_IDLE_TIMEOUT_S": "3",
 }
 LONG_PROMPT = {"text": " ".join(prompts(1, seed=5)[0]["text"].split() * 3), "sampling_params": {"max_new_tokens": 8}}
+
+
+async def _wait_for(predicate: Callable[[], Awaitable[bool]], limit_s: float = 10.0) -> bool:
+    """Poll ``predicate`` (bounded) until it holds; the state lives in another process, so polling it is."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if await predicate():
+            return True
+        await asyncio.sleep(0.2)
+    return await predicate()
 
 
 async def _state(worker: SimWorker) -> dict[str, Any]:
@@ -94,11 +105,12 @@ async def test_failed_send_blacklists_and_probe_recovers(tmp_path: Path, proc_fa
         assert (await _state(prefill))["failed_sessions"] == [session]
         async with sess.post(f"{prefill.url}/tandem/sim/faults", json={"transfer_failure_prob": 0.0}) as resp:
             assert resp.status == 200
+
         # The probe (send_probe every 0.5 s) finds the decode alive and un-blacklists it.
-        deadline = time.monotonic() + 10
-        while (await _state(prefill))["failed_sessions"] and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
-        assert (await _state(prefill))["failed_sessions"] == []
+        async def recovered() -> bool:
+            return not (await _state(prefill))["failed_sessions"]
+
+        assert await _wait_for(recovered)
         async with sess.get(f"{prefill.url}/metrics") as resp:
             assert 'sglang:failed_session_recoveries_total{model_name="sim/model"} 1.0' in await resp.text()
         status, got, _ = await pd_generate(sess, prefill, decode, body, rng.randrange(2**63))
@@ -125,20 +137,22 @@ async def test_killed_decode_is_blacklisted_then_dropped_and_new_decode_serves(
         decode.proc.signal(signal.SIGKILL)
         with pytest.raises(aiohttp.ClientError):
             await job  # the client's decode connection dies with the decode
-        deadline = time.monotonic() + 10
-        while dead_session not in (await _state(prefill))["failed_sessions"] and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
-        assert dead_session in (await _state(prefill))["failed_sessions"]
+
+        async def blacklisted() -> bool:
+            return dead_session in (await _state(prefill))["failed_sessions"]
+
+        assert await _wait_for(blacklisted)
         # A restarted decode is a new Mooncake session: served at once.
         fresh = start_decode("decode-restarted", tmp_path, env=FAST_PD_ENV)
         proc_factory.append(fresh.proc)
         status, body, p_status = await pd_generate(sess, prefill, fresh, prompts(1)[0], rng.randrange(2**63))
         assert (status, p_status) == (200, 200), body
+
         # The dead session never answers the probe; it is dropped after the idle timeout (3 s here).
-        deadline = time.monotonic() + 10
-        while dead_session in (await _state(prefill))["failed_sessions"] and time.monotonic() < deadline:
-            await asyncio.sleep(0.3)
-        assert dead_session not in (await _state(prefill))["failed_sessions"]
+        async def dropped() -> bool:
+            return not await blacklisted()
+
+        assert await _wait_for(dropped)
 
 
 @pytest.mark.netns
