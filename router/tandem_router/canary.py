@@ -3,8 +3,8 @@
 Every ``interval_s`` one canary prompt (temperature 0, fixed seed) goes through every pair the pool can form,
 quarantined ones included. The reference answer is the pool's strict-majority answer for that prompt
 (``integrity.consensus``); pairs that disagree fail the canary. Quarantined pairs are also re-probed on the
-book's backoff schedule against the last known reference for the prompt, and are released after enough clean
-probes. A pair that cannot be reached is the breakers' business, not an integrity failure: it is skipped.
+book's backoff schedule, with a concurrent burst of every canary whose reference is known, and are released
+after enough clean probes. A pair that cannot be reached is the breakers' business, not an integrity failure: it is skipped.
 """
 
 from __future__ import annotations
@@ -94,17 +94,20 @@ class CanaryProber:
             self.monitor.canary_result(key, False, f"canary answer differs from the pool's: {by_pair[key][:80]!r}")
 
     async def reprobe_due(self) -> None:
+        """Re-probe quarantined pairs that are due with a concurrent burst of every canary whose reference is
+        known: garbling that needs concurrency (slot reuse) shows in a burst where a lone probe passes."""
         due = set(self.monitor.probes_due())
         if not due or not self.references:
             return
-        prompt, reference = next(iter(self.references.items()))
         for pair in [p for p in self.pairs() if p.key in due]:
-            answer = await self.probe(pair, prompt)
-            if answer is not None:
-                clean = answer == reference
-                self.monitor.canary_result(
-                    pair.key, clean, "" if clean else f"re-probe answer differs: {answer[:80]!r}"
-                )
+            prompts = list(self.references)
+            answers = await asyncio.gather(*(self.probe(pair, prompt) for prompt in prompts))
+            answered = [(prompt, a) for prompt, a in zip(prompts, answers, strict=True) if a is not None]
+            if not answered:
+                continue
+            wrong = [a for prompt, a in answered if a != self.references[prompt]]
+            reason = f"re-probe answer differs: {wrong[0][:80]!r}" if wrong else ""
+            self.monitor.canary_result(pair.key, not wrong, reason)
 
     async def probe(self, pair: Pair, prompt: str) -> str | None:
         """The decode's text for ``prompt`` through exactly this pair, or None if the pair could not answer."""
