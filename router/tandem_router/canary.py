@@ -4,7 +4,8 @@ Every ``interval_s`` one canary prompt (temperature 0, fixed seed) goes through 
 quarantined ones included. The reference answer is the pool's strict-majority answer for that prompt
 (``integrity.consensus``); pairs that disagree fail the canary. Quarantined pairs are also re-probed on the
 book's backoff schedule, with a concurrent burst of every canary whose reference is known, and are released
-after enough clean probes. A pair that cannot be reached is the breakers' business, not an integrity failure: it is skipped.
+after enough clean probes. A pair that cannot be reached is the breakers' business, not an integrity failure:
+it is skipped.
 """
 
 from __future__ import annotations
