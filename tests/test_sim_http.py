@@ -30,7 +30,7 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimWorker]:
 async def _post(url: str, body: object | None = None, raw: bytes | None = None) -> tuple[int, object]:
     async with aiohttp.ClientSession() as sess:
         kwargs = {"data": raw} if raw is not None else {"json": body}
-        async with sess.post(url, **kwargs) as resp:  # type: ignore[arg-type]
+        async with sess.post(url, **kwargs) as resp:
             text = await resp.text()
             try:
                 return resp.status, json.loads(text)
