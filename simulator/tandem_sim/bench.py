@@ -12,6 +12,7 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
@@ -128,7 +129,7 @@ def run(args: BenchArgs) -> list[Table]:
         ],
     )
     n = 40 if args.quick else 300
-    rows = []
+    rows: list[Sequence[object]] = []
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
         log_dir = Path(tmp)
         speed = ["--sim-inter-token-ms", "0", "--sim-prefill-ms-per-token", "0", "--max-total-tokens", "262144"]
