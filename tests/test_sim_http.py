@@ -10,9 +10,9 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
-from tandem_sim.testing import SimWorker, start_worker
 
 from tandem.procs import ManagedProcess
+from tandem_sim.testing import SimWorker, start_worker
 from tests.simhelpers import prompts
 
 
