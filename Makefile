@@ -32,9 +32,12 @@ bench: bootstrap
 	scripts/in-netns.sh $(VENV)/bin/tandem bench
 
 ## generate: rewrite every generated file from its source (one line per generator).
-GENERATED := charts/tandem/crds
+GENERATED := charts/tandem/crds charts/tandem/values.yaml charts/tandem/values.schema.json \
+	charts/tandem/dashboards deploy/dashboards tandem/data
 generate: bootstrap
 	$(PY) -m tandem_operator.crdgen
+	$(PY) -m tandem.chart.generate
+	$(PY) scripts/gen_sglang_flags.py
 
 ## verify: regenerate, then fail if any generated file differs from what git has committed.
 verify: generate
