@@ -70,6 +70,8 @@ async def wait_for(predicate: Any, limit: float) -> float:
 
 
 async def test_registrar_puts_fences_and_survives_a_lost_lease(etcd: Any, etcd_endpoint: str) -> None:
+    endpoint = leader_endpoint(SPEC, Role.DECODE, live_pod(SPEC, Role.DECODE, 0, 0, ip="127.0.0.2"))
+    assert endpoint is not None
     registrar = Registrar([etcd_endpoint], ttl=2)
     await registrar.start()
     lost = asyncio.Event()
@@ -79,8 +81,6 @@ async def test_registrar_puts_fences_and_survives_a_lost_lease(etcd: Any, etcd_e
         lost.set()
 
     registrar.on_lease_lost(reput)
-    endpoint = leader_endpoint(SPEC, Role.DECODE, live_pod(SPEC, Role.DECODE, 0, 0, ip="127.0.0.2"))
-    assert endpoint is not None
     try:
         key = await registrar.put("serving", "kimi", endpoint)
         assert await registrar.list_endpoints("serving", "kimi") == {GroupKey(Role.DECODE, 0): endpoint}
