@@ -13,6 +13,8 @@ import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from kubernetes_asyncio.client.exceptions import ApiException
+
 from tandem.registry import Endpoint, Role
 from tandem_operator.api.common import API_VERSION
 from tandem_operator.desired.naming import (
@@ -58,7 +60,14 @@ async def ensure_pools(rt: ClusterRuntime) -> dict[Role, dict[str, Any]]:
         manifest = pool_manifest(rt.ref, rt.spec, role, create=True)
         found = await rt.kube.get(object_path(manifest))
         if found is None:
-            found = await rt.kube.create(manifest, field_manager=INITIAL_SIZE_MANAGER)
+            try:
+                found = await rt.kube.create(manifest, field_manager=INITIAL_SIZE_MANAGER)
+            except ApiException as err:
+                if err.status != 409:  # 409: the PDCluster handler created it first
+                    raise
+                found = await rt.kube.get(object_path(manifest))
+        if found is None:
+            raise RuntimeError(f"PDPool {manifest['metadata']['name']} vanished while being created")
         pools[role] = found
     return pools
 
@@ -68,9 +77,13 @@ async def apply_pools(rt: ClusterRuntime) -> None:
     for role in Role:
         manifest = pool_manifest(rt.ref, rt.spec, role, create=True)
         if await rt.kube.get(object_path(manifest)) is None:
-            await rt.kube.create(manifest, field_manager=INITIAL_SIZE_MANAGER)
-        else:
-            await rt.kube.apply(pool_manifest(rt.ref, rt.spec, role, create=False))
+            try:
+                await rt.kube.create(manifest, field_manager=INITIAL_SIZE_MANAGER)
+                continue
+            except ApiException as err:
+                if err.status != 409:  # 409: the reconcile loop created it first; apply below
+                    raise
+        await rt.kube.apply(pool_manifest(rt.ref, rt.spec, role, create=False))
 
 
 async def _bounded(jobs: list[Any]) -> None:
@@ -221,7 +234,8 @@ async def _create_group(
     missing = [rank for rank in range(nodes) if rank not in existing_ranks]
     await _bounded([rt.kube.apply(stamp_epoch(group_pod(ctx, key.index, rank), epoch)) for rank in missing])
     if view is None:
-        rt.emit(Reason.SCALED_UP, f"group {key.name} epoch {epoch}: creating {len(missing)} pods", "Create")
+        reason = Reason.GROUP_RECREATING if key in rt.fenced else Reason.SCALED_UP
+        rt.emit(reason, f"group {key.name} epoch {epoch}: creating {len(missing)} pods", "Create")
 
 
 async def sync_registry(rt: ClusterRuntime, desired: dict[GroupKey, Endpoint]) -> None:
