@@ -124,9 +124,18 @@ async def run(args: argparse.Namespace) -> int:
         return 1 if lost else 0
 
 
+def _drop_kopf_settings(record: logging.LogRecord) -> bool:
+    """kopf attaches its whole settings object to every record; the JSON log line should not carry it."""
+    record.__dict__.pop("settings", None)
+    return True
+
+
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     logs.setup(args.log_level, "tandem.operator")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_drop_kopf_settings)
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # one line per handled event is noise at scale
     try:
         return asyncio.run(run(args))
     except KeyboardInterrupt:
