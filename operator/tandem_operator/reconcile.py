@@ -30,6 +30,7 @@ from tandem_operator.desired.pools import pool_manifest
 from tandem_operator.fencing import Fence, FenceReason, GroupKey, death_reason, pod_facts
 from tandem_operator.k8s.apply import INITIAL_SIZE_MANAGER, object_path
 from tandem_operator.k8s.events import Reason
+from tandem_operator.metrics import RECOVERY_SECONDS
 from tandem_operator.planner import DeleteGroup, DeleteReason, plan
 from tandem_operator.recovery import apply_fences, group_epochs, recovered, service_epochs, stamp_epoch
 from tandem_operator.registration import desired_endpoints, next_epoch, registry_changes
@@ -262,4 +263,5 @@ async def sync_registry(rt: ClusterRuntime, desired: dict[GroupKey, Endpoint]) -
         rt.recoveries += 1
         rt.last_recovery_s = round(seconds, 3)
         rt.recovery_timings.append((key, seconds))
+        RECOVERY_SECONDS.observe(seconds)
         rt.emit(Reason.GROUP_READY, f"group {key.name} recovered in {seconds:.2f}s (registered again)", "Recover")

@@ -25,6 +25,7 @@ from tandem_operator.desired.naming import ClusterRef, mooncake_cluster_id
 from tandem_operator.fencing import Fence, GroupKey, Pod, fence_decision, pod_facts, stale_mooncake_keys
 from tandem_operator.k8s.events import EventType, Reason, Regarding, event_manifest
 from tandem_operator.k8s.kube import Kube
+from tandem_operator.metrics import FENCE_SECONDS, FENCES
 from tandem_operator.recovery import FenceRecord
 from tandem_operator.registrar import Registrar
 
@@ -147,6 +148,8 @@ class ClusterRuntime:
             decision.group, decision.reason.value, fenced_s, time.monotonic() - received, stale, received
         )
         self.fence_timings.append(timing)
+        FENCES.labels(decision.reason.value).inc()
+        FENCE_SECONDS.observe(fenced_s)
         log.warning(
             "group fenced",
             extra={
