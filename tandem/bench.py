@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 # section name -> module that defines run(BenchArgs) -> list[Table]
-SECTIONS: dict[str, str] = {}
+SECTIONS: dict[str, str] = {"sim": "tandem_sim.bench"}
 
 
 @dataclass(frozen=True)

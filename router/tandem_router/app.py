@@ -1,0 +1,262 @@
+"""The router's HTTP surface (aiohttp): validation, auth, limits, request ids, metrics; the proxy does the rest.
+
+Every failure a client can see is an OpenAI error body. Invalid requests are rejected here, before anything is
+sent to a worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import pydantic
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from tandem_router.config import RouterSettings
+from tandem_router.discovery import Discovery, make_discovery
+from tandem_router.health import HealthChecker
+from tandem_router.metrics import RouterMetrics
+from tandem_router.openapi import document
+from tandem_router.policy.breaker import BreakerConfig
+from tandem_router.policy.retry import RetryConfig
+from tandem_router.pool import PairGate, WorkerPool
+from tandem_router.proxy import Proxy, ProxyRequest
+from tandem_router.schema import (
+    REQUEST_MODELS,
+    ErrorType,
+    ModelCard,
+    ModelList,
+    Route,
+    error_body,
+    item_count,
+    prompt_text,
+)
+from tandem_router.transport import Transport, TransportConfig
+
+log = logging.getLogger("tandem.router")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_PROXIED = frozenset(r.value for r in Route)
+
+
+@dataclass
+class RouterState:
+    settings: RouterSettings
+    pool: WorkerPool
+    transport: Transport
+    metrics: RouterMetrics
+    proxy: Proxy
+    health: HealthChecker
+    discovery: Discovery
+    in_flight: int = 0
+    draining: bool = False
+    openapi: bytes = field(default_factory=lambda: orjson.dumps(document()))
+
+
+_STATE: web.AppKey[RouterState] = web.AppKey("router_state", RouterState)
+
+
+def error(
+    status: int,
+    message: str,
+    type_: ErrorType,
+    *,
+    code: str | int | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    return web.Response(
+        status=status,
+        body=error_body(message, type_, code=code if code is not None else status, param=param),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def build_app(settings: RouterSettings, gates: tuple[PairGate, ...] = ()) -> web.Application:
+    pool = WorkerPool(
+        settings.policy, BreakerConfig(settings.breaker_threshold, settings.breaker_cooldown_s), gates=gates
+    )
+    transport = Transport(TransportConfig(settings.connect_timeout_s, settings.read_idle_timeout_s))
+    metrics = RouterMetrics(pool)
+    retry_cfg = RetryConfig(settings.retry_max_attempts, settings.retry_initial_backoff_s)
+    state = RouterState(
+        settings,
+        pool,
+        transport,
+        metrics,
+        Proxy(pool, transport, metrics, retry_cfg),
+        HealthChecker(pool, transport, settings.health_interval_s),
+        make_discovery(pool, settings),
+    )
+    app = web.Application(
+        client_max_size=settings.max_body_bytes, middlewares=[_errors_and_metrics, _auth], handler_args=None
+    )
+    app[_STATE] = state
+    app.router.add_post(Route.CHAT.value, _proxied(Route.CHAT))
+    app.router.add_post(Route.COMPLETIONS.value, _proxied(Route.COMPLETIONS))
+    app.router.add_post(Route.GENERATE.value, _proxied(Route.GENERATE))
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/readiness", _readiness)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/openapi.json", _openapi)
+    app.on_startup.append(_startup)
+    app.on_shutdown.append(_shutdown)
+    app.on_cleanup.append(_cleanup)
+    return app
+
+
+def state_of(app: web.Application) -> RouterState:
+    return app[_STATE]
+
+
+async def _startup(app: web.Application) -> None:
+    s = app[_STATE]
+    await s.discovery.start()
+    await s.health.check_all()
+    s.health.start()
+
+
+async def _shutdown(app: web.Application) -> None:
+    """Runs when the listener closed: new connections are refused; in-flight requests get ``drain_timeout_s``."""
+    app[_STATE].draining = True
+
+
+async def _cleanup(app: web.Application) -> None:
+    s = app[_STATE]
+    await s.health.stop()
+    await s.discovery.stop()
+    await s.proxy.drain_background()
+    await s.transport.close()
+
+
+@web.middleware
+async def _errors_and_metrics(request: web.Request, handler: Handler) -> web.StreamResponse:
+    s = request.app[_STATE]
+    path = request.path
+    route = path if path in _PROXIED else "other"
+    try:
+        resp = await handler(request)
+    except web.HTTPException as exc:
+        type_ = ErrorType.NOT_FOUND if exc.status == 404 else ErrorType.INVALID_REQUEST
+        resp = error(exc.status, exc.reason, type_)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("unhandled error", extra={"path": path})
+        resp = error(500, "internal router error", ErrorType.SERVER)
+    if route != "other":
+        s.metrics.requests.labels(route, str(resp.status)).inc()
+    return resp
+
+
+@web.middleware
+async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    keys = request.app[_STATE].settings.api_keys
+    if keys and (request.path in _PROXIED or request.path == "/v1/models"):
+        header = request.headers.get("Authorization", "")
+        token = header[7:] if header[:7].lower() == "bearer " else ""
+        if token not in keys:
+            return error(
+                401,
+                "missing or invalid API key (Authorization: Bearer <key>)",
+                ErrorType.AUTHENTICATION,
+                code="invalid_api_key",
+            )
+    return await handler(request)
+
+
+def _proxied(route: Route) -> Handler:
+    model_cls = REQUEST_MODELS[route]
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        s = request.app[_STATE]
+        if s.draining:
+            return error(503, "router is shutting down", ErrorType.UNAVAILABLE)
+        if s.in_flight >= s.settings.max_concurrent_requests:
+            return error(429, "too many concurrent requests", ErrorType.RATE_LIMIT, headers={"Retry-After": "1"})
+        started = time.monotonic()
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return error(413, f"request body exceeds {s.settings.max_body_bytes} bytes", ErrorType.INVALID_REQUEST)
+        body, problem = _parse(raw, model_cls)
+        if problem is not None:
+            return problem
+        model = body.get("model")
+        known = s.pool.models() | set(s.settings.model_names)
+        if isinstance(model, str) and known and model not in known:
+            return error(
+                404, f"The model '{model}' does not exist", ErrorType.NOT_FOUND, code="model_not_found", param="model"
+            )
+        req = ProxyRequest(
+            route=route,
+            body=body,
+            stream=body.get("stream") is True,
+            items=item_count(route, body),
+            prefix=prompt_text(route, body),
+            request_id=request.headers.get("X-Request-Id") or uuid.uuid4().hex,
+            started=started,
+        )
+        s.in_flight += 1
+        try:
+            return await s.proxy.handle(req, request)
+        finally:
+            s.in_flight -= 1
+
+    return handle
+
+
+def _parse(raw: bytes, model_cls: type[pydantic.BaseModel]) -> tuple[dict[str, Any], web.Response | None]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as err:
+        return {}, error(400, f"request body is not valid JSON: {err}", ErrorType.INVALID_REQUEST)
+    if not isinstance(body, dict):
+        return {}, error(400, "request body must be a JSON object", ErrorType.INVALID_REQUEST)
+    try:
+        model_cls.model_validate(body)
+    except pydantic.ValidationError as err:
+        first = err.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in first["loc"]) or None
+        return {}, error(
+            400, f"{where}: {first['msg']}" if where else first["msg"], ErrorType.INVALID_REQUEST, param=where
+        )
+    return body, None
+
+
+async def _models(request: web.Request) -> web.Response:
+    s = request.app[_STATE]
+    names = sorted(s.pool.models() | set(s.settings.model_names))
+    body = ModelList(data=[ModelCard(id=n) for n in names]).model_dump_json().encode()
+    return web.Response(body=body, content_type="application/json")
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.Response(text="OK")
+
+
+async def _readiness(request: web.Request) -> web.Response:
+    s = request.app[_STATE]
+    if s.draining:
+        return error(503, "draining", ErrorType.UNAVAILABLE)
+    if not s.pool.has_healthy_pair(time.monotonic()):
+        return error(503, "no healthy prefill/decode pair", ErrorType.UNAVAILABLE)
+    return web.Response(text="OK")
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    data = generate_latest(request.app[_STATE].metrics.registry)
+    return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _openapi(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[_STATE].openapi, content_type="application/json")

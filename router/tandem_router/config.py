@@ -1,0 +1,124 @@
+"""Router configuration: one pydantic-settings model, filled from a YAML file, ``TANDEM_ROUTER_*`` environment
+variables and the command line (SGLang-router compatible flags), in increasing priority."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tandem_router.policy.selection import Policy
+
+
+class DiscoveryMode(StrEnum):
+    STATIC = "static"
+    ETCD = "etcd"
+    KUBERNETES = "kubernetes"
+
+
+class PrefillSpec(BaseModel):
+    url: str = Field(pattern=r"^https?://[^/\s]+$")
+    bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
+    attn_dp_size: int = Field(default=1, ge=1)
+
+
+class RouterSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_ROUTER_", env_nested_delimiter="__", extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    workers: int = Field(default=1, ge=1, le=64, description="Router processes sharing the port (SO_REUSEPORT).")
+    policy: Policy = Policy.CACHE_AWARE
+    prefill: list[PrefillSpec] = Field(default_factory=list)
+    decode: list[str] = Field(default_factory=list)
+    model_names: list[str] = Field(default_factory=list, description="Served model names; else learned from workers.")
+
+    discovery: DiscoveryMode = DiscoveryMode.STATIC
+    etcd_endpoints: list[str] = Field(default_factory=lambda: ["127.0.0.1:2379"])
+    cluster_namespace: str = "default"
+    cluster_name: str = "tandem"
+    k8s_namespace: str = "default"
+    k8s_prefill_selector: str = ""
+    k8s_decode_selector: str = ""
+    k8s_worker_port: int = Field(default=30000, ge=1, le=65535)
+
+    api_keys: list[str] = Field(default_factory=list, description="Accepted Bearer keys; empty: no auth.")
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    max_concurrent_requests: int = Field(default=4096, ge=1)
+    retry_max_attempts: int = Field(default=5, ge=1, le=20)
+    retry_initial_backoff_s: float = Field(default=0.01, ge=0)
+    breaker_threshold: int = Field(default=5, ge=1)
+    breaker_cooldown_s: float = Field(default=2.0, gt=0)
+    health_interval_s: float = Field(default=2.0, gt=0)
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    read_idle_timeout_s: float = Field(default=300.0, gt=0)
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+    log_level: str = "info"
+
+    @field_validator("decode")
+    @classmethod
+    def _urls(cls, value: list[str]) -> list[str]:
+        for url in value:
+            PrefillSpec(url=url)
+        return value
+
+
+def _prefill_arg(values: list[str]) -> dict[str, Any]:
+    if not 1 <= len(values) <= 2:
+        raise argparse.ArgumentTypeError("--prefill takes URL [BOOTSTRAP_PORT]")
+    spec: dict[str, Any] = {"url": values[0].rstrip("/")}
+    if len(values) == 2 and values[1].lower() not in {"none", "null"}:
+        spec["bootstrap_port"] = values[1]
+    return spec
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem router", description="OpenAI-compatible prefill/decode router.")
+    p.add_argument("--config", type=Path, help="YAML file with RouterSettings fields (flags win)")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--workers", type=int, help="router processes sharing the port (SO_REUSEPORT)")
+    p.add_argument("--policy", choices=[x.value for x in Policy])
+    p.add_argument("--prefill", nargs="+", action="append", metavar="URL [BOOTSTRAP_PORT]")
+    p.add_argument("--decode", action="append", metavar="URL")
+    p.add_argument("--pd-disaggregation", action="store_true", help="accepted for SGLang-router compatibility")
+    p.add_argument("--model-name", dest="model_names", action="append")
+    p.add_argument("--discovery", choices=[x.value for x in DiscoveryMode])
+    p.add_argument("--etcd-endpoint", dest="etcd_endpoints", action="append", metavar="HOST:PORT")
+    p.add_argument("--cluster-namespace")
+    p.add_argument("--cluster-name")
+    p.add_argument("--k8s-namespace")
+    p.add_argument("--k8s-prefill-selector")
+    p.add_argument("--k8s-decode-selector")
+    p.add_argument("--api-key", dest="api_keys", action="append")
+    p.add_argument("--max-body-bytes", type=int)
+    p.add_argument("--max-concurrent-requests", type=int)
+    p.add_argument("--retry-max-attempts", type=int)
+    p.add_argument("--health-interval-s", type=float)
+    p.add_argument("--drain-timeout-s", type=float)
+    p.add_argument("--log-level")
+    return p
+
+
+def load(argv: Sequence[str]) -> RouterSettings:
+    """Parse flags over file over environment. Raises ``SystemExit`` (argparse) or ``pydantic.ValidationError``."""
+    args = parser().parse_args(list(argv))
+    values: dict[str, Any] = {}
+    if args.config is not None:
+        loaded = yaml.safe_load(args.config.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise SystemExit(f"tandem router: {args.config}: expected a mapping of settings")
+        values.update(loaded)
+    flags = {k: v for k, v in vars(args).items() if v is not None and k not in {"config", "pd_disaggregation"}}
+    if "prefill" in flags:
+        flags["prefill"] = [_prefill_arg(v) for v in flags["prefill"]]
+    if "decode" in flags:
+        flags["decode"] = [u.rstrip("/") for u in flags["decode"]]
+    values.update(flags)
+    return RouterSettings(**values)  # init values win over TANDEM_ROUTER_* environment variables

@@ -1,0 +1,188 @@
+"""Where workers come from: static flags, the etcd registry, or Kubernetes pods. Each source keeps the pool's
+membership equal to what it sees; the pure conversions (registry value / pod -> WorkerSpec) are separate so
+they are tested without etcd or a cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from tandem.registry import Endpoint, Role
+from tandem_router.config import RouterSettings
+from tandem_router.pool import WorkerPool, WorkerSpec
+
+log = logging.getLogger("tandem.router.discovery")
+
+BOOTSTRAP_PORT_ANNOTATION = "sglang.ai/bootstrap-port"
+DEFAULT_BOOTSTRAP_PORT = 8998
+
+
+class Discovery(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def static_specs(settings: RouterSettings) -> list[WorkerSpec]:
+    prefills = [WorkerSpec(Role.PREFILL, p.url, p.bootstrap_port, p.attn_dp_size) for p in settings.prefill]
+    return prefills + [WorkerSpec(Role.DECODE, url) for url in settings.decode]
+
+
+def endpoint_spec(endpoint: Endpoint) -> WorkerSpec:
+    return WorkerSpec(
+        role=endpoint.role,
+        url=endpoint.url,
+        bootstrap_port=endpoint.bootstrap_port if endpoint.role is Role.PREFILL else None,
+        attn_dp_size=endpoint.attn_dp_size,
+        model=endpoint.model,
+        epoch=endpoint.epoch,
+    )
+
+
+def pod_spec(pod: Mapping[str, Any], role: Role, port: int) -> WorkerSpec | None:
+    """A Kubernetes pod (API JSON) as a worker, or None while it must not get traffic: not Ready, no IP yet, or
+    being deleted. The prefill's bootstrap port comes from the ``sglang.ai/bootstrap-port`` annotation."""
+    meta = pod.get("metadata") or {}
+    status = pod.get("status") or {}
+    if meta.get("deletionTimestamp") or status.get("phase") != "Running":
+        return None
+    ip = status.get("podIP")
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ())
+    if not ip or not ready:
+        return None
+    bootstrap_port: int | None = None
+    if role is Role.PREFILL:
+        raw = (meta.get("annotations") or {}).get(BOOTSTRAP_PORT_ANNOTATION)
+        bootstrap_port = int(raw) if isinstance(raw, str) and raw.isdigit() else DEFAULT_BOOTSTRAP_PORT
+    host = f"[{ip}]" if ":" in ip else ip
+    return WorkerSpec(role, f"http://{host}:{port}", bootstrap_port)
+
+
+class StaticDiscovery:
+    def __init__(self, pool: WorkerPool, settings: RouterSettings) -> None:
+        self.pool, self.settings = pool, settings
+
+    async def start(self) -> None:
+        self.pool.replace_all(static_specs(self.settings))
+
+    async def stop(self) -> None:
+        return None
+
+
+class EtcdDiscovery:
+    """Follows ``tandem.registry`` keys of one cluster; a deleted key drops its worker at once."""
+
+    def __init__(self, pool: WorkerPool, settings: RouterSettings) -> None:
+        from tandem.registry_etcd import EndpointWatcher
+
+        self.pool = pool
+        self._keys: dict[str, str] = {}  # registry key -> worker key
+        self.watcher = EndpointWatcher(
+            settings.etcd_endpoints,
+            settings.cluster_namespace,
+            settings.cluster_name,
+            on_snapshot=self._snapshot,
+            on_put=self._put,
+            on_delete=self._delete,
+        )
+
+    async def start(self) -> None:
+        self.watcher.start()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.watcher.synced.wait(), 5.0)
+
+    async def stop(self) -> None:
+        await self.watcher.stop()
+
+    def _snapshot(self, endpoints: dict[str, Endpoint]) -> None:
+        specs = {key: endpoint_spec(ep) for key, ep in endpoints.items()}
+        self._keys = {key: spec.key for key, spec in specs.items()}
+        self.pool.replace_all(specs.values())
+        log.info("registry synced", extra={"workers": sorted(s.url for s in specs.values())})
+
+    def _put(self, key: str, endpoint: Endpoint) -> None:
+        spec = endpoint_spec(endpoint)
+        old = self._keys.get(key)
+        if old is not None and old != spec.key:
+            self.pool.remove(old)
+        self._keys[key] = spec.key
+        self.pool.upsert(spec)
+        log.info("worker registered", extra={"key": key, "worker": spec.url, "epoch": spec.epoch})
+
+    def _delete(self, key: str) -> None:
+        worker = self._keys.pop(key, None)
+        if worker is not None:
+            self.pool.remove(worker)
+            log.info("worker deregistered", extra={"key": key, "worker": worker})
+
+
+class KubernetesDiscovery:
+    """Lists and watches pods matching the prefill and decode label selectors (kubernetes_asyncio)."""
+
+    def __init__(self, pool: WorkerPool, settings: RouterSettings) -> None:
+        self.pool, self.settings = pool, settings
+        self._tasks: list[asyncio.Task[None]] = []
+        self._seen: dict[Role, dict[str, str]] = {Role.PREFILL: {}, Role.DECODE: {}}
+
+    async def start(self) -> None:
+        from kubernetes_asyncio import config as k8s_config
+
+        try:
+            k8s_config.load_incluster_config()  # type: ignore[no-untyped-call]
+        except k8s_config.ConfigException:
+            await k8s_config.load_kube_config()
+        for role, selector in (
+            (Role.PREFILL, self.settings.k8s_prefill_selector),
+            (Role.DECODE, self.settings.k8s_decode_selector),
+        ):
+            self._tasks.append(asyncio.create_task(self._watch(role, selector)))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def apply(self, role: Role, event_type: str, pod: Mapping[str, Any]) -> None:
+        """One watch event: ADDED/MODIFIED upserts or (not ready) removes; DELETED removes."""
+        name = str((pod.get("metadata") or {}).get("name", ""))
+        spec = None if event_type == "DELETED" else pod_spec(pod, role, self.settings.k8s_worker_port)
+        old = self._seen[role].pop(name, None)
+        if old is not None and (spec is None or old != spec.key):
+            self.pool.remove(old)
+        if spec is not None:
+            self._seen[role][name] = spec.key
+            self.pool.upsert(spec)
+
+    async def _watch(self, role: Role, selector: str) -> None:
+        from kubernetes_asyncio import client, watch
+
+        async with client.ApiClient() as api:
+            core = client.CoreV1Api(api)
+            while True:
+                try:
+                    stream = watch.Watch().stream(
+                        core.list_namespaced_pod,
+                        self.settings.k8s_namespace,
+                        label_selector=selector,
+                        _request_timeout=300,
+                    )
+                    async for event in stream:
+                        self.apply(role, event["type"], api.sanitize_for_serialization(event["object"]))
+                except asyncio.CancelledError:
+                    raise
+                except Exception as err:
+                    log.warning("pod watch failed; retrying", extra={"role": role.value, "error": repr(err)})
+                    await asyncio.sleep(1.0)
+
+
+def make_discovery(pool: WorkerPool, settings: RouterSettings) -> Discovery:
+    from tandem_router.config import DiscoveryMode
+
+    if settings.discovery is DiscoveryMode.ETCD:
+        return EtcdDiscovery(pool, settings)
+    if settings.discovery is DiscoveryMode.KUBERNETES:
+        return KubernetesDiscovery(pool, settings)
+    return StaticDiscovery(pool, settings)

@@ -1,0 +1,90 @@
+"""``tandem router``: load settings, serve on uvloop, drain on SIGTERM.
+
+``--workers N`` forks N router processes that share the port with SO_REUSEPORT (the kernel spreads connections);
+each has its own pool, health checks and metrics registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+import pydantic
+import uvloop
+from aiohttp import web
+
+from tandem import logs
+from tandem_router.app import build_app
+from tandem_router.config import RouterSettings, load
+
+log = logging.getLogger("tandem.router")
+
+
+async def serve(settings: RouterSettings, *, reuse_port: bool = False) -> None:
+    app = build_app(settings)
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=settings.drain_timeout_s, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port, reuse_port=reuse_port or None, backlog=4096)
+    await site.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info(
+        "router listening",
+        extra={
+            "host": settings.host,
+            "port": settings.port,
+            "pid": os.getpid(),
+            "policy": settings.policy.value,
+            "discovery": settings.discovery.value,
+        },
+    )
+    await stop.wait()
+    log.info("draining", extra={"timeout_s": settings.drain_timeout_s})
+    await runner.cleanup()
+    log.info("stopped")
+
+
+def _run(settings: RouterSettings, reuse_port: bool) -> int:
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(serve(settings, reuse_port=reuse_port))
+    return 0
+
+
+def main(argv: Sequence[str]) -> int:
+    try:
+        settings = load(argv)
+    except pydantic.ValidationError as err:
+        print(f"tandem router: invalid configuration:\n{err}", file=sys.stderr)
+        return 2
+    logs.setup(settings.log_level, "tandem.router")
+    if settings.discovery.value == "static" and not (settings.prefill and settings.decode):
+        print("tandem router: static discovery needs at least one --prefill and one --decode", file=sys.stderr)
+        return 2
+    if settings.workers == 1:
+        return _run(settings, reuse_port=False)
+    children: list[int] = []
+    for _ in range(settings.workers):
+        pid = os.fork()
+        if pid == 0:
+            os._exit(_run(settings, reuse_port=True))
+        children.append(pid)
+
+    def forward(sig: int, _frame: object) -> None:
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, sig)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    code = 0
+    for child in children:
+        _, status = os.waitpid(child, 0)
+        code = code or os.waitstatus_to_exitcode(status)
+    return code

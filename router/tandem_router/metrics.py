@@ -1,0 +1,94 @@
+"""Prometheus metrics, all prefixed ``tandem_router_``, in a registry per router instance (tests run several)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tandem_router.policy.breaker import BreakerState
+from tandem_router.pool import Pair, WorkerPool
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+_ITL_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 5)
+
+
+class RouterMetrics:
+    def __init__(self, pool: WorkerPool) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "tandem_router_requests", "Requests by route and HTTP status.", ["route", "status"], registry=r
+        )
+        self.ttft = Histogram(
+            "tandem_router_ttft_seconds",
+            "Time to first byte relayed to the client.",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "tandem_router_inter_token_seconds",
+            "Time between two relayed stream chunks.",
+            ["route"],
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "tandem_router_e2e_seconds",
+            "Request arrival to last byte.",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter(
+            "tandem_router_retries", "Retries on another pair, by reason.", ["route", "reason"], registry=r
+        )
+        self.pair_failures = Counter(
+            "tandem_router_pair_failures",
+            "Failed attempts per (prefill, decode) pair.",
+            ["prefill", "decode", "reason"],
+            registry=r,
+        )
+        self.stream_errors = Counter(
+            "tandem_router_stream_errors",
+            "Streams ended with an error event after the first byte.",
+            ["route"],
+            registry=r,
+        )
+        r.register(_PoolCollector(pool))
+
+    def pair_failure(self, pair: Pair, reason: str) -> None:
+        self.pair_failures.labels(pair.prefill.url, pair.decode.url, reason).inc()
+
+
+class _PoolCollector(Collector):
+    """In-flight requests and breaker state per worker, read from the pool at scrape time (no per-request cost)."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        in_flight = GaugeMetricFamily(
+            "tandem_router_worker_in_flight", "Requests in flight per worker.", labels=["role", "worker"]
+        )
+        up = GaugeMetricFamily(
+            "tandem_router_worker_available",
+            "1 if the worker's circuit breaker admits traffic.",
+            labels=["role", "worker"],
+        )
+        now = time.monotonic()
+        for w in self.pool.workers.values():
+            labels = [w.spec.role.value, w.spec.url]
+            in_flight.add_metric(labels, w.in_flight)
+            up.add_metric(
+                labels,
+                1.0
+                if w.breaker.state is BreakerState.CLOSED or w.breaker.opened_at + w.breaker.cooldown <= now
+                else 0.0,
+            )
+        yield in_flight
+        yield up

@@ -1,0 +1,82 @@
+"""Worker selection policies. Each takes a snapshot of the candidates and returns the chosen one's index.
+
+Candidates are already filtered (healthy, breaker closed, not tried before by this request); every function
+here only ranks them. Randomness comes in as a ``random.Random`` so tests are deterministic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Policy(StrEnum):
+    ROUND_ROBIN = "round_robin"
+    POWER_OF_TWO = "power_of_two"
+    CACHE_AWARE = "cache_aware"  # prefill by prefix affinity, decode by load
+    RANDOM = "random"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What a policy may know about one worker."""
+
+    key: str
+    in_flight: int = 0
+    kv_usage: float = 0.0  # fraction of the KV pool in use, 0..1, scraped from the worker's /metrics
+    queued: int = 0  # requests waiting in the worker's queue, scraped
+
+
+def round_robin(candidates: Sequence[Candidate], counter: int) -> int:
+    """The ``counter``-th candidate, wrapping. The caller increments its counter per decision."""
+    return counter % len(candidates)
+
+
+def power_of_two(candidates: Sequence[Candidate], rng: random.Random) -> int:
+    """Two distinct random candidates; the one with fewer requests in flight (ties: the first drawn)."""
+    if len(candidates) == 1:
+        return 0
+    a, b = rng.sample(range(len(candidates)), 2)
+    return b if candidates[b].in_flight < candidates[a].in_flight else a
+
+
+def prefix_affinity(
+    candidates: Sequence[Candidate], prefix: str, *, block_chars: int = 256, balance_slack: int = 8
+) -> int:
+    """Cache-aware prefill choice: the same prompt prefix goes to the same prefill, unless it is overloaded.
+
+    The first ``block_chars`` characters of the prompt are hashed against every candidate (rendezvous hashing),
+    so prompts sharing a system prompt land where their prefix KV is already cached, and removing a worker only
+    moves that worker's prefixes. If the preferred worker has more than ``balance_slack`` requests in flight
+    above the least loaded one, the least loaded one wins: affinity never overrides load balance by much.
+    """
+    block = prefix[:block_chars].encode()
+    preferred = max(range(len(candidates)), key=lambda i: _rendezvous_score(candidates[i].key, block))
+    least = least_loaded(candidates)
+    if candidates[preferred].in_flight - candidates[least].in_flight > balance_slack:
+        return least
+    return preferred
+
+
+def least_loaded(candidates: Sequence[Candidate]) -> int:
+    """Fewest requests in flight (ties: lowest index)."""
+    return min(range(len(candidates)), key=lambda i: candidates[i].in_flight)
+
+
+def load_aware_decode(candidates: Sequence[Candidate], *, kv_weight: float = 16.0) -> int:
+    """Decode choice by load: requests in flight and queued, plus KV pool usage weighted as ``kv_weight`` requests.
+
+    A decode near a full KV pool must retract or queue new requests, so usage counts even when few are running.
+    """
+    return min(
+        range(len(candidates)),
+        key=lambda i: candidates[i].in_flight + candidates[i].queued + kv_weight * candidates[i].kv_usage,
+    )
+
+
+def _rendezvous_score(key: str, block: bytes) -> int:
+    digest = hashlib.blake2b(block, key=key.encode()[:64], digest_size=8).digest()
+    return int.from_bytes(digest, "big")

@@ -1,0 +1,215 @@
+"""The router's view of its workers: who exists, how loaded, whether they and their pairs may take traffic.
+
+Mutable state, but no I/O: discovery adds and removes workers, the proxy reports dispatches and outcomes, the
+health checker reports probes and scraped load, and ``choose_pair`` turns a snapshot into a decision with the
+pure policies. Everything runs on the event loop thread, so no locks.
+
+``PairGate`` is the seam for vetoes beyond health (e.g. integrity quarantine of a pair): the pool asks every gate
+before it offers a pair, and tells every gate each pair outcome.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tandem.registry import Role
+from tandem_router.policy import breaker as br
+from tandem_router.policy import selection as sel
+from tandem_router.policy.load import WorkerLoad
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One serving group as the router addresses it (the rank-0 server of a prefill or decode group)."""
+
+    role: Role
+    url: str
+    bootstrap_port: int | None = None  # prefill only; None means "the prefill's own default"
+    attn_dp_size: int = 1
+    model: str | None = None  # served model name when known (registry), else learned from /v1/models
+    epoch: int = 0
+
+    @property
+    def key(self) -> str:
+        return f"{self.role.value}:{self.url}"
+
+
+@dataclass
+class WorkerState:
+    spec: WorkerSpec
+    in_flight: int = 0
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    breaker: br.Breaker = field(default_factory=br.Breaker)
+    models: frozenset[str] = frozenset()
+
+    def candidate(self) -> sel.Candidate:
+        return sel.Candidate(self.spec.key, self.in_flight, self.load.kv_usage, int(self.load.queued))
+
+
+@dataclass(frozen=True)
+class Pair:
+    prefill: WorkerSpec
+    decode: WorkerSpec
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.prefill.key, self.decode.key)
+
+
+class PairGate(Protocol):
+    """A veto on pairs: ``allows`` is asked before a pair is offered; ``record`` hears every outcome."""
+
+    def allows(self, pair: Pair, now: float) -> bool: ...
+
+    def record(self, pair: Pair, ok: bool, now: float) -> None: ...
+
+
+class PairBreakers:
+    """A circuit breaker per (prefill, decode) pair: a pair can fail (e.g. a blacklisted Mooncake session) while
+    both of its workers serve other pairs fine."""
+
+    def __init__(self, cfg: br.BreakerConfig) -> None:
+        self.cfg = cfg
+        self.breakers: dict[tuple[str, str], br.Breaker] = {}
+
+    def allows(self, pair: Pair, now: float) -> bool:
+        b = self.breakers.get(pair.key)
+        return b is None or br.allows(b, now)
+
+    def dispatched(self, pair: Pair, now: float) -> None:
+        b = self.breakers.get(pair.key)
+        if b is not None:
+            self.breakers[pair.key] = br.on_dispatch(b, now)
+
+    def record(self, pair: Pair, ok: bool, now: float) -> None:
+        if ok:
+            self.breakers.pop(pair.key, None)
+        else:
+            self.breakers[pair.key] = br.on_failure(self.breakers.get(pair.key, br.Breaker()), now, self.cfg)
+
+    def forget(self, worker_key: str) -> None:
+        for key in [k for k in self.breakers if worker_key in k]:
+            del self.breakers[key]
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        policy: sel.Policy = sel.Policy.CACHE_AWARE,
+        breaker_cfg: br.BreakerConfig | None = None,
+        rng: random.Random | None = None,
+        gates: Sequence[PairGate] = (),
+    ) -> None:
+        self.policy = policy
+        self.breaker_cfg = breaker_cfg or br.BreakerConfig()
+        self.rng = rng or random.Random()
+        self.workers: dict[str, WorkerState] = {}
+        self.pair_breakers = PairBreakers(self.breaker_cfg)
+        self.gates: list[PairGate] = [self.pair_breakers, *gates]
+        self._rr = {Role.PREFILL: 0, Role.DECODE: 0}
+
+    # -- membership (discovery) --------------------------------------------------------------------------------
+    def upsert(self, spec: WorkerSpec) -> None:
+        """Add a worker, or replace one whose spec changed (a recreated group: new epoch, fresh state)."""
+        current = self.workers.get(spec.key)
+        if current is None or current.spec != spec:
+            self.workers[spec.key] = WorkerState(spec)
+            self.pair_breakers.forget(spec.key)
+
+    def remove(self, key: str) -> None:
+        self.workers.pop(key, None)
+        self.pair_breakers.forget(key)
+
+    def replace_all(self, specs: Iterable[WorkerSpec]) -> None:
+        wanted = {s.key: s for s in specs}
+        for key in [k for k in self.workers if k not in wanted]:
+            self.remove(key)
+        for spec in wanted.values():
+            self.upsert(spec)
+
+    def of_role(self, role: Role) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.spec.role is role]
+
+    def models(self) -> set[str]:
+        names: set[str] = set()
+        for w in self.workers.values():
+            names |= w.models
+            if w.spec.model:
+                names.add(w.spec.model)
+        return names
+
+    # -- decisions ---------------------------------------------------------------------------------------------
+    def available(self, role: Role, now: float) -> list[WorkerState]:
+        return [w for w in self.of_role(role) if br.allows(w.breaker, now)]
+
+    def has_healthy_pair(self, now: float) -> bool:
+        return any(
+            self._pair_allowed(Pair(p.spec, d.spec), now)
+            for p in self.available(Role.PREFILL, now)
+            for d in self.available(Role.DECODE, now)
+        )
+
+    def choose_pair(self, prefix: str, now: float, exclude: frozenset[tuple[str, str]] = frozenset()) -> Pair | None:
+        """Pick a pair neither of whose workers is open-circuited, that every gate allows and that is not in
+        ``exclude`` (the pairs this request already failed on). None when there is none: never decode alone."""
+        prefills = self.available(Role.PREFILL, now)
+        decodes = self.available(Role.DECODE, now)
+        while prefills and decodes:
+            p = prefills[self._pick(Role.PREFILL, prefills, prefix)]
+            allowed = [d for d in decodes if (p.spec.key, d.spec.key) not in exclude]
+            allowed = [d for d in allowed if self._pair_allowed(Pair(p.spec, d.spec), now)]
+            if allowed:
+                d = allowed[self._pick(Role.DECODE, allowed, prefix)]
+                return Pair(p.spec, d.spec)
+            prefills.remove(p)
+        return None
+
+    def _pair_allowed(self, pair: Pair, now: float) -> bool:
+        return all(gate.allows(pair, now) for gate in self.gates)
+
+    def _pick(self, role: Role, workers: Sequence[WorkerState], prefix: str) -> int:
+        candidates = [w.candidate() for w in workers]
+        if self.policy is sel.Policy.ROUND_ROBIN:
+            self._rr[role] += 1
+            return sel.round_robin(candidates, self._rr[role])
+        if self.policy is sel.Policy.RANDOM:
+            return self.rng.randrange(len(candidates))
+        if self.policy is sel.Policy.POWER_OF_TWO:
+            return sel.power_of_two(candidates, self.rng)
+        if role is Role.PREFILL:
+            return sel.prefix_affinity(candidates, prefix)
+        return sel.load_aware_decode(candidates)
+
+    # -- outcomes ----------------------------------------------------------------------------------------------
+    def dispatched(self, pair: Pair, now: float) -> None:
+        for spec in (pair.prefill, pair.decode):
+            w = self.workers.get(spec.key)
+            if w is not None:
+                w.in_flight += 1
+                w.breaker = br.on_dispatch(w.breaker, now)
+        self.pair_breakers.dispatched(pair, now)
+
+    def finished(self, pair: Pair) -> None:
+        for spec in (pair.prefill, pair.decode):
+            w = self.workers.get(spec.key)
+            if w is not None:
+                w.in_flight = max(0, w.in_flight - 1)
+
+    def record_worker(self, spec: WorkerSpec, ok: bool, now: float, *, hard: bool = False) -> None:
+        """A worker's outcome. ``hard`` failures (connection refused, failed health probe) open it at once."""
+        w = self.workers.get(spec.key)
+        if w is None:
+            return
+        if ok:
+            w.breaker = br.on_success(w.breaker)
+        elif hard:
+            w.breaker = br.force_open(w.breaker, now, self.breaker_cfg)
+        else:
+            w.breaker = br.on_failure(w.breaker, now, self.breaker_cfg)
+
+    def record_pair(self, pair: Pair, ok: bool, now: float) -> None:
+        for gate in self.gates:
+            gate.record(pair, ok, now)

@@ -1,0 +1,322 @@
+"""One client request through a prefill/decode pair: send to both at once, relay decode, retry before byte 1.
+
+Per attempt: pick a pair (pool), add fresh bootstrap fields, POST the same body to the prefill and the decode
+concurrently, and race three things: the prefill failing, the decode's head + first chunk, and nothing else.
+The decode's first chunk is relayed as soon as it arrives, without waiting for the prefill's body (which is
+drained in the background: it only reports whether the KV transfer succeeded). Until a byte reached the client,
+a transport error or a retryable status on either side moves the request to another pair with a new room.
+After that, a failure ends the stream with an OpenAI error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from tandem_router.metrics import RouterMetrics
+from tandem_router.policy import bootstrap, retry
+from tandem_router.pool import Pair, WorkerPool
+from tandem_router.schema import ErrorType, Route, error_body, stream_error_event
+from tandem_router.transport import Transport, WorkerError, WorkerUnreachableError
+
+log = logging.getLogger("tandem.router.proxy")
+
+_ERROR_EVENT = b'data: {"error"'
+
+
+@dataclass(frozen=True)
+class ProxyRequest:
+    route: Route
+    body: dict[str, Any]
+    stream: bool
+    items: int  # 0: one sequence; else one bootstrap room per item
+    prefix: str  # prompt prefix, for cache-aware prefill choice
+    request_id: str
+    started: float  # monotonic time the request arrived
+
+
+@dataclass
+class _Failure:
+    reason: str
+    retryable: bool
+    status: int = 502
+    body: bytes | None = None  # the worker's own error body, relayed when not retryable
+    content_type: str = "application/json"
+    detail: str = ""
+
+
+class _CommittedError(Exception):
+    """Internal: the response was handed to the client; nothing more to try."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        super().__init__("committed")
+        self.response = response
+
+
+class Proxy:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        transport: Transport,
+        metrics: RouterMetrics,
+        retry_cfg: retry.RetryConfig | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.pool = pool
+        self.transport = transport
+        self.metrics = metrics
+        self.retry_cfg = retry_cfg or retry.RetryConfig()
+        self.rng = rng or random.Random()
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def handle(self, req: ProxyRequest, http: web.Request) -> web.StreamResponse:
+        tried: set[tuple[str, str]] = set()
+        attempt = 0
+        failure: _Failure | None = None
+        while True:
+            now = time.monotonic()
+            # Prefer a pair this request has not failed on; once all were tried, any pair still admitted.
+            pair = self.pool.choose_pair(req.prefix, now, frozenset(tried)) or self.pool.choose_pair(req.prefix, now)
+            if pair is None:
+                break
+            attempt += 1
+            tried.add(pair.key)
+            try:
+                failure = await self._attempt(pair, req, http)
+            except _CommittedError as done:
+                return done.response
+            self.metrics.pair_failure(pair, failure.reason)
+            if not failure.retryable:
+                break
+            if not retry.should_retry(attempt, self.retry_cfg, first_byte_sent=False):
+                break
+            self.metrics.retries.labels(req.route.value, failure.reason).inc()
+            log.info(
+                "retrying on another pair",
+                extra={
+                    "request_id": req.request_id,
+                    "attempt": attempt,
+                    "reason": failure.reason,
+                    "prefill": pair.prefill.url,
+                    "decode": pair.decode.url,
+                },
+            )
+            await asyncio.sleep(retry.backoff(attempt, self.retry_cfg, self.rng))
+        if failure is None:
+            return _error(503, "no healthy prefill/decode pair is available", ErrorType.UNAVAILABLE, req.request_id)
+        if failure.body is not None and not failure.retryable:
+            return web.Response(
+                status=failure.status,
+                body=failure.body,
+                content_type=failure.content_type.split(";")[0],
+                headers={"X-Request-Id": req.request_id},
+            )
+        return _error(
+            failure.status, f"all {attempt} attempt(s) failed; last: {failure.reason}", ErrorType.SERVER, req.request_id
+        )
+
+    async def _attempt(self, pair: Pair, req: ProxyRequest, http: web.Request) -> _Failure:
+        """One try on one pair: returns the failure, or raises ``_CommittedError`` with the client's response."""
+        body = bootstrap.inject(
+            req.body,
+            host=bootstrap.bootstrap_host(pair.prefill.url),
+            port=pair.prefill.bootstrap_port,
+            items=req.items,
+            rng=self.rng,
+            dp_size=pair.prefill.attn_dp_size,
+        )
+        data = orjson.dumps(body)
+        headers = {"Content-Type": "application/json", "X-Request-Id": req.request_id}
+        path = req.route.value
+        now = time.monotonic()
+        self.pool.dispatched(pair, now)
+        prefill_task = asyncio.create_task(self._prefill(pair, path, data, headers))
+        decode_task = asyncio.create_task(self._decode_head(pair, path, data, headers, req.stream))
+        committed = False
+        try:
+            done, _ = await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
+            if prefill_task in done and not decode_task.done():
+                prefill_failure = prefill_task.result()
+                if prefill_failure is not None:
+                    decode_task.cancel()
+                    return self._failed(pair, prefill_failure, prefill_side=True)
+            head = await decode_task
+            if isinstance(head, _Failure):
+                prefill_task.cancel()
+                return self._failed(pair, head, prefill_side=False)
+            resp, first = head
+            committed = True
+            self._finish_prefill_later(pair, prefill_task)
+            raise _CommittedError(await self._relay(pair, req, http, resp, first))
+        finally:
+            if not committed:
+                for task in (prefill_task, decode_task):
+                    task.cancel()
+                self.pool.finished(pair)
+
+    async def _prefill(self, pair: Pair, path: str, data: bytes, headers: Mapping[str, str]) -> _Failure | None:
+        """Send to the prefill and drain its body: None when it finished (its KV transfer succeeded)."""
+        try:
+            resp = await self.transport.open_post(pair.prefill.url, path, data, headers)
+            async with resp:
+                await resp.read()
+                if resp.status >= 400:
+                    return _Failure(
+                        f"prefill_http_{resp.status}", retry.is_retryable_status(resp.status) or resp.status >= 500, 502
+                    )
+                return None
+        except WorkerUnreachableError as err:
+            return _Failure("prefill_unreachable", True, detail=str(err))
+        except (TimeoutError, WorkerError, aiohttp.ClientError) as err:
+            return _Failure("prefill_transport", True, detail=str(err))
+
+    async def _decode_head(
+        self, pair: Pair, path: str, data: bytes, headers: Mapping[str, str], stream: bool
+    ) -> tuple[aiohttp.ClientResponse, bytes] | _Failure:
+        """The decode's response head and its first chunk (the whole body when not streaming)."""
+        try:
+            resp = await self.transport.open_post(pair.decode.url, path, data, headers)
+        except WorkerUnreachableError as err:
+            return _Failure("decode_unreachable", True, detail=str(err))
+        except WorkerError as err:
+            return _Failure("decode_transport", True, detail=str(err))
+        try:
+            if resp.status != 200:
+                body = await resp.read()
+                resp.release()
+                return _Failure(
+                    f"decode_http_{resp.status}",
+                    retry.is_retryable_status(resp.status),
+                    resp.status,
+                    body,
+                    resp.headers.get("Content-Type", "application/json"),
+                )
+            first = await resp.content.readany() if stream else await resp.read()
+            if stream and (not first or first.startswith(_ERROR_EVENT)):
+                # An empty stream or an error event before any token (e.g. the KV transfer failed): nothing has
+                # reached the client yet, so this is retryable like an HTTP error.
+                resp.close()
+                return _Failure("decode_stream_error", True, detail=first[:300].decode(errors="replace"))
+            return resp, first
+        except (TimeoutError, aiohttp.ClientError) as err:
+            resp.close()
+            return _Failure("decode_transport", True, detail=str(err))
+        except asyncio.CancelledError:
+            resp.close()
+            raise
+
+    def _failed(self, pair: Pair, failure: _Failure, *, prefill_side: bool) -> _Failure:
+        now = time.monotonic()
+        worker = pair.prefill if prefill_side else pair.decode
+        hard = failure.reason.endswith("unreachable")
+        if failure.retryable:
+            self.pool.record_worker(worker, False, now, hard=hard)
+            self.pool.record_pair(pair, False, now)
+        return failure
+
+    def _finish_prefill_later(self, pair: Pair, task: asyncio.Task[_Failure | None]) -> None:
+        """The prefill's outcome still scores the pair, but nobody waits for it."""
+
+        async def settle() -> None:
+            failure = await task
+            now = time.monotonic()
+            if failure is None:
+                self.pool.record_worker(pair.prefill, True, now)
+            else:
+                self._failed(pair, failure, prefill_side=True)
+                self.metrics.pair_failure(pair, failure.reason)
+
+        bg = asyncio.create_task(settle())
+        self._background.add(bg)
+        bg.add_done_callback(self._background.discard)
+
+    async def _relay(
+        self, pair: Pair, req: ProxyRequest, http: web.Request, resp: aiohttp.ClientResponse, first: bytes
+    ) -> web.StreamResponse:
+        route = req.route.value
+        ok = False
+        client_gone = False
+        try:
+            if not req.stream:
+                ok = True
+                self.metrics.ttft.labels(route).observe(time.monotonic() - req.started)
+                return web.Response(
+                    body=first,
+                    status=200,
+                    headers={
+                        "Content-Type": resp.headers.get("Content-Type", "application/json"),
+                        "X-Request-Id": req.request_id,
+                    },
+                )
+            out = web.StreamResponse(
+                status=200,
+                headers={
+                    "Content-Type": "text/event-stream",
+                    "Cache-Control": "no-cache",
+                    "X-Request-Id": req.request_id,
+                },
+            )
+            await out.prepare(http)
+            await out.write(first)
+            last = time.monotonic()
+            self.metrics.ttft.labels(route).observe(last - req.started)
+            itl = self.metrics.itl.labels(route)
+            upstream = resp.content.iter_any().__aiter__()
+            while True:
+                try:
+                    chunk = await upstream.__anext__()
+                except StopAsyncIteration:
+                    ok = True
+                    break
+                except (TimeoutError, aiohttp.ClientError) as err:
+                    self.metrics.stream_errors.labels(route).inc()
+                    self.metrics.pair_failure(pair, "decode_stream_broken")
+                    log.warning(
+                        "decode stream broke after the first byte",
+                        extra={"request_id": req.request_id, "decode": pair.decode.url, "error": repr(err)},
+                    )
+                    await out.write(stream_error_event(f"decode worker stream failed: {type(err).__name__}", 502))
+                    break
+                try:
+                    await out.write(chunk)
+                except ConnectionResetError:
+                    client_gone = True  # the client left: stop the decode (closing its connection aborts it)
+                    return out
+                now = time.monotonic()
+                itl.observe(now - last)
+                last = now
+            await out.write_eof()
+            return out
+        finally:
+            if ok:
+                resp.release()
+            else:
+                resp.close()
+            self.pool.finished(pair)
+            now = time.monotonic()
+            if not client_gone:
+                self.pool.record_worker(pair.decode, ok, now)
+                self.pool.record_pair(pair, ok, now)
+            self.metrics.e2e.labels(route).observe(now - req.started)
+
+    async def drain_background(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def _error(status: int, message: str, type_: ErrorType, request_id: str) -> web.Response:
+    return web.Response(
+        status=status,
+        body=error_body(message, type_, code=status),
+        content_type="application/json",
+        headers={"X-Request-Id": request_id},
+    )

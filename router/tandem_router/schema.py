@@ -1,0 +1,186 @@
+"""Request models and OpenAI error bodies: the router's API contract, with no I/O.
+
+The models validate what the router must understand (model name, messages, prompt, stream flag, ``n``) and
+*allow* every other field, so tool calls, reasoning options and SGLang sampling parameters pass through to the
+workers untouched. Handlers forward the client's own JSON object, never a re-dump of these models.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+MAX_N = 128
+
+
+class Route(StrEnum):
+    CHAT = "/v1/chat/completions"
+    COMPLETIONS = "/v1/completions"
+    GENERATE = "/generate"
+
+
+class _Passthrough(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+class ChatMessage(_Passthrough):
+    role: StrictStr = Field(min_length=1, description="system, user, assistant, tool, developer, ...")
+    content: StrictStr | list[dict[str, Any]] | None = None
+
+
+class StreamOptions(_Passthrough):
+    include_usage: StrictBool | None = None
+
+
+class ChatCompletionRequest(_Passthrough):
+    """``POST /v1/chat/completions`` (OpenAI). Unknown fields are forwarded as sent."""
+
+    model: StrictStr = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    tools: list[dict[str, Any]] | None = None
+
+
+Prompt = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+
+
+class CompletionRequest(_Passthrough):
+    """``POST /v1/completions`` (OpenAI). A list of prompts is a batch."""
+
+    model: StrictStr = Field(min_length=1)
+    prompt: Prompt
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+
+
+class GenerateRequest(_Passthrough):
+    """``POST /generate`` (SGLang native). ``text`` or ``input_ids``; a list of either is a batch."""
+
+    text: StrictStr | list[StrictStr] | None = None
+    input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
+    model: StrictStr | None = None
+    stream: StrictBool = False
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    rid: StrictStr | list[StrictStr] | None = None
+
+
+REQUEST_MODELS: dict[Route, type[_Passthrough]] = {
+    Route.CHAT: ChatCompletionRequest,
+    Route.COMPLETIONS: CompletionRequest,
+    Route.GENERATE: GenerateRequest,
+}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorDetail
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "tandem"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorType(StrEnum):
+    INVALID_REQUEST = "invalid_request_error"
+    AUTHENTICATION = "authentication_error"
+    NOT_FOUND = "not_found_error"
+    RATE_LIMIT = "rate_limit_exceeded"
+    SERVER = "server_error"
+    UNAVAILABLE = "service_unavailable"
+
+
+def error_body(message: str, type_: ErrorType, *, code: str | int | None = None, param: str | None = None) -> bytes:
+    """The JSON bytes of an OpenAI error."""
+    return (
+        ErrorResponse(error=ErrorDetail(message=message, type=type_.value, param=param, code=code))
+        .model_dump_json(exclude_none=False)
+        .encode()
+    )
+
+
+def stream_error_event(message: str, code: int = 502) -> bytes:
+    """An SSE event carrying an OpenAI error; the ``openai`` SDK raises ``APIError`` when it reads one."""
+    detail = ErrorDetail(message=message, type=ErrorType.SERVER.value, code=code)
+    return b"data: " + ErrorResponse(error=detail).model_dump_json().encode() + b"\n\n"
+
+
+def item_count(route: Route, body: dict[str, Any]) -> int:
+    """How many sequences one request asks for: batch size x ``n``. Each needs its own bootstrap room.
+
+    Returns 0 for a request that is not a batch (a single sequence whose room is a plain integer).
+    """
+    n = body.get("n", 1) if route is not Route.GENERATE else _generate_n(body)
+    batch = _batch_size(route, body)
+    if batch is None:
+        return 0 if n == 1 else n
+    return batch * n
+
+
+def _generate_n(body: dict[str, Any]) -> int:
+    params = body.get("sampling_params")
+    if isinstance(params, dict):
+        n = params.get("n", 1)
+        return n if isinstance(n, int) and n >= 1 else 1
+    return 1
+
+
+def _batch_size(route: Route, body: dict[str, Any]) -> int | None:
+    if route is Route.CHAT:
+        return None
+    if route is Route.COMPLETIONS:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            return len(prompt)
+        return None
+    text = body.get("text")
+    if isinstance(text, list):
+        return len(text)
+    ids = body.get("input_ids")
+    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+        return len(ids)
+    return None
+
+
+def prompt_text(route: Route, body: dict[str, Any], limit: int = 1024) -> str:
+    """The first ``limit`` characters of the prompt, as text: the key of cache-aware (prefix) routing."""
+    if route is Route.CHAT:
+        parts: list[str] = []
+        size = 0
+        for message in body.get("messages", ()):
+            content = message.get("content") if isinstance(message, dict) else None
+            piece = content if isinstance(content, str) else str(content)
+            parts.append(piece)
+            size += len(piece)
+            if size >= limit:
+                break
+        return "\n".join(parts)[:limit]
+    value = body.get("prompt") if route is Route.COMPLETIONS else body.get("text", body.get("input_ids"))
+    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+        value = value[0]
+    return (value if isinstance(value, str) else str(value))[:limit]

@@ -1,0 +1,93 @@
+"""Real loopback servers for router tests: instant PD workers and the router itself, in the test's event loop."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from tandem_router import instant_worker
+from tandem_router.app import build_app, state_of
+from tandem_router.config import PrefillSpec, RouterSettings
+from tandem_router.policy.selection import Policy
+
+
+@dataclass
+class Served:
+    runner: web.AppRunner
+    url: str
+
+    @property
+    def app(self) -> web.Application:
+        return self.runner.app
+
+
+async def serve(app: web.Application) -> Served:
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    return Served(runner, f"http://{host}:{port}")
+
+
+@dataclass
+class Stack:
+    prefills: list[Served]
+    decodes: list[Served]
+    router: Served
+    http: aiohttp.ClientSession
+
+    @property
+    def state(self) -> Any:
+        return state_of(self.router.app)
+
+    async def faults(self, worker: Served, **faults: Any) -> None:
+        async with self.http.post(f"{worker.url}/_faults", json=faults) as resp:
+            assert resp.status == 200
+
+    async def received(self, worker: Served) -> list[dict[str, Any]]:
+        async with self.http.get(f"{worker.url}/_requests") as resp:
+            recent: list[dict[str, Any]] = (await resp.json())["recent"]
+            return recent
+
+    async def post(self, path: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        async with self.http.post(f"{self.router.url}{path}", json=body, headers=headers) as resp:
+            return resp.status, await resp.read()
+
+
+@asynccontextmanager
+async def stack(
+    prefills: int = 2,
+    decodes: int = 2,
+    *,
+    bootstrap_ports: Sequence[int | None] | None = None,
+    dead_prefills: Sequence[str] = (),
+    **settings: Any,
+) -> AsyncIterator[Stack]:
+    """``prefills`` + ``decodes`` instant workers and a router in front of them (plus ``dead_prefills`` URLs)."""
+    ps = [await serve(instant_worker.build_app("prefill")) for _ in range(prefills)]
+    ds = [await serve(instant_worker.build_app("decode")) for _ in range(decodes)]
+    ports = list(bootstrap_ports or [8998 + i for i in range(prefills)])
+    cfg = RouterSettings(
+        prefill=[PrefillSpec(url=p.url, bootstrap_port=port) for p, port in zip(ps, ports, strict=True)]
+        + [PrefillSpec(url=u) for u in dead_prefills],
+        decode=[d.url for d in ds],
+        policy=settings.pop("policy", Policy.ROUND_ROBIN),
+        health_interval_s=settings.pop("health_interval_s", 60.0),
+        retry_initial_backoff_s=settings.pop("retry_initial_backoff_s", 0.001),
+        **settings,
+    )
+    router = await serve(build_app(cfg))
+    http = aiohttp.ClientSession()
+    try:
+        yield Stack(ps, ds, router, http)
+    finally:
+        await http.close()
+        await router.runner.cleanup()
+        for w in ps + ds:
+            await w.runner.cleanup()

@@ -1,0 +1,236 @@
+"""The router against real loopback instant PD workers: PD protocol, streaming, retries, errors, limits."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+import pytest
+
+from tandem.procs import free_port
+from tests.router.helpers import stack
+
+CHAT = {"model": "instant-model", "messages": [{"role": "user", "content": "hello"}]}
+
+
+def _events(raw: bytes) -> list[bytes]:
+    return [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e]
+
+
+async def test_pd_fields_same_room_on_both_sides_and_stream_relayed() -> None:
+    async with stack(1, 1) as s:
+        status, raw = await s.post("/v1/chat/completions", {**CHAT, "stream": True}, {"X-Request-Id": "rid-1"})
+        assert status == 200
+        events = _events(raw)
+        assert len(events) == 17
+        assert events[-1] == b"[DONE]"
+        assert orjson.loads(events[0])["choices"][0]["delta"]["content"] == "tok0 "
+        (p,) = await s.received(s.prefills[0])
+        (d,) = await s.received(s.decodes[0])
+        assert p["body"] == d["body"]
+        assert p["body"]["bootstrap_host"] == "127.0.0.1"
+        assert p["body"]["bootstrap_port"] == 8998
+        assert 0 <= p["body"]["bootstrap_room"] <= 2**63 - 1
+        assert p["request_id"] == d["request_id"] == "rid-1"
+        assert p["body"]["messages"] == CHAT["messages"]
+
+
+async def test_fields_pass_through_untouched_and_rooms_are_fresh() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = {**CHAT, "tools": tools, "tool_choice": "auto", "reasoning_effort": "high", "separate_reasoning": True}
+    async with stack(1, 1) as s:
+        for _ in range(3):
+            status, raw = await s.post("/v1/chat/completions", body)
+            assert status == 200
+            assert orjson.loads(raw)["choices"][0]["message"]["content"].startswith("tok0")
+        got = await s.received(s.decodes[0])
+        for key in ("tools", "tool_choice", "reasoning_effort", "separate_reasoning"):
+            assert got[0]["body"][key] == body[key]
+        assert len({g["body"]["bootstrap_room"] for g in got}) == 3
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "items"),
+    [
+        ("/generate", {"text": ["a", "b", "c"], "sampling_params": {"max_new_tokens": 4}}, 3),
+        ("/generate", {"input_ids": [[1, 2], [3]]}, 2),
+        ("/v1/completions", {"model": "instant-model", "prompt": ["x", "y"], "n": 2}, 4),
+        ("/v1/chat/completions", {**CHAT, "n": 3}, 3),
+    ],
+)
+async def test_batches_and_n_get_one_room_per_item(path: str, body: dict[str, Any], items: int) -> None:
+    async with stack(1, 1) as s:
+        status, _ = await s.post(path, body)
+        assert status == 200
+        (d,) = await s.received(s.decodes[0])
+        rooms = d["body"]["bootstrap_room"]
+        assert isinstance(rooms, list)
+        assert len(set(rooms)) == items
+        assert d["body"]["bootstrap_host"] == ["127.0.0.1"] * items
+
+
+async def test_retryable_decode_status_moves_to_another_pair_with_a_new_room() -> None:
+    async with stack(2, 2) as s:
+        await s.faults(s.decodes[0], status=503, count=1)
+        await s.faults(s.decodes[1], status=503, count=1)
+        status, raw = await s.post("/v1/completions", {"model": "instant-model", "prompt": "p", "stream": True})
+        assert status == 200, raw
+        assert _events(raw)[-1] == b"[DONE]"
+        bodies = [r["body"] for d in s.decodes for r in await s.received(d)]
+        assert len(bodies) == 3
+        assert len({b["bootstrap_room"] for b in bodies}) == 3
+        pairs = {(b["bootstrap_port"], b["bootstrap_room"]) for b in bodies}
+        assert len(pairs) == 3
+        metrics = await (await s.http.get(f"{s.router.url}/metrics")).text()
+        assert 'tandem_router_retries_total{reason="decode_http_503",route="/v1/completions"} 2.0' in metrics
+
+
+async def test_prefill_failure_before_first_byte_is_retried() -> None:
+    async with stack(2, 1) as s:
+        await s.faults(s.prefills[0], status=500, count=5)
+        await s.faults(s.decodes[0], delay_s=0.3)  # like a real decode, it answers only after the KV arrived
+        for _ in range(4):
+            status, _ = await s.post("/generate", {"text": "hi"})
+            assert status == 200
+        assert len(await s.received(s.prefills[0])) >= 1
+        assert len(await s.received(s.prefills[1])) == 4
+
+
+async def test_decode_error_event_before_first_token_is_retried() -> None:
+    async with stack(1, 2) as s:
+        await s.faults(s.decodes[0], stream_error=True)
+        await s.faults(s.decodes[1], stream_error=True)
+        status, raw = await s.post("/generate", {"text": "hi", "stream": True})
+        assert status == 200
+        assert b"error" not in raw
+        assert _events(raw)[-1] == b"[DONE]"
+
+
+async def test_stream_broken_after_first_byte_ends_with_openai_error_event() -> None:
+    async with stack(1, 1) as s:
+        await s.faults(s.decodes[0], break_after=3)
+        status, raw = await s.post("/v1/chat/completions", {**CHAT, "stream": True})
+        assert status == 200
+        events = _events(raw)
+        assert len(events) == 4
+        err = orjson.loads(events[-1])["error"]
+        assert err["type"] == "server_error"
+        assert "decode worker stream failed" in err["message"]
+
+
+async def test_non_retryable_worker_error_is_relayed() -> None:
+    async with stack(1, 1) as s:
+        await s.faults(s.decodes[0], status=400, count=1)
+        status, raw = await s.post("/generate", {"text": "hi"})
+        assert status == 400
+        assert b"injected failure 400" in raw
+        assert len(await s.received(s.decodes[0])) == 1
+
+
+async def test_never_decode_alone_when_no_prefill_is_reachable() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with stack(0, 1, dead_prefills=[dead]) as s:
+        status, raw = await s.post("/v1/chat/completions", CHAT)
+        assert status == 503
+        assert orjson.loads(raw)["error"]["type"] == "service_unavailable"
+        assert await s.received(s.decodes[0]) == []
+        ready = await s.http.get(f"{s.router.url}/readiness")
+        assert ready.status == 503
+
+
+async def test_unreachable_prefill_is_retried_on_a_live_one_and_opened() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with stack(1, 1, dead_prefills=[dead]) as s:
+        dead_state = s.state.pool.workers[f"prefill:{dead}"]
+        assert dead_state.breaker.state.value == "open"  # the startup probe found nobody listening
+        dead_state.breaker = type(dead_state.breaker)()  # pretend the probe has not run: requests must cope
+        for _ in range(4):
+            status, _ = await s.post("/v1/chat/completions", CHAT)
+            assert status == 200
+        assert dead_state.breaker.state.value == "open"
+        assert len(await s.received(s.decodes[0])) == 4  # round robin tried the dead one once, then retried
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "needle"),
+    [
+        (b"{not json", 400, b"not valid JSON"),
+        (b"[1, 2]", 400, b"must be a JSON object"),
+        (orjson.dumps({"model": "instant-model", "messages": []}), 400, b"messages"),
+        (orjson.dumps({"model": "instant-model", "messages": "hi"}), 400, b"messages"),
+        (orjson.dumps({"model": 5, "messages": [{"role": "user", "content": "x"}]}), 400, b"model"),
+        (orjson.dumps({**CHAT, "stream": "yes"}), 400, b"stream"),
+        (orjson.dumps({**CHAT, "n": 0}), 400, b"n"),
+        (orjson.dumps({**CHAT, "model": "nope"}), 404, b"model_not_found"),
+    ],
+)
+async def test_bad_input_is_rejected_and_not_forwarded(raw: bytes, status: int, needle: bytes) -> None:
+    async with stack(1, 1) as s:
+        resp = await s.http.post(f"{s.router.url}/v1/chat/completions", data=raw)
+        body = await resp.read()
+        assert resp.status == status, body
+        err = orjson.loads(body)["error"]
+        assert needle in body
+        assert err["message"]
+        assert err["type"]
+        assert await s.received(s.decodes[0]) == []
+        assert await s.received(s.prefills[0]) == []
+
+
+async def test_oversized_body_is_413() -> None:
+    async with stack(1, 1, max_body_bytes=4096) as s:
+        status, raw = await s.post(
+            "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x" * 9000}]}
+        )
+        assert status == 413
+        assert orjson.loads(raw)["error"]["type"] == "invalid_request_error"
+        assert await s.received(s.decodes[0]) == []
+
+
+async def test_api_keys() -> None:
+    async with stack(1, 1, api_keys=["k1"]) as s:
+        status, raw = await s.post("/v1/chat/completions", CHAT)
+        assert status == 401
+        assert orjson.loads(raw)["error"]["code"] == "invalid_api_key"
+        status, _ = await s.post("/v1/chat/completions", CHAT, {"Authorization": "Bearer k1"})
+        assert status == 200
+        assert (await s.http.get(f"{s.router.url}/health")).status == 200
+
+
+async def test_concurrency_limit_is_429_with_retry_after() -> None:
+    async with stack(1, 1, max_concurrent_requests=1) as s:
+        await s.faults(s.decodes[0], hang=True)
+        slow = asyncio.create_task(s.post("/generate", {"text": "hi"}))
+        await asyncio.sleep(0.2)
+        resp = await s.http.post(f"{s.router.url}/generate", json={"text": "hi"})
+        assert resp.status == 429
+        assert resp.headers["Retry-After"] == "1"
+        slow.cancel()
+
+
+async def test_models_health_metrics_openapi() -> None:
+    async with stack(1, 1) as s:
+        models = await (await s.http.get(f"{s.router.url}/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == ["instant-model"]
+        assert (await s.http.get(f"{s.router.url}/readiness")).status == 200
+        await s.post("/v1/chat/completions", {**CHAT, "stream": True})
+        text = await (await s.http.get(f"{s.router.url}/metrics")).text()
+        for name in (
+            "tandem_router_requests_total",
+            "tandem_router_ttft_seconds_bucket",
+            "tandem_router_inter_token_seconds_bucket",
+            "tandem_router_e2e_seconds_bucket",
+            "tandem_router_worker_in_flight",
+        ):
+            assert name in text
+        assert 'tandem_router_requests_total{route="/v1/chat/completions",status="200"} 1.0' in text
+        doc = await (await s.http.get(f"{s.router.url}/openapi.json")).json()
+        assert set(doc["paths"]) >= {"/v1/chat/completions", "/v1/completions", "/generate", "/v1/models"}
+
+
+async def test_unknown_path_is_openai_404() -> None:
+    async with stack(1, 1) as s:
+        resp = await s.http.get(f"{s.router.url}/nope")
+        assert resp.status == 404
+        assert (await resp.json())["error"]["type"] == "not_found_error"
