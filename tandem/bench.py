@@ -14,7 +14,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 # section name -> module that defines run(BenchArgs) -> list[Table]
-SECTIONS: dict[str, str] = {}
+SECTIONS: dict[str, str] = {
+    "router": "tandem_router.bench",
+}
 
 
 @dataclass(frozen=True)
