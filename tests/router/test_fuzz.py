@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import schemathesis
@@ -50,5 +51,5 @@ def router_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @schema.parametrize()
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-def test_no_server_errors(case: schemathesis.Case, router_url: str) -> None:
+def test_no_server_errors(case: schemathesis.Case[Any], router_url: str) -> None:
     case.call_and_validate(base_url=router_url, checks=[not_a_server_error], timeout=10)
