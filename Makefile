@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: up test bootstrap lint typecheck unit bench verify format clean
+.PHONY: up test bootstrap lint typecheck unit bench generate verify format clean
 
 bootstrap:
 	@scripts/bootstrap.sh
@@ -31,9 +31,18 @@ format: bootstrap
 bench: bootstrap
 	scripts/in-netns.sh $(VENV)/bin/tandem bench
 
-## verify: generated files are up to date.
-verify: bootstrap
-	@echo "verify: nothing generated yet"
+## generate: rewrite every generated file from its source (one line per generator).
+GENERATED := charts/tandem/crds charts/tandem/values.yaml charts/tandem/values.schema.json \
+	charts/tandem/dashboards deploy/dashboards tandem/data
+generate: bootstrap
+	$(PY) -m tandem_operator.crdgen
+	$(PY) -m tandem.chart.generate
+	$(PY) scripts/gen_sglang_flags.py
+
+## verify: regenerate, then fail if any generated file differs from what git has committed.
+verify: generate
+	@git diff --exit-code --stat -- $(GENERATED) && test -z "$$(git status --porcelain -- $(GENERATED))" \
+		|| { echo "verify: generated files are out of date: run 'make generate' and commit" >&2; exit 1; }
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

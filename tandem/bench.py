@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 # section name -> module that defines run(BenchArgs) -> list[Table]
 SECTIONS: dict[str, str] = {
+    "sim": "tandem_sim.bench",
     "router": "tandem_router.bench",
 }
 

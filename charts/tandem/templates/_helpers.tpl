@@ -1,0 +1,70 @@
+{{/* Names and labels. */}}
+{{- define "tandem.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "tandem.labels" -}}
+app.kubernetes.io/name: tandem
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "tandem.selector" -}}
+app.kubernetes.io/name: tandem
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "tandem.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* The etcd client endpoints as a list of host:port. */}}
+{{- define "tandem.etcdEndpoints" -}}
+{{- if eq .Values.etcd.mode "external" -}}
+{{- join "," .Values.etcd.endpoints -}}
+{{- else -}}
+{{- $name := printf "%s-etcd" (include "tandem.fullname" .) -}}
+{{- printf "%s.%s.svc:2379" $name .Release.Namespace -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "tandem.imagePullSecrets" -}}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+{{- range . }}
+  - name: {{ . }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Rules values.schema.json cannot express. Each failure names the values key to change.
+*/}}
+{{- define "tandem.validateValues" -}}
+{{- $errors := list -}}
+{{- if and (eq .Values.etcd.mode "external") (empty .Values.etcd.endpoints) -}}
+{{- $errors = append $errors "etcd.endpoints: etcd.mode is 'external' but no endpoints are given" -}}
+{{- end -}}
+{{- if and (eq .Values.etcd.mode "embedded") (eq (mod (int .Values.etcd.replicas) 2) 0) -}}
+{{- $errors = append $errors (printf "etcd.replicas: %d members cannot keep quorum better than %d; use an odd number" (int .Values.etcd.replicas) (sub (int .Values.etcd.replicas) 1)) -}}
+{{- end -}}
+{{- if and .Values.router.hpa.enabled (gt (int .Values.router.hpa.minReplicas) (int .Values.router.hpa.maxReplicas)) -}}
+{{- $errors = append $errors "router.hpa.minReplicas: greater than router.hpa.maxReplicas" -}}
+{{- end -}}
+{{- if and .Values.router.enabled .Values.router.pdb.enabled (not .Values.router.hpa.enabled) (ge (int .Values.router.pdb.minAvailable) (int .Values.router.replicas)) -}}
+{{- $errors = append $errors (printf "router.pdb.minAvailable: %d would block every voluntary eviction of %d router replicas; lower it or add replicas" (int .Values.router.pdb.minAvailable) (int .Values.router.replicas)) -}}
+{{- end -}}
+{{- if and .Values.mooncakeMaster.enabled (eq .Values.etcd.mode "external") (empty .Values.etcd.endpoints) -}}
+{{- $errors = append $errors "mooncakeMaster.enabled: the master's HA needs etcd endpoints" -}}
+{{- end -}}
+{{- if $errors -}}
+{{- fail (printf "\n\ninvalid values:\n  - %s\n" (join "\n  - " $errors)) -}}
+{{- end -}}
+{{- end -}}

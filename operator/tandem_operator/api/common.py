@@ -1,0 +1,90 @@
+"""Kubernetes value types shared by the PDCluster and PDPool models (a small, typed subset of core/v1)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, StringConstraints, WithJsonSchema
+
+from tandem_operator.api.rules import CrdModel, Rule
+
+GROUP = "tandem.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# A resource.Quantity ("8", "64Gi", 500m) or a plain integer: stored as the API server received it.
+Quantity = Annotated[
+    int | Annotated[str, StringConstraints(pattern=r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")],
+    WithJsonSchema({"x-kubernetes-int-or-string": True}),
+]
+LabelKey = Annotated[str, StringConstraints(min_length=1, max_length=317)]
+LabelValue = Annotated[str, StringConstraints(max_length=63)]
+Port = Annotated[int, Field(ge=1, le=65535)]
+# Conditions merge by type under server-side apply, like metav1.Condition lists in built-in types.
+CONDITIONS_LIST: dict[str, Any] = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
+
+
+class ConditionStatus(StrEnum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class Toleration(CrdModel):
+    """core/v1 Toleration."""
+
+    key: LabelKey | None = None
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: LabelValue | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = Field(default=None, ge=0)
+
+
+class EnvVar(CrdModel):
+    """A literal environment variable for the SGLang container."""
+
+    name: Annotated[str, StringConstraints(pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", max_length=256)]
+    value: Annotated[str, StringConstraints(max_length=4096)] = ""
+
+
+class Resources(CrdModel):
+    """Extra container resources (CPU, memory, RDMA devices); GPUs come from gpusPerNode."""
+
+    requests: dict[str, Quantity] = Field(default_factory=dict, max_length=16)
+    limits: dict[str, Quantity] = Field(default_factory=dict, max_length=16)
+
+
+class PortSet(CrdModel):
+    """The fixed ports of one role's pods. With hostNetwork they are node ports, so roles must not share any."""
+
+    http: Port = Field(description="SGLang HTTP server (--port).")
+    bootstrap: Port = Field(description="PD bootstrap server (--disaggregation-bootstrap-port, prefill leaders).")
+    dist_init: Port = Field(description="torch.distributed rendezvous on the group leader (--dist-init-addr).")
+    mooncake_rpc: Port = Field(
+        description="Mooncake transfer-engine RPC port (MC_MIN_RPC_PORT = MC_MAX_RPC_PORT), so the session id "
+        "'ip:port' is known before the pod starts."
+    )
+
+    cel_rules = (
+        Rule(
+            cel="[self.http, self.bootstrap, self.distInit, self.mooncakeRpc].all(p, "
+            "[self.http, self.bootstrap, self.distInit, self.mooncakeRpc].filter(q, q == p).size() == 1)",
+            message="ports must be pairwise different",
+            check=lambda s: len({s.http, s.bootstrap, s.dist_init, s.mooncake_rpc}) == 4,
+        ),
+    )
+
+    def all(self) -> tuple[int, ...]:
+        return (self.http, self.bootstrap, self.dist_init, self.mooncake_rpc)
+
+
+class Condition(CrdModel):
+    """A metav1.Condition."""
+
+    type: str
+    status: ConditionStatus
+    reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", max_length=1024)
+    message: str = Field(default="", max_length=32768)
+    last_transition_time: str = Field(description="RFC 3339 time the status last changed.")
+    observed_generation: int | None = Field(default=None, ge=0)

@@ -1,0 +1,360 @@
+"""The ``PDCluster`` resource (short name ``pdc``): one prefill/decode-disaggregated deployment of a model.
+
+Replicas have exactly one source of truth at a time:
+
+* ``spec.prefill.groups`` / ``spec.decode.groups`` are **initial values only**. The operator uses them when it
+  creates the role's ``PDPool`` and never again; the API server rejects later changes to them (CEL transition
+  rule), with a message that says to scale the pool instead.
+* After creation ``PDPool.spec.replicas`` is authoritative: ``kubectl scale pdpool/<cluster>-decode
+  --replicas=N`` and HPAs write it through the scale subresource, and the operator's own applies of the pool
+  carry the value it read from the live pool, so the cluster and the pools never fight over it.
+
+Everything else about a role (parallelism, images, transfer, placement) comes from the PDCluster only.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import Field, StringConstraints
+
+from tandem.registry import Role
+from tandem_operator.api.common import (
+    CONDITIONS_LIST,
+    Condition,
+    EnvVar,
+    LabelKey,
+    LabelValue,
+    PortSet,
+    Quantity,
+    Resources,
+    Toleration,
+)
+from tandem_operator.api.rules import CrdModel, Rule, immutable
+
+# Flags the operator computes from the spec; extraArgs may not set them (they would silently fight).
+MANAGED_FLAGS = (
+    "--model-path",
+    "--served-model-name",
+    "--revision",
+    "--host",
+    "--port",
+    "--tp-size",
+    "--ep-size",
+    "--attn-dp-size",
+    "--dp-size",
+    "--enable-dp-attention",
+    "--nnodes",
+    "--node-rank",
+    "--dist-init-addr",
+    "--disaggregation-mode",
+    "--disaggregation-transfer-backend",
+    "--disaggregation-bootstrap-port",
+    "--disaggregation-ib-device",
+    "--moe-a2a-backend",
+    "--deepep-mode",
+    "--hicache-storage-backend",
+    "--disaggregation-decode-enable-offload-kvcache",
+)
+_MANAGED_CEL = "[" + ", ".join(f"'{flag}'" for flag in MANAGED_FLAGS) + "]"
+
+ExtraArg = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+IbDevice = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)]
+EtcdEndpoint = Annotated[str, StringConstraints(pattern=r"^https?://[^/\s]+$", max_length=253)]
+
+
+class DeepEPMode(StrEnum):
+    NORMAL = "normal"
+    LOW_LATENCY = "low_latency"
+    AUTO = "auto"
+
+
+class TransferProtocol(StrEnum):
+    RDMA = "rdma"
+    TCP = "tcp"
+
+
+class ModelSpec(CrdModel):
+    """What the workers serve. Defaults: Kimi K2.6 with its tool-call and reasoning parsers."""
+
+    path: str = Field(
+        default="moonshotai/Kimi-K2.6", min_length=1, max_length=1024, description="--model-path, passed verbatim."
+    )
+    served_name: str = Field(default="kimi-k2.6", min_length=1, max_length=253, description="--served-model-name.")
+    revision: str | None = Field(default=None, max_length=253, description="Hugging Face revision (--revision).")
+    trust_remote_code: bool = True
+    tool_call_parser: str | None = Field(default="kimi_k2", max_length=64)
+    reasoning_parser: str | None = Field(default="kimi_k2", max_length=64)
+    pvc: str | None = Field(
+        default=None,
+        max_length=253,
+        description="PersistentVolumeClaim holding the weights, mounted read-only at mountPath (point path at it).",
+    )
+    mount_path: str = Field(default="/models", pattern=r"^/", max_length=1024)
+
+
+class ImagesSpec(CrdModel):
+    """Container images."""
+
+    worker: str = Field(default="lmsysorg/sglang:v0.5.23", min_length=1, max_length=1024)
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    pull_secrets: list[Annotated[str, StringConstraints(max_length=253)]] = Field(default_factory=list, max_length=8)
+
+
+class PoolSpec(CrdModel):
+    """One role's groups. A group is one SGLang server spread over ``nodesPerGroup`` pods, one pod per node."""
+
+    groups: int = Field(
+        default=1,
+        ge=0,
+        le=1000,
+        description="Initial number of groups, used only when the role's PDPool is created; afterwards scale the "
+        "PDPool (kubectl scale pdpool/<cluster>-<role>).",
+        json_schema_extra=immutable(
+            "groups only sets the initial size; scale the PDPool instead: kubectl scale pdpool/<cluster>-<role>"
+        ),
+    )
+    nodes_per_group: int = Field(default=1, ge=1, le=64, description="Pods (= nodes) per group (--nnodes).")
+    gpus_per_node: int = Field(default=8, ge=1, le=16, description="nvidia.com/gpu requested by each pod.")
+    tp_size: int = Field(default=8, ge=1, le=1024, description="--tp-size over the whole group.")
+    ep_size: int = Field(default=8, ge=1, le=1024, description="--ep-size (expert parallelism).")
+    attn_dp_size: int = Field(default=1, ge=1, le=1024, description="--attn-dp-size (attention data parallelism).")
+    moe_a2a_backend: Literal["deepep", "none"] = "deepep"
+    deepep_mode: DeepEPMode = DeepEPMode.AUTO
+    enable_eplb: bool = False
+    ep_num_redundant_experts: int = Field(default=0, ge=0, le=1024)
+    moe_dense_tp_size: Literal[1] | None = None
+    enable_dp_lm_head: bool = False
+    enable_two_batch_overlap: bool = False
+    chunked_prefill_size: int | None = Field(default=None, ge=1)
+    mem_fraction_static: float | None = Field(default=None, gt=0, lt=1)
+    extra_args: list[ExtraArg] = Field(
+        default_factory=list, max_length=64, description="Appended to the SGLang command line verbatim."
+    )
+    env: list[EnvVar] = Field(default_factory=list, max_length=64)
+    resources: Resources = Field(default_factory=Resources)
+    node_selector: dict[str, LabelValue] = Field(default_factory=dict, max_length=32)
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
+    topology_key: LabelKey | None = Field(
+        default=None,
+        description="Node label (rack, NVLink/IB block) all pods of a group must share with the group leader.",
+    )
+    shm_size: Quantity = Field(default="64Gi", description="Size of the memory-backed /dev/shm.")
+    max_surge_groups: int = Field(
+        default=1,
+        ge=0,
+        le=1,
+        description="Extra groups a rollout may create before deleting an old one (0: replace in place, which "
+        "needs no spare nodes but lowers capacity by one group during each step).",
+    )
+
+    cel_rules = (
+        Rule(
+            cel="self.tpSize == self.nodesPerGroup * self.gpusPerNode",
+            message="tpSize must equal nodesPerGroup * gpusPerNode (one tensor-parallel rank per GPU)",
+            check=lambda s: s.tp_size == s.nodes_per_group * s.gpus_per_node,
+            field_path=".tpSize",
+        ),
+        Rule(
+            cel="self.tpSize % self.epSize == 0",
+            message="epSize must divide tpSize",
+            check=lambda s: s.tp_size % s.ep_size == 0,
+            field_path=".epSize",
+        ),
+        Rule(
+            cel="self.tpSize % self.attnDpSize == 0",
+            message="attnDpSize must divide tpSize",
+            check=lambda s: s.tp_size % s.attn_dp_size == 0,
+            field_path=".attnDpSize",
+        ),
+        Rule(
+            cel="self.moeA2ABackend != 'deepep' || self.epSize == self.tpSize",
+            message="moeA2ABackend deepep needs epSize == tpSize",
+            check=lambda s: s.moe_a2a_backend != "deepep" or s.ep_size == s.tp_size,
+            field_path=".epSize",
+        ),
+        Rule(
+            cel="!self.enableDpLmHead || self.attnDpSize > 1",
+            message="enableDpLmHead needs attnDpSize > 1",
+            check=lambda s: not s.enable_dp_lm_head or s.attn_dp_size > 1,
+            field_path=".enableDpLmHead",
+        ),
+        Rule(
+            cel=f"self.extraArgs.all(a, !{_MANAGED_CEL}.exists(f, a == f || a.startsWith(f + '=')))",
+            message="extraArgs may not set flags the operator manages: " + " ".join(MANAGED_FLAGS),
+            check=lambda s: not any(a == f or a.startswith(f + "=") for a in s.extra_args for f in MANAGED_FLAGS),
+            field_path=".extraArgs",
+        ),
+    )
+
+
+def _prefill_ports() -> PortSet:
+    return PortSet(http=30000, bootstrap=8998, dist_init=5000, mooncake_rpc=15000)
+
+
+def _decode_ports() -> PortSet:
+    return PortSet(http=30001, bootstrap=8999, dist_init=5001, mooncake_rpc=15001)
+
+
+class PrefillSpec(PoolSpec):
+    """Prefill groups: DeepEP normal mode (throughput); their leaders run the PD bootstrap server."""
+
+    deepep_mode: DeepEPMode = DeepEPMode.NORMAL
+    ports: PortSet = Field(default_factory=_prefill_ports, json_schema_extra={"default": _prefill_ports().to_wire()})
+
+
+class MooncakeStoreSpec(CrdModel):
+    """The Mooncake Store that holds decode's offloaded KV (HiCache L3)."""
+
+    master_ha: bool = Field(
+        default=True,
+        description="Find the master through etcd (Mooncake master HA, leader elected on the cluster's etcd).",
+    )
+    master_address: str | None = Field(default=None, max_length=253, description="host:port of a single master.")
+    global_segment_size: Quantity = Field(
+        default=0, description="Memory each worker contributes to the store (0: a pure client)."
+    )
+
+    cel_rules = (
+        Rule(
+            cel="self.masterHa || has(self.masterAddress)",
+            message="mooncakeStore needs masterHa: true or a masterAddress",
+            check=lambda s: s.master_ha or s.master_address is not None,
+            field_path=".masterAddress",
+        ),
+    )
+
+
+class KvOffloadSpec(CrdModel):
+    """Decode KV-cache offload to host memory and a HiCache storage backend."""
+
+    enabled: bool = False
+    host_memory_gib: int = Field(default=64, ge=1, le=4096, description="Host KV cache per rank (--hicache-size).")
+    storage_backend: Literal["mooncake"] | None = Field(default=None, description="--hicache-storage-backend.")
+    mooncake_store: MooncakeStoreSpec | None = None
+
+    cel_rules = (
+        Rule(
+            cel="!self.enabled || has(self.storageBackend)",
+            message="kvOffload.enabled needs a storageBackend (mooncake)",
+            check=lambda s: not s.enabled or s.storage_backend is not None,
+            field_path=".storageBackend",
+        ),
+        Rule(
+            cel="!has(self.storageBackend) || self.storageBackend != 'mooncake' || has(self.mooncakeStore)",
+            message="storageBackend mooncake needs mooncakeStore",
+            check=lambda s: s.storage_backend != "mooncake" or s.mooncake_store is not None,
+            field_path=".mooncakeStore",
+        ),
+    )
+
+
+class DecodeSpec(PoolSpec):
+    """Decode groups: DeepEP low-latency mode; optionally offload KV to Mooncake Store."""
+
+    deepep_mode: DeepEPMode = DeepEPMode.LOW_LATENCY
+    ports: PortSet = Field(default_factory=_decode_ports, json_schema_extra={"default": _decode_ports().to_wire()})
+    kv_offload: KvOffloadSpec = Field(default_factory=KvOffloadSpec)
+
+
+class TransferSpec(CrdModel):
+    """How KV moves from prefill to decode (Mooncake transfer engine)."""
+
+    protocol: TransferProtocol = TransferProtocol.RDMA
+    ib_devices: list[IbDevice] = Field(default_factory=list, max_length=16, description="e.g. [mlx5_0, mlx5_1].")
+    rdma_resource: str | None = Field(
+        default=None,
+        max_length=253,
+        description="Extended resource of an RDMA device plugin (e.g. rdma/hca_shared_devices_a); requested once "
+        "per pod instead of mounting the host's /dev/infiniband.",
+    )
+    host_network: bool = Field(default=False, description="Run workers in the node's network namespace.")
+    metadata_refresh_seconds: int = Field(
+        default=5,
+        ge=1,
+        le=300,
+        description="MC_TE_METADATA_REFRESH_INTERVAL_SECONDS: how soon peers re-read a restarted pod's metadata.",
+    )
+    disable_metadata_cache: bool = Field(default=False, description="MC_DISABLE_METACACHE.")
+
+    cel_rules = (
+        Rule(
+            cel="self.protocol != 'rdma' || self.ibDevices.size() > 0",
+            message="protocol rdma needs ibDevices (e.g. [mlx5_0]); use protocol tcp without RDMA",
+            check=lambda s: s.protocol != TransferProtocol.RDMA or len(s.ib_devices) > 0,
+            field_path=".ibDevices",
+        ),
+    )
+
+
+class RouterSpec(CrdModel):
+    """Settings for the Tandem routers that serve this cluster."""
+
+    policy: Literal["random", "round_robin", "least_load"] = "least_load"
+    max_attempts: int = Field(default=5, ge=1, le=10, description="Tries per request before its first byte.")
+    pair_same_revision: bool = Field(default=True, description="Pair only prefill and decode of one revision.")
+
+
+class EtcdSpec(CrdModel):
+    """The etcd the endpoint registry (and Mooncake metadata / master HA) lives in."""
+
+    endpoints: list[EtcdEndpoint] = Field(min_length=1, max_length=16)
+
+
+class PDClusterSpec(CrdModel):
+    """Desired state of a prefill/decode-disaggregated deployment."""
+
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    images: ImagesSpec = Field(default_factory=ImagesSpec)
+    prefill: PrefillSpec = Field(default_factory=PrefillSpec)
+    decode: DecodeSpec = Field(default_factory=DecodeSpec)
+    transfer: TransferSpec
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    etcd: EtcdSpec
+
+    cel_rules = (
+        Rule(
+            cel="!self.transfer.hostNetwork || [self.prefill.ports.http, self.prefill.ports.bootstrap, "
+            "self.prefill.ports.distInit, self.prefill.ports.mooncakeRpc].all(p, !(p in [self.decode.ports.http, "
+            "self.decode.ports.bootstrap, self.decode.ports.distInit, self.decode.ports.mooncakeRpc]))",
+            message="with transfer.hostNetwork, prefill.ports and decode.ports must not share a port",
+            check=lambda s: not s.transfer.host_network or not set(s.prefill.ports.all()) & set(s.decode.ports.all()),
+            field_path=".decode.ports",
+        ),
+    )
+
+    def role(self, role: Role) -> PrefillSpec | DecodeSpec:
+        return self.prefill if role is Role.PREFILL else self.decode
+
+
+class Phase(StrEnum):
+    PENDING = "Pending"
+    PROGRESSING = "Progressing"
+    READY = "Ready"
+    DEGRADED = "Degraded"
+
+
+class RoleStatus(CrdModel):
+    """Observed groups of one role."""
+
+    groups: int = Field(default=0, ge=0, description="Desired groups (the PDPool's replicas).")
+    ready_groups: int = Field(default=0, ge=0, description="Groups whose every pod is Ready.")
+    updated_groups: int = Field(default=0, ge=0, description="Groups running the current template.")
+    recovering_groups: int = Field(default=0, ge=0, description="Groups being recreated after a member died.")
+    template_hash: str = ""
+
+
+class PDClusterStatus(CrdModel):
+    """Observed state, written by the operator."""
+
+    observed_generation: int = Field(default=0, ge=0)
+    phase: Phase = Phase.PENDING
+    revision: str = Field(default="", description="Compatibility revision: routers pair equal revisions only.")
+    conditions: list[Condition] = Field(default_factory=list, max_length=16, json_schema_extra=CONDITIONS_LIST)
+    prefill: RoleStatus = Field(default_factory=RoleStatus)
+    decode: RoleStatus = Field(default_factory=RoleStatus)
+    recoveries: int = Field(default=0, ge=0, description="Groups recreated after a member died.")
+    last_recovery_seconds: float | None = Field(
+        default=None, ge=0, description="From the death of a member to its group registered again."
+    )

@@ -1,0 +1,1 @@
+"""CustomResourceDefinitions generated from the api models (``python -m tandem_operator.crdgen``)."""

@@ -1,0 +1,89 @@
+"""The SGLang 0.5.23 command line of one pod (``python3 -m sglang.launch_server ...``). Pure.
+
+Flag spellings follow SGLang 0.5.23 (``--attn-dp-size`` is the new spelling of ``--dp-size N
+--enable-dp-attention``); ``tests/operator/test_sglang_args.py`` checks the output against the flag table read from
+the pinned SGLang wheel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.registry import Role
+from tandem_operator.api.pdcluster import DecodeSpec, PDClusterSpec, TransferProtocol
+
+LAUNCH = ("python3", "-m", "sglang.launch_server")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one pod sits in its group."""
+
+    role: Role
+    node_rank: int
+    leader_address: str  # the group leader's stable DNS name (headless Service)
+
+
+def sglang_args(spec: PDClusterSpec, placement: Placement) -> list[str]:
+    """Arguments after ``sglang.launch_server``. ``$(POD_IP)`` is expanded by the kubelet from the pod's env."""
+    role = spec.role(placement.role)
+    model = spec.model
+    args = ["--model-path", model.path, "--served-model-name", model.served_name]
+    if model.revision is not None:
+        args += ["--revision", model.revision]
+    if model.trust_remote_code:
+        args.append("--trust-remote-code")
+    if model.tool_call_parser is not None:
+        args += ["--tool-call-parser", model.tool_call_parser]
+    if model.reasoning_parser is not None:
+        args += ["--reasoning-parser", model.reasoning_parser]
+    args += ["--host", "$(POD_IP)", "--port", str(role.ports.http), "--enable-metrics"]
+
+    args += ["--tp-size", str(role.tp_size), "--ep-size", str(role.ep_size)]
+    if role.attn_dp_size > 1:
+        args += ["--attn-dp-size", str(role.attn_dp_size)]
+    if role.moe_a2a_backend == "deepep":
+        args += ["--moe-a2a-backend", "deepep", "--deepep-mode", role.deepep_mode.value]
+    if role.enable_eplb:
+        args.append("--enable-eplb")
+    if role.ep_num_redundant_experts:
+        args += ["--ep-num-redundant-experts", str(role.ep_num_redundant_experts)]
+    if role.moe_dense_tp_size is not None:
+        args += ["--moe-dense-tp-size", str(role.moe_dense_tp_size)]
+    if role.enable_dp_lm_head:
+        args.append("--enable-dp-lm-head")
+    if role.enable_two_batch_overlap:
+        args.append("--enable-two-batch-overlap")
+    if role.chunked_prefill_size is not None:
+        args += ["--chunked-prefill-size", str(role.chunked_prefill_size)]
+    if role.mem_fraction_static is not None:
+        args += ["--mem-fraction-static", repr(role.mem_fraction_static)]
+
+    if role.nodes_per_group > 1:
+        args += [
+            "--dist-init-addr",
+            f"{placement.leader_address}:{role.ports.dist_init}",
+            "--nnodes",
+            str(role.nodes_per_group),
+            "--node-rank",
+            str(placement.node_rank),
+        ]
+
+    args += ["--disaggregation-mode", placement.role.value, "--disaggregation-transfer-backend", "mooncake"]
+    if spec.transfer.protocol is TransferProtocol.RDMA:
+        args += ["--disaggregation-ib-device", ",".join(spec.transfer.ib_devices)]
+    if placement.role is Role.PREFILL:
+        args += ["--disaggregation-bootstrap-port", str(role.ports.bootstrap)]
+    if isinstance(role, DecodeSpec) and role.kv_offload.enabled and role.kv_offload.storage_backend is not None:
+        args += [
+            "--disaggregation-decode-enable-offload-kvcache",
+            "--hicache-size",
+            str(role.kv_offload.host_memory_gib),
+            "--hicache-storage-backend",
+            role.kv_offload.storage_backend,
+        ]
+    return args + list(role.extra_args)
+
+
+def launch_command(spec: PDClusterSpec, placement: Placement) -> list[str]:
+    return [*LAUNCH, *sglang_args(spec, placement)]

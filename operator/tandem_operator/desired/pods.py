@@ -1,0 +1,241 @@
+"""Pods and headless Services of one group. Pure: ``group_manifests(ctx, group)`` returns dicts to apply.
+
+A group is one SGLang server over ``nodesPerGroup`` pods, one per node: rank 0 is the leader. The group's headless
+Service selects only the leader and publishes it before it is Ready, so ``<group>.<namespace>.svc`` is the
+leader's stable address for ``--dist-init-addr`` and for prefill bootstrap registration, whatever its pod IP.
+Pods use ``restartPolicy: Never``: NCCL cannot lose a rank, so a dead member fails its pod and the operator
+recreates the whole group (gang semantics) instead of the kubelet restarting one rank into a broken group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.registry import Role
+from tandem_operator.api.pdcluster import DecodeSpec, PDClusterSpec, TransferProtocol
+from tandem_operator.desired.args import Placement, launch_command
+from tandem_operator.desired.naming import (
+    ANNOTATION_BOOTSTRAP_PORT,
+    COMMON_LABELS,
+    LABEL_RANK,
+    LABEL_REVISION,
+    LABEL_TEMPLATE_HASH,
+    ClusterRef,
+    OwnerRef,
+    compat_revision,
+    group_labels,
+    group_name,
+    mooncake_cluster_id,
+    pod_name,
+    template_hash,
+)
+
+GPU_RESOURCE = "nvidia.com/gpu"
+CONTAINER = "sglang"
+HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
+
+
+@dataclass(frozen=True)
+class RoleContext:
+    """Everything the manifests of one role depend on, hashed once."""
+
+    cluster: ClusterRef
+    spec: PDClusterSpec
+    role: Role
+    owner: OwnerRef  # the role's PDPool: deleting it garbage-collects pods and Services
+    template_hash: str
+    revision: str
+
+    @classmethod
+    def build(cls, cluster: ClusterRef, spec: PDClusterSpec, role: Role, owner: OwnerRef) -> RoleContext:
+        return cls(cluster, spec, role, owner, template_hash(spec, role), compat_revision(spec))
+
+
+def leader_address(ctx: RoleContext, group: int) -> str:
+    return f"{group_name(ctx.cluster.name, ctx.role, group)}.{ctx.cluster.namespace}.svc"
+
+
+def group_manifests(ctx: RoleContext, group: int) -> list[dict[str, Any]]:
+    """The group's Service, then its pods by rank."""
+    nodes = ctx.spec.role(ctx.role).nodes_per_group
+    return [group_service(ctx, group), *(group_pod(ctx, group, rank) for rank in range(nodes))]
+
+
+def _metadata(ctx: RoleContext, name: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": ctx.cluster.namespace,
+        "labels": {**COMMON_LABELS, **labels},
+        "ownerReferences": [ctx.owner.to_manifest()],
+    }
+
+
+def group_service(ctx: RoleContext, group: int) -> dict[str, Any]:
+    ports = ctx.spec.role(ctx.role).ports
+    service_ports = [
+        {"name": "http", "port": ports.http, "targetPort": ports.http},
+        {"name": "dist-init", "port": ports.dist_init, "targetPort": ports.dist_init},
+    ]
+    if ctx.role is Role.PREFILL:
+        service_ports.append({"name": "bootstrap", "port": ports.bootstrap, "targetPort": ports.bootstrap})
+    labels = group_labels(ctx.cluster.name, ctx.role, group)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(ctx, group_name(ctx.cluster.name, ctx.role, group), labels),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {**labels, LABEL_RANK: "0"},
+            "ports": service_ports,
+        },
+    }
+
+
+def _env(ctx: RoleContext) -> list[dict[str, Any]]:
+    spec, role = ctx.spec, ctx.spec.role(ctx.role)
+    transfer = spec.transfer
+    env: dict[str, dict[str, Any]] = {
+        "POD_IP": {"valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        "POD_NAME": {"valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        # One fixed RPC port: the Mooncake session id "ip:port" is known before the pod starts.
+        "MC_MIN_RPC_PORT": {"value": str(role.ports.mooncake_rpc)},
+        "MC_MAX_RPC_PORT": {"value": str(role.ports.mooncake_rpc)},
+        "MC_TE_METRIC": {"value": "true"},
+        "MC_METADATA_CLUSTER_ID": {"value": mooncake_cluster_id(ctx.cluster)},
+        # Peers re-read metadata this often, so they reach a restarted pod that kept its name.
+        "MC_TE_METADATA_REFRESH_INTERVAL_SECONDS": {"value": str(transfer.metadata_refresh_seconds)},
+    }
+    if transfer.disable_metadata_cache:
+        env["MC_DISABLE_METACACHE"] = {"value": "true"}
+    if transfer.protocol is TransferProtocol.TCP:
+        env["MC_FORCE_TCP"] = {"value": "true"}
+    if isinstance(role, DecodeSpec) and role.kv_offload.enabled and role.kv_offload.mooncake_store is not None:
+        store = role.kv_offload.mooncake_store
+        etcd_hosts = ";".join(e.split("://", 1)[1] for e in spec.etcd.endpoints)
+        master = f"etcd://{etcd_hosts}" if store.master_ha else str(store.master_address)
+        env["MOONCAKE_MASTER"] = {"value": master}
+        env["MOONCAKE_TE_META_DATA_SERVER"] = {"value": f"etcd://{etcd_hosts}"}
+        env["MOONCAKE_PROTOCOL"] = {"value": transfer.protocol.value}
+        env["MOONCAKE_DEVICE"] = {"value": ",".join(transfer.ib_devices)}
+        env["MOONCAKE_GLOBAL_SEGMENT_SIZE"] = {"value": str(store.global_segment_size)}
+    for var in role.env:  # the user's values win
+        env[var.name] = {"value": var.value}
+    return [{"name": name, **value} for name, value in env.items()]
+
+
+def _resources(ctx: RoleContext) -> dict[str, Any]:
+    role, transfer = ctx.spec.role(ctx.role), ctx.spec.transfer
+    devices = {GPU_RESOURCE: str(role.gpus_per_node)}
+    if transfer.protocol is TransferProtocol.RDMA and transfer.rdma_resource is not None:
+        devices[transfer.rdma_resource] = "1"
+    requests = {name: str(value) for name, value in role.resources.requests.items()}
+    limits = {name: str(value) for name, value in role.resources.limits.items()}
+    return {"requests": {**requests, **devices}, "limits": {**limits, **devices}}
+
+
+def _container_ports(ctx: RoleContext) -> list[dict[str, Any]]:
+    ports = ctx.spec.role(ctx.role).ports
+    named = [("http", ports.http), ("dist-init", ports.dist_init), ("mooncake-rpc", ports.mooncake_rpc)]
+    if ctx.role is Role.PREFILL:
+        named.append(("bootstrap", ports.bootstrap))
+    host = ctx.spec.transfer.host_network
+    # With hostNetwork the ports are node ports: declaring hostPort lets the scheduler keep clashing pods apart.
+    return [
+        {"name": name, "containerPort": port, "protocol": "TCP", **({"hostPort": port} if host else {})}
+        for name, port in named
+    ]
+
+
+def _volumes(ctx: RoleContext) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    role, model = ctx.spec.role(ctx.role), ctx.spec.model
+    volumes: list[dict[str, Any]] = [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(role.shm_size)}}
+    ]
+    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    if _uses_host_infiniband(ctx):
+        volumes.append({"name": "infiniband", "hostPath": {"path": "/dev/infiniband", "type": "Directory"}})
+        mounts.append({"name": "infiniband", "mountPath": "/dev/infiniband"})
+    if model.pvc is not None:
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": model.pvc, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": model.mount_path, "readOnly": True})
+    return volumes, mounts
+
+
+def _uses_host_infiniband(ctx: RoleContext) -> bool:
+    transfer = ctx.spec.transfer
+    return transfer.protocol is TransferProtocol.RDMA and transfer.rdma_resource is None
+
+
+def _affinity(ctx: RoleContext, group: int, rank: int) -> dict[str, Any]:
+    labels = group_labels(ctx.cluster.name, ctx.role, group)
+    affinity: dict[str, Any] = {
+        "podAntiAffinity": {  # one pod of a group per node
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {"labelSelector": {"matchLabels": labels}, "topologyKey": HOSTNAME_TOPOLOGY}
+            ]
+        }
+    }
+    topology_key = ctx.spec.role(ctx.role).topology_key
+    if topology_key is not None and rank > 0:  # follow the leader into its rack / NVLink or IB block
+        affinity["podAffinity"] = {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {"labelSelector": {"matchLabels": {**labels, LABEL_RANK: "0"}}, "topologyKey": topology_key}
+            ]
+        }
+    return affinity
+
+
+def group_pod(ctx: RoleContext, group: int, rank: int) -> dict[str, Any]:
+    spec, role = ctx.spec, ctx.spec.role(ctx.role)
+    labels = {
+        **group_labels(ctx.cluster.name, ctx.role, group),
+        LABEL_RANK: str(rank),
+        LABEL_REVISION: ctx.revision,
+        LABEL_TEMPLATE_HASH: ctx.template_hash,
+    }
+    metadata = _metadata(ctx, pod_name(ctx.cluster.name, ctx.role, group, rank), labels)
+    if ctx.role is Role.PREFILL and rank == 0:
+        metadata["annotations"] = {ANNOTATION_BOOTSTRAP_PORT: str(role.ports.bootstrap)}
+    volumes, mounts = _volumes(ctx)
+    placement = Placement(role=ctx.role, node_rank=rank, leader_address=leader_address(ctx, group))
+    security: dict[str, Any] = {"capabilities": {"add": ["IPC_LOCK"]}}
+    if _uses_host_infiniband(ctx):
+        security["privileged"] = True  # a hostPath /dev/infiniband is unusable without device access
+    container = {
+        "name": CONTAINER,
+        "image": spec.images.worker,
+        "imagePullPolicy": spec.images.pull_policy,
+        "command": launch_command(spec, placement),
+        "env": _env(ctx),
+        "ports": _container_ports(ctx),
+        "resources": _resources(ctx),
+        "securityContext": security,
+        "volumeMounts": mounts,
+        # /health on every rank: the leader runs SGLang's HTTP server, the other ranks its dummy health server.
+        "readinessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 5,
+            "timeoutSeconds": 4,
+            "failureThreshold": 3,
+        },
+    }
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+        "containers": [container],
+        "volumes": volumes,
+        "affinity": _affinity(ctx, group, rank),
+    }
+    if spec.transfer.host_network:
+        pod_spec["hostNetwork"] = True
+        pod_spec["dnsPolicy"] = "ClusterFirstWithHostNet"  # still resolve the leader's Service name
+    if role.node_selector:
+        pod_spec["nodeSelector"] = dict(role.node_selector)
+    if role.tolerations:
+        pod_spec["tolerations"] = [t.to_wire() for t in role.tolerations]
+    if spec.images.pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": name} for name in spec.images.pull_secrets]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}

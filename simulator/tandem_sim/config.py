@@ -1,0 +1,199 @@
+"""Command line and environment of the simulated worker (mimics SGLang 0.5.23 ``launch_server``).
+
+Every SGLang 0.5.23 flag is accepted (the table comes from the pinned wheel, see ``tandem.sglang_args``); a flag
+SGLang does not have is an error. The ``--sim-*`` flags are the simulator's own knobs. The
+``SGLANG_DISAGGREGATION_*`` / failed-session-probe environment variables are read here, once, so the rest of
+the simulator never touches ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.sglang_args import SGLANG_VERSION, add_sglang_flags
+
+HICACHE_BACKENDS_SIMULATED = ("file", "mooncake")
+
+
+class ConfigError(ValueError):
+    """A bad combination of flags (the message names the flag)."""
+
+
+@dataclass(frozen=True)
+class PdEnv:
+    """SGLang's PD environment variables (names and defaults as SGLang 0.5.23 ``environ.py``)."""
+
+    heartbeat_interval_s: float = 5.0
+    heartbeat_max_failure: int = 2
+    bootstrap_timeout_s: float = 300.0
+    waiting_timeout_s: float = 300.0
+    enable_failed_session_probe: bool = True
+    probe_interval_s: float = 30.0
+    probe_max_interval_s: float = 300.0
+    failed_session_idle_timeout_s: float = 600.0
+    test_failure_prob: float = 0.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> PdEnv:
+        def num(name: str, default: float) -> float:
+            raw = env.get(name)
+            return default if raw in (None, "") else float(raw)
+
+        probe_raw = env.get("SGLANG_ENABLE_FAILED_SESSION_PROBE", "true").strip().lower()
+        return cls(
+            # SGLang clamps these: the heartbeat never runs more often than every 2 s, and needs >= 1 miss.
+            heartbeat_interval_s=max(num("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", 5.0), 2.0),
+            heartbeat_max_failure=max(int(num("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", 2)), 1),
+            bootstrap_timeout_s=num("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300),
+            waiting_timeout_s=num("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300),
+            enable_failed_session_probe=probe_raw in {"1", "true", "yes", "on"},
+            probe_interval_s=num("SGLANG_FAILED_SESSION_PROBE_INTERVAL_S", 30.0),
+            probe_max_interval_s=num("SGLANG_FAILED_SESSION_PROBE_MAX_INTERVAL_S", 300.0),
+            failed_session_idle_timeout_s=num("SGLANG_FAILED_SESSION_IDLE_TIMEOUT_S", 600.0),
+            test_failure_prob=num("SGLANG_TEST_DISAGG_FAILURE_PROB", 0.0),
+        )
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Everything the simulator acts on, resolved from flags and environment."""
+
+    model_path: str
+    served_model_name: str
+    host: str
+    port: int
+    mode: str  # "null" (aggregated) | "prefill" | "decode"
+    bootstrap_port: int
+    attn_dp_size: int
+    nnodes: int
+    node_rank: int
+    dist_init_addr: str | None
+    page_size: int
+    max_total_tokens: int
+    host_pool_tokens: int
+    max_running_requests: int
+    context_length: int
+    offload: bool
+    hicache_storage_backend: str | None
+    enable_metrics: bool
+    prefill_ms_per_token: float
+    inter_token_ms: float
+    kv_bytes_per_token: int
+    seed: int
+    inject_offload_race: bool
+    transfer_failure_prob: float
+    pd: PdEnv
+    server_args: Mapping[str, Any]  # every SGLang flag's resolved value, shown in /server_info
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem sim",
+        description=f"Simulated SGLang {SGLANG_VERSION} worker: accepts python -m sglang.launch_server flags.",
+        allow_abbrev=False,
+    )
+    add_sglang_flags(parser)
+    sim = parser.add_argument_group("simulator")
+    sim.add_argument("--sim-prefill-ms-per-token", type=float, default=0.02, help="simulated prefill compute")
+    sim.add_argument("--sim-inter-token-ms", type=float, default=2.0, help="simulated time per decoded token")
+    sim.add_argument("--sim-kv-bytes-per-token", type=int, default=256, help="KV bytes per token (>= 16)")
+    sim.add_argument("--sim-seed", type=int, default=0, help="simulated weights: changes KV bytes and text")
+    sim.add_argument(
+        "--sim-inject-offload-race",
+        action="store_true",
+        help="re-create SGLang's two decode-offload slot-reuse races (garbles output under load)",
+    )
+    sim.add_argument(
+        "--sim-transfer-failure-prob",
+        type=float,
+        default=None,
+        help="probability that a KV send fails (default: SGLANG_TEST_DISAGG_FAILURE_PROB or 0)",
+    )
+    sim.add_argument("--sim-host-pool-tokens", type=int, default=None, help="host KV pool size (default 4x device)")
+    return parser
+
+
+def _positive(name: str, value: int) -> int:
+    if value <= 0:
+        raise ConfigError(f"{name} must be positive, got {value}")
+    return value
+
+
+def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> SimConfig:
+    """Check flag combinations the way SGLang does for the flags the simulator acts on."""
+    pd_env = PdEnv.from_env(env)
+    mode = str(ns.disaggregation_mode)
+    if ns.disaggregation_decode_enable_offload_kvcache:
+        if mode != "decode":
+            raise ConfigError("--disaggregation-decode-enable-offload-kvcache requires --disaggregation-mode decode")
+        if ns.hicache_storage_backend is None:
+            raise ConfigError("--disaggregation-decode-enable-offload-kvcache requires --hicache-storage-backend")
+    if ns.hicache_storage_backend is not None and ns.hicache_storage_backend not in HICACHE_BACKENDS_SIMULATED:
+        raise ConfigError(
+            f"--hicache-storage-backend {ns.hicache_storage_backend}: the simulator implements "
+            f"{', '.join(HICACHE_BACKENDS_SIMULATED)}"
+        )
+    if mode != "null" and ns.disaggregation_transfer_backend not in {"mooncake", "mooncake_tcp"}:
+        raise ConfigError(
+            f"--disaggregation-transfer-backend {ns.disaggregation_transfer_backend}: simulated: mooncake"
+        )
+    attn_dp = int(ns.attn_dp_size)
+    if ns.enable_dp_attention and attn_dp == 1:
+        attn_dp = int(ns.dp_size)  # the deprecated spelling --dp-size N --enable-dp-attention
+    nnodes = _positive("--nnodes", int(ns.nnodes))
+    if not 0 <= int(ns.node_rank) < nnodes:
+        raise ConfigError(f"--node-rank {ns.node_rank} must be in [0, {nnodes})")
+    if nnodes > 1 and not ns.dist_init_addr:
+        raise ConfigError("--nnodes > 1 requires --dist-init-addr")
+    if ns.sim_kv_bytes_per_token < 16:
+        raise ConfigError("--sim-kv-bytes-per-token must be >= 16")
+    page_size = _positive("--page-size", int(ns.page_size or 1))
+    max_total = _positive("--max-total-tokens", int(ns.max_total_tokens or 65536))
+    max_total -= max_total % page_size
+    context_length = int(ns.context_length or 32768)
+    failure_prob = ns.sim_transfer_failure_prob
+    if failure_prob is None:
+        failure_prob = pd_env.test_failure_prob
+    if not 0.0 <= failure_prob <= 1.0:
+        raise ConfigError("--sim-transfer-failure-prob must be in [0, 1]")
+    server_args = {k: v for k, v in vars(ns).items() if not k.startswith("sim_")}
+    server_args.update(attn_dp_size=attn_dp, page_size=page_size, max_total_tokens=max_total)
+    server_args["context_length"] = context_length
+    return SimConfig(
+        model_path=str(ns.model_path),
+        served_model_name=str(ns.served_model_name or ns.model_path),
+        host=str(ns.host),
+        port=int(ns.port),
+        mode=mode,
+        bootstrap_port=int(ns.disaggregation_bootstrap_port),
+        attn_dp_size=_positive("--attn-dp-size", attn_dp),
+        nnodes=nnodes,
+        node_rank=int(ns.node_rank),
+        dist_init_addr=ns.dist_init_addr,
+        page_size=page_size,
+        max_total_tokens=max_total,
+        host_pool_tokens=int(ns.sim_host_pool_tokens or 4 * max_total),
+        max_running_requests=int(ns.max_running_requests or 256),
+        context_length=context_length,
+        offload=bool(ns.disaggregation_decode_enable_offload_kvcache),
+        hicache_storage_backend=ns.hicache_storage_backend,
+        enable_metrics=bool(ns.enable_metrics),
+        prefill_ms_per_token=float(ns.sim_prefill_ms_per_token),
+        inter_token_ms=float(ns.sim_inter_token_ms),
+        kv_bytes_per_token=int(ns.sim_kv_bytes_per_token),
+        seed=int(ns.sim_seed),
+        inject_offload_race=bool(ns.sim_inject_offload_race),
+        transfer_failure_prob=float(failure_prob),
+        pd=pd_env,
+        server_args=server_args,
+    )
+
+
+def parse(argv: Sequence[str], env: Mapping[str, str] | None = None) -> SimConfig:
+    """Parse ``argv`` (argparse exits with status 2 on unknown flags, as SGLang does)."""
+    ns = build_parser().parse_args(list(argv))
+    return resolve(ns, os.environ if env is None else env)

@@ -1,0 +1,216 @@
+"""The decoding engine shared by aggregated and decode mode: admission, KV pages, decode loop, KV offload.
+
+Offload (``--disaggregation-decode-enable-offload-kvcache``) copies every completed page of newly decoded KV
+from the device pool to the host pool asynchronously, like SGLang's ``DecodeKVCacheOffloadManager``. The
+fixed protocol (SGLang upstream, 2026) is implemented: a request's pages are freed only when it has finished
+**and** its in-flight copies (a counter on the request object itself) have drained.
+``--sim-inject-offload-race`` re-creates both upstream races instead:
+
+1. on a request's first offload its prompt pages go back to the allocator while the request still attends to
+   them; concurrent admissions reuse them, so the request reads another request's prompt KV;
+2. on finish its pages are freed at once while device->host copies are still reading them, so the host copy
+   is poisoned (counted in ``tandem_sim:offload_poisoned_pages_total``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tandem_sim import model
+from tandem_sim.config import SimConfig
+from tandem_sim.kvpool import PagedPool
+from tandem_sim.metrics import Metrics
+
+# Simulated device->host(+storage backend) copy time per page: not instantaneous, which is the races' window.
+OFFLOAD_COPY_S = 0.05
+
+
+@dataclass(eq=False)  # identity semantics: offload state is keyed by the request object, never by its id
+class RunningRequest:
+    rid: str
+    input_ids: list[int]
+    params: model.SamplingParams
+    pages: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    inflight_offloads: int = 0
+    offloaded_tokens: int = 0
+    prompt_pages_released: int = 0  # race 1: how many leading pages were handed back early
+    finished: bool = False
+    released: bool = False
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.input_ids)
+
+
+class Engine:
+    def __init__(self, cfg: SimConfig, metrics: Metrics) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self.weights = model.weights(cfg.seed, cfg.kv_bytes_per_token)
+        self.pool = PagedPool(cfg.max_total_tokens // cfg.page_size, cfg.page_size, cfg.kv_bytes_per_token)
+        host_pages = max(1, cfg.host_pool_tokens // cfg.page_size)
+        self.host = PagedPool(host_pages, cfg.page_size, cfg.kv_bytes_per_token)
+        self._host_cursor = 0
+        self._pages_changed = asyncio.Condition()
+        self._running = 0
+        self._queued = 0
+        self.offloaded_pages = 0
+        self.poisoned_pages = 0
+        self._tokens_window: list[float] = []
+
+    # -- admission -------------------------------------------------------------------------------------------
+    async def admit(self, req: RunningRequest) -> None:
+        """Reserve pages for the prompt and every token it may generate; waits while the pool is full."""
+        tokens = req.prompt_len + req.params.max_new_tokens
+        self._queued += 1
+        self._gauges()
+        try:
+            async with self._pages_changed:
+                while True:
+                    pages = self.pool.alloc(tokens)
+                    if pages is not None and self._running < self.cfg.max_running_requests:
+                        break
+                    await self._pages_changed.wait()
+        finally:
+            self._queued -= 1
+        req.pages = pages
+        self._running += 1
+        self._gauges()
+
+    async def release(self, req: RunningRequest) -> None:
+        """The request is over (finished, failed or aborted): free its pages per the offload protocol."""
+        if req.finished:
+            return
+        req.finished = True
+        self._running -= 1
+        if self.cfg.offload and not req.released:
+            self._offload_tail(req)
+        if req.inflight_offloads == 0 or self.cfg.inject_offload_race:
+            await self._free(req)
+        self._gauges()
+
+    async def _free(self, req: RunningRequest) -> None:
+        if req.released:
+            return
+        req.released = True
+        self.pool.free(req.pages[req.prompt_pages_released :])
+        async with self._pages_changed:
+            self._pages_changed.notify_all()
+        self._gauges()
+
+    # -- KV ----------------------------------------------------------------------------------------------------
+    def write_prompt_kv_locally(self, req: RunningRequest) -> None:
+        self.pool.write(req.pages, 0, model.compute_kv(self.weights, req.input_ids, 0))
+
+    def _read_rows(self, req: RunningRequest) -> Callable[[int, int], np.ndarray]:
+        def read(start: int, count: int) -> np.ndarray:
+            return self.pool.read(req.pages, start, count)
+
+        return read
+
+    # -- decoding ----------------------------------------------------------------------------------------------
+    async def decode(self, req: RunningRequest, on_token: Callable[[int], Awaitable[bool]] | None = None) -> str:
+        """Generate until EOS/stop/length. Returns the finish reason type ("stop" or "length").
+
+        ``on_token`` is awaited after each token; returning False stops generation (a stop string matched).
+        """
+        decoder = model.Decoder(self.weights, req.prompt_len, req.params, self._read_rows(req))
+        interval = self.cfg.inter_token_ms / 1000.0
+        last = time.monotonic()
+        for _ in range(req.params.max_new_tokens):
+            token = decoder.next_token()
+            position = req.prompt_len + len(req.output_ids)
+            if token == model.EOS_ID:
+                return "stop"
+            self.pool.write(req.pages, position, model.compute_kv(self.weights, [token], position))
+            req.output_ids.append(token)
+            self._maybe_offload(req)
+            self.metrics.generation_tokens.labels(self.metrics.model_name).inc()
+            self._note_token()
+            if on_token is not None and not await on_token(token):
+                return "stop"
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            self.metrics.inter_token_latency.labels(self.metrics.model_name).observe(now - last)
+            last = now
+        return "length"
+
+    def _note_token(self) -> None:
+        now = time.monotonic()
+        self._tokens_window.append(now)
+        if len(self._tokens_window) > 4096 or self._tokens_window[0] < now - 10:
+            self._tokens_window = [t for t in self._tokens_window if t >= now - 10][-4096:]
+
+    def gen_throughput(self) -> float:
+        now = time.monotonic()
+        recent = [t for t in self._tokens_window if t >= now - 10]
+        return len(recent) / 10.0
+
+    # -- offload -----------------------------------------------------------------------------------------------
+    def _maybe_offload(self, req: RunningRequest) -> None:
+        if not self.cfg.offload:
+            return
+        decoded = len(req.output_ids)
+        if decoded - req.offloaded_tokens < self.cfg.page_size:
+            return
+        start = req.prompt_len + req.offloaded_tokens
+        req.offloaded_tokens += self.cfg.page_size
+        if self.cfg.inject_offload_race and req.prompt_pages_released == 0:
+            # Race 1 (upstream bug): prompt slots handed back on the first offload, still attended to.
+            full_prompt_pages = req.prompt_len // self.cfg.page_size
+            if full_prompt_pages:
+                self.pool.free(req.pages[:full_prompt_pages])
+                req.prompt_pages_released = full_prompt_pages
+        req.inflight_offloads += 1
+        expected = model.compute_kv(self.weights, req.output_ids[start - req.prompt_len :][: self.cfg.page_size], start)
+        asyncio.get_running_loop().call_later(OFFLOAD_COPY_S, self._finish_copy, req, start, expected)
+
+    def _offload_tail(self, req: RunningRequest) -> None:
+        """At finish, the decoded tokens not yet offloaded (a partial page) are copied too."""
+        tail = len(req.output_ids) - req.offloaded_tokens
+        if tail <= 0:
+            return
+        start = req.prompt_len + req.offloaded_tokens
+        req.offloaded_tokens += tail
+        req.inflight_offloads += 1
+        expected = model.compute_kv(self.weights, req.output_ids[-tail:], start)
+        asyncio.get_running_loop().call_later(OFFLOAD_COPY_S, self._finish_copy, req, start, expected)
+
+    def _finish_copy(self, req: RunningRequest, start: int, expected: np.ndarray) -> None:
+        """The device->host copy lands: it reads the device slots *now*."""
+        copied = self.pool.read(req.pages, start, len(expected))
+        host_page = self._host_cursor % self.host.num_pages
+        self._host_cursor += 1
+        self.host.write([host_page], 0, copied[: self.cfg.page_size])
+        self.offloaded_pages += 1
+        if not np.array_equal(copied, expected):
+            self.poisoned_pages += 1
+            self.metrics.offload_poisoned_pages.labels(self.metrics.model_name).inc()
+        req.inflight_offloads -= 1
+        if req.finished and req.inflight_offloads == 0 and not req.released:
+            asyncio.get_running_loop().create_task(self._free(req))
+
+    # -- state -------------------------------------------------------------------------------------------------
+    def _gauges(self) -> None:
+        m, name = self.metrics, self.metrics.model_name
+        m.num_running_reqs.labels(name).set(self._running)
+        m.num_queue_reqs.labels(name).set(self._queued)
+        m.kv_used_tokens.labels(name).set(self.pool.used_tokens)
+        m.kv_available_tokens.labels(name).set(self.pool.free_pages * self.pool.page_size)
+        m.token_usage.labels(name).set(self.pool.used_tokens / max(1, len(self.pool.data)))
+
+    def internal_state(self) -> dict[str, object]:
+        return {
+            "num_running_reqs": self._running,
+            "num_queue_reqs": self._queued,
+            "kv_used_tokens": self.pool.used_tokens,
+            "max_total_num_tokens": len(self.pool.data),
+            "offloaded_pages": self.offloaded_pages,
+            "offload_poisoned_pages": self.poisoned_pages,
+        }

@@ -1,0 +1,115 @@
+"""Prometheus metrics with SGLang 0.5.23's names, types and buckets (``observability/metrics_collector.py``).
+
+Every metric carries SGLang's ``model_name`` label. ``sglang:kv_transfer_total_mb`` is a histogram of the MB
+really written by Mooncake per request (its ``_sum`` is the total moved).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LABELS = ("model_name",)
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, LABELS, registry=r)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, LABELS, registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, LABELS, registry=r, buckets=buckets)
+
+        self.num_running_reqs = gauge("sglang:num_running_reqs", "The number of running requests.")
+        self.num_queue_reqs = gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.")
+        self.kv_used_tokens = gauge("sglang:kv_used_tokens", "KV slots locked by running requests.")
+        self.kv_available_tokens = gauge("sglang:kv_available_tokens", "Free KV slots.")
+        self.token_usage = gauge("sglang:token_usage", "The token usage.")
+        self.gen_throughput = gauge("sglang:gen_throughput", "The generation throughput (token/s).")
+        self.num_prefill_bootstrap_queue_reqs = gauge(
+            "sglang:num_prefill_bootstrap_queue_reqs", "Prefill requests waiting for decode's KV indices."
+        )
+        self.num_decode_transfer_queue_reqs = gauge(
+            "sglang:num_decode_transfer_queue_reqs", "Decode requests waiting for their KV."
+        )
+        self.prompt_tokens = counter("sglang:prompt_tokens_total", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("sglang:generation_tokens_total", "Number of generation tokens processed.")
+        self.num_requests = counter("sglang:num_requests_total", "The number of requests finished.")
+        self.num_aborted_requests = counter("sglang:num_aborted_requests_total", "The number of aborted requests.")
+        self.ttft = histogram(
+            "sglang:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 120, 160),
+        )
+        self.inter_token_latency = histogram(
+            "sglang:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06, 0.08, 0.1, 0.2, 0.4),
+        )
+        self.e2e_latency = histogram(
+            "sglang:e2e_request_latency_seconds",
+            "Histogram of End-to-end request latency in seconds",
+            (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 120, 160),
+        )
+        self.kv_transfer_speed_gb_s = histogram(
+            "sglang:kv_transfer_speed_gb_s",
+            "Histogram of KV cache transfer speed in GB/s.",
+            (0.1, 0.5, 1, 5, 10, 25, 50, 100, 200, 400),
+        )
+        self.kv_transfer_latency_ms = histogram(
+            "sglang:kv_transfer_latency_ms",
+            "Histogram of KV cache transfer latency in ms.",
+            (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000),
+        )
+        self.kv_transfer_total_mb = histogram(
+            "sglang:kv_transfer_total_mb",
+            "Histogram of KV cache transfer size in MB.",
+            (1, 5, 10, 50, 100, 500, 1000, 5000, 10000),
+        )
+        self.num_bootstrap_failed_reqs = counter(
+            "sglang:num_bootstrap_failed_reqs_total", "The number of bootstrap failed requests."
+        )
+        self.num_transfer_failed_reqs = counter(
+            "sglang:num_transfer_failed_reqs_total", "The number of transfer failed requests."
+        )
+        self.failed_session_recoveries = counter(
+            "sglang:failed_session_recoveries_total", "Blacklisted Mooncake sessions recovered by the probe."
+        )
+        self.offload_poisoned_pages = counter(
+            "tandem_sim:offload_poisoned_pages_total",
+            "Simulator only: offloaded pages whose host copy differs from the request's KV (slot reuse race).",
+        )
+        for metric in (
+            self.num_running_reqs,
+            self.num_queue_reqs,
+            self.kv_used_tokens,
+            self.kv_available_tokens,
+            self.token_usage,
+            self.gen_throughput,
+            self.num_prefill_bootstrap_queue_reqs,
+            self.num_decode_transfer_queue_reqs,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.num_requests,
+            self.num_aborted_requests,
+            self.ttft,
+            self.inter_token_latency,
+            self.e2e_latency,
+            self.kv_transfer_speed_gb_s,
+            self.kv_transfer_latency_ms,
+            self.kv_transfer_total_mb,
+            self.num_bootstrap_failed_reqs,
+            self.num_transfer_failed_reqs,
+            self.failed_session_recoveries,
+            self.offload_poisoned_pages,
+        ):
+            metric.labels(model_name)  # exported from the start, at zero
+        self.model_name = model_name
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

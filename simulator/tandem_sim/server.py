@@ -1,0 +1,307 @@
+"""The HTTP surface of SGLang 0.5.23's ``http_server.py`` for the simulated worker (aiohttp).
+
+Native ``/generate``; OpenAI ``/v1/completions``, ``/v1/chat/completions`` (streaming, ``usage``),
+``/v1/models``; ``/health``, ``/health_generate``, ``/ready``, ``/model_info``, ``/server_info`` (+ ``/get_*``),
+``/flush_cache``, ``/abort_request``, ``/metrics``. Prefill ranks also serve the PD hand-over under
+``/tandem/pd/`` (SGLang uses ZMQ for this), and ``/tandem/sim/faults`` changes fault injection at runtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from tandem.sglang_args import SGLANG_VERSION
+from tandem_sim import responses
+from tandem_sim.config import SimConfig
+from tandem_sim.decode import PD_PATH
+from tandem_sim.prefill import DecodeRegistration
+from tandem_sim.requests import BadRequestError, GenerateInput, parse_generate, parse_openai
+from tandem_sim.worker import GenerationError, Worker
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(doc: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(doc), status=status, content_type="application/json")
+
+
+class Server:
+    def __init__(self, cfg: SimConfig, worker: Worker, ready: Callable[[], bool]) -> None:
+        self.cfg = cfg
+        self.worker = worker
+        self.ready = ready
+        self.created = int(time.time())
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        r = app.router
+        r.add_post("/generate", self.generate)
+        r.add_post("/v1/completions", self.completions)
+        r.add_post("/v1/chat/completions", self.chat)
+        r.add_get("/v1/models", self.models)
+        for path in ("/health", "/health_generate"):
+            r.add_get(path, self.health)
+        r.add_get("/ready", self.ready_check)
+        for path in ("/model_info", "/get_model_info"):
+            r.add_get(path, self.model_info)
+        for path in ("/server_info", "/get_server_info"):
+            r.add_get(path, self.server_info)
+        r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_post("/abort_request", self.abort_request)
+        r.add_get("/metrics", self.metrics)
+        r.add_post(f"{PD_PATH}/register", self.pd_register)
+        r.add_post(f"{PD_PATH}/transfer", self.pd_transfer)
+        r.add_post("/tandem/sim/faults", self.faults)
+        return app
+
+    # -- generation -------------------------------------------------------------------------------------------
+    async def _body(self, request: web.Request) -> Any:
+        raw = await request.read()
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as err:
+            raise BadRequestError(f"Invalid JSON body: {err}") from None
+
+    def _not_ready(self) -> GenerationError | None:
+        return None if self.ready() else GenerationError("The server is not ready yet", 503)
+
+    async def _track(self, inp: GenerateInput, coro: Awaitable[responses.Outcome]) -> responses.Outcome:
+        task = asyncio.ensure_future(coro)
+        self.worker.tasks[inp.rid] = task
+        try:
+            return await task
+        finally:
+            self.worker.tasks.pop(inp.rid, None)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            if (not_ready := self._not_ready()) is not None:
+                raise not_ready
+            inp = parse_generate(await self._body(request), mode=self.cfg.mode, context_length=self.cfg.context_length)
+        except BadRequestError as err:
+            return _json({"error": str(err)}, err.status)
+        except GenerationError as err:
+            return _json(responses.generate_error(str(err), err.status), err.status)
+        if not inp.stream:
+            try:
+                out = await self._track(inp, self.worker.run(inp))
+            except GenerationError as err:
+                return _json(responses.generate_error(str(err), err.status), err.status)
+            except asyncio.CancelledError:
+                if request.transport is None or request.transport.is_closing():
+                    raise
+                return _json(responses.generate_error("Request aborted", 500), 500)
+            return _json(responses.generate_body(out))
+        resp = await self._start_stream(request)
+
+        async def progress(out: responses.Outcome) -> None:
+            await resp.write(responses.sse(responses.generate_body(out)))
+
+        try:
+            out = await self._track(inp, self.worker.run(inp, progress))
+            await resp.write(responses.sse(responses.generate_body(out)))
+        except GenerationError as err:
+            await resp.write(responses.sse(responses.generate_stream_error(str(err), err.status)))
+        await resp.write(responses.SSE_DONE)
+        await resp.write_eof()
+        return resp
+
+    async def _start_stream(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        return resp
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, chat=True)
+
+    async def _openai(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            if (not_ready := self._not_ready()) is not None:
+                raise not_ready
+            body = await self._body(request)
+            inp = parse_openai(body, chat=chat, mode=self.cfg.mode, context_length=self.cfg.context_length)
+        except BadRequestError as err:
+            return _json(responses.openai_error(str(err), err.status), err.status)
+        except GenerationError as err:
+            return _json(responses.openai_error(str(err), err.status), err.status)
+        name = self.cfg.served_model_name
+        if not inp.stream:
+            try:
+                out = await self._track(inp, self.worker.run(inp))
+            except GenerationError as err:
+                return _json(responses.openai_error(str(err), err.status), err.status)
+            return _json(
+                responses.chat_body(out, name, self.created)
+                if chat
+                else responses.completion_body(out, name, self.created)
+            )
+        options = body.get("stream_options") or {}
+        include_usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
+        continuous_usage = bool(options.get("continuous_usage_stats")) if isinstance(options, dict) else False
+        resp = await self._start_stream(request)
+        sent = {"chars": 0, "role": False}
+
+        async def emit(out: responses.Outcome, final: bool) -> None:
+            delta_text = out.text[sent["chars"] :]
+            sent["chars"] = len(out.text)
+            if chat:
+                delta: dict[str, Any] = {"content": delta_text, "reasoning_content": None, "tool_calls": None}
+                if not sent["role"]:
+                    delta["role"] = "assistant"
+                    sent["role"] = True
+                chunk = responses.chat_chunk(out, name, self.created, delta, final, continuous_usage)
+            else:
+                chunk = responses.completion_chunk(out, name, self.created, delta_text, final, continuous_usage)
+            await resp.write(responses.sse(chunk))
+
+        async def progress(out: responses.Outcome) -> None:
+            await emit(out, final=False)
+
+        try:
+            out = await self._track(inp, self.worker.run(inp, progress))
+            await emit(out, final=True)
+            if include_usage:
+                await resp.write(responses.sse(responses.usage_chunk(out, name, self.created, chat)))
+        except GenerationError as err:
+            await resp.write(responses.sse({"error": responses.openai_error(str(err), err.status)}))
+        await resp.write(responses.SSE_DONE)
+        await resp.write_eof()
+        return resp
+
+    # -- info and control -------------------------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        name = self.cfg.served_model_name
+        card = {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "sglang",
+            "root": name,
+            "parent": None,
+            "max_model_len": self.cfg.context_length,
+        }
+        return _json({"object": "list", "data": [card]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.ready():
+            return web.Response(status=503)
+        try:
+            await asyncio.wait_for(self.worker.health_generate(), timeout=20)
+        except (TimeoutError, GenerationError):
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def ready_check(self, request: web.Request) -> web.Response:
+        return _json({"status": "ready"}) if self.ready() else _json({"status": "starting"}, 503)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return _json(
+            {
+                "model_path": self.cfg.model_path,
+                "tokenizer_path": self.cfg.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": "tandem_sim",
+                "architectures": ["TandemSimForCausalLM"],
+            }
+        )
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        info = dict(self.cfg.server_args)
+        info["internal_states"] = [self.worker.internal_state()]
+        info["version"] = SGLANG_VERSION
+        info["tandem_sim"] = {
+            "seed": self.cfg.seed,
+            "kv_bytes_per_token": self.cfg.kv_bytes_per_token,
+            "inject_offload_race": self.cfg.inject_offload_race,
+        }
+        return web.Response(body=orjson.dumps(info, default=str), content_type="application/json")
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        busy = bool(self.worker.tasks)
+        text = (
+            "Cache flushed.\nPlease check backend logs for more details. "
+            "(When there are running or waiting requests, the operation will not be performed.)"
+        )
+        return web.Response(text=text, status=400 if busy else 200)
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._body(request)
+        except BadRequestError as err:
+            return _json({"error": str(err)}, 400)
+        if not isinstance(body, dict):
+            return _json({"error": "Request body must be a JSON object"}, 400)
+        targets = list(self.worker.tasks) if body.get("abort_all") else [str(body.get("rid", ""))]
+        for rid in targets:
+            task = self.worker.tasks.get(rid)
+            if task is not None:
+                task.cancel()
+                self.worker.metrics.num_aborted_requests.labels(self.worker.metrics.model_name).inc()
+        return web.Response(status=200)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        if not self.cfg.enable_metrics:
+            return web.Response(status=404, text="Metrics are disabled; start with --enable-metrics")
+        self.worker.metrics.gen_throughput.labels(self.worker.metrics.model_name).set(
+            self.worker.engine.gen_throughput()
+        )
+        return web.Response(body=self.worker.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    # -- PD hand-over (prefill ranks) -------------------------------------------------------------------------
+    async def pd_register(self, request: web.Request) -> web.Response:
+        if self.worker.prefill is None:
+            return _json({"error": "not a prefill worker"}, 400)
+        try:
+            body = await request.json()
+            reg = DecodeRegistration(
+                str(body["session_id"]), int(body["kv_addr"]), int(body["kv_bytes_per_token"]), int(body["page_size"])
+            )
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as err:
+            return _json({"error": f"bad registration: {err!r}"}, 400)
+        self.worker.prefill.register_decode(reg)
+        return _json({"status": "ok"})
+
+    async def pd_transfer(self, request: web.Request) -> web.Response:
+        if self.worker.prefill is None:
+            return _json({"error": "not a prefill worker"}, 400)
+        try:
+            body = await request.json()
+            room, session, pages = int(body["room"]), str(body["session_id"]), [int(p) for p in body["dst_pages"]]
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as err:
+            return _json({"error": f"bad transfer request: {err!r}"}, 400)
+        reason = await self.worker.prefill.await_transfer(room, session, pages)
+        return _json({"status": "success"} if reason is None else {"status": "failed", "reason": reason})
+
+    async def faults(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            prob = float(body["transfer_failure_prob"])
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as err:
+            return _json({"error": f"expected {{'transfer_failure_prob': float}}: {err!r}"}, 400)
+        if not 0.0 <= prob <= 1.0 or self.worker.prefill is None:
+            return _json({"error": "transfer_failure_prob must be in [0, 1], on a prefill worker"}, 400)
+        self.worker.prefill.failure_prob = prob
+        return _json({"transfer_failure_prob": prob})
+
+
+async def cancel_all(tasks: dict[str, asyncio.Task[Any]]) -> None:
+    for task in list(tasks.values()):
+        task.cancel()
+    for task in list(tasks.values()):
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task

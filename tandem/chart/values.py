@@ -1,0 +1,154 @@
+"""``charts/tandem`` values as a pydantic model: the single source of truth.
+
+``python -m tandem.chart.generate`` writes ``values.yaml`` (every key documented from its field description, in
+the bitnami ``## @param`` style) and ``values.schema.json`` (enforced by Helm on install/upgrade/template).
+Cross-field rules a JSON schema cannot say live in ``templates/_helpers.tpl`` (``tandem.validateValues``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+Quantity = str
+
+
+class Values(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class Image(Values):
+    repository: str = Field(default="ghcr.io/tandem-dev/tandem", min_length=1, description="Image repository.")
+    tag: str = Field(default="", description="Image tag; empty means the chart's appVersion.")
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="Image pull policy."
+    )
+
+
+class Resources(Values):
+    requests: dict[str, Quantity] = Field(default_factory=dict, description="Resource requests (e.g. cpu, memory).")
+    limits: dict[str, Quantity] = Field(default_factory=dict, description="Resource limits (e.g. memory).")
+
+
+class Operator(Values):
+    enabled: bool = Field(default=True, description="Deploy the Tandem operator.")
+    replicas: int = Field(default=1, ge=1, le=5, description="Operator replicas (>1 uses leader election).")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="Log level.")
+    watch_namespaces: list[str] = Field(
+        default_factory=list, description="Namespaces to watch for PDClusters; empty means all namespaces."
+    )
+    resources: Resources = Field(
+        default_factory=lambda: Resources(requests={"cpu": "100m", "memory": "256Mi"}, limits={"memory": "1Gi"}),
+        description="Operator container resources.",
+    )
+
+
+class RouterService(Values):
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(default="ClusterIP", description="Service type.")
+    port: int = Field(default=8000, ge=1, le=65535, description="Service port of the OpenAI-compatible endpoint.")
+
+
+class Pdb(Values):
+    enabled: bool = Field(default=True, description="Create a PodDisruptionBudget for the router.")
+    min_available: int = Field(default=1, ge=0, description="Routers kept available during voluntary disruptions.")
+
+
+class Hpa(Values):
+    enabled: bool = Field(default=False, description="Create a HorizontalPodAutoscaler for the router.")
+    min_replicas: int = Field(default=2, ge=1, description="HPA minimum replicas.")
+    max_replicas: int = Field(default=10, ge=1, description="HPA maximum replicas.")
+    target_cpu_utilization: int = Field(default=70, ge=1, le=100, description="HPA target CPU utilization (%).")
+
+
+class Router(Values):
+    enabled: bool = Field(default=True, description="Deploy the router.")
+    replicas: int = Field(default=2, ge=1, description="Router replicas (ignored when the HPA is enabled).")
+    cluster_name: str = Field(
+        default="kimi-k26",
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        description="Name of the PDCluster (in the release namespace) whose registered endpoints the router serves.",
+    )
+    policy: Literal["round_robin", "power_of_two", "cache_aware", "random"] = Field(
+        default="cache_aware", description="Pair-selection policy."
+    )
+    processes: int = Field(default=2, ge=1, le=64, description="Router processes per pod (SO_REUSEPORT).")
+    api_keys_secret: str = Field(
+        default="",
+        description="Secret with a key 'api-keys' (comma-separated Bearer keys); empty means no authentication.",
+    )
+    max_concurrent_requests: int = Field(default=4096, ge=1, description="Requests in flight per router before 429.")
+    drain_timeout_seconds: int = Field(default=30, ge=0, description="Graceful drain bound on SIGTERM.")
+    service: RouterService = Field(default_factory=RouterService, description="Router Service.")
+    pdb: Pdb = Field(default_factory=Pdb, description="Router PodDisruptionBudget.")
+    hpa: Hpa = Field(default_factory=Hpa, description="Router HorizontalPodAutoscaler.")
+    resources: Resources = Field(
+        default_factory=lambda: Resources(requests={"cpu": "1", "memory": "512Mi"}, limits={"memory": "2Gi"}),
+        description="Router container resources.",
+    )
+
+
+class Persistence(Values):
+    enabled: bool = Field(default=True, description="Keep etcd data on PersistentVolumeClaims (kept on uninstall).")
+    size: Quantity = Field(default="8Gi", description="PVC size per member.")
+    storage_class: str = Field(default="", description="StorageClass; empty means the cluster default.")
+
+
+class Etcd(Values):
+    mode: Literal["embedded", "external"] = Field(
+        default="embedded", description="'embedded': a StatefulSet in this release; 'external': use endpoints."
+    )
+    replicas: int = Field(default=3, ge=1, description="Embedded etcd members (odd: 1, 3 or 5).")
+    image: str = Field(default="quay.io/coreos/etcd:v3.6.6", min_length=1, description="Embedded etcd image.")
+    endpoints: list[str] = Field(
+        default_factory=list, description="External etcd endpoints 'host:port' (mode 'external')."
+    )
+    persistence: Persistence = Field(default_factory=Persistence, description="Embedded etcd storage.")
+    resources: Resources = Field(
+        default_factory=lambda: Resources(requests={"cpu": "200m", "memory": "512Mi"}),
+        description="Embedded etcd container resources.",
+    )
+
+
+class MooncakeMaster(Values):
+    enabled: bool = Field(
+        default=False, description="Deploy the Mooncake Store master (HiCache L3 for decode KV offload) in HA on etcd."
+    )
+    replicas: int = Field(default=2, ge=1, le=5, description="Master replicas; one leads via an etcd lease.")
+    image: str = Field(
+        default="lmsysorg/sglang:v0.5.23", min_length=1, description="Image that has the mooncake_master binary."
+    )
+    cluster_id: str = Field(default="tandem", min_length=1, description="Mooncake Store cluster id (etcd key scope).")
+    rpc_port: int = Field(default=50051, ge=1, le=65535, description="Master RPC port.")
+    metrics_port: int = Field(default=9003, ge=1, le=65535, description="Master metrics port.")
+
+
+class ServiceMonitor(Values):
+    enabled: bool = Field(default=False, description="Create Prometheus Operator ServiceMonitors.")
+    interval: str = Field(default="15s", description="Scrape interval.")
+
+
+class PrometheusRule(Values):
+    enabled: bool = Field(default=False, description="Create a PrometheusRule with Tandem's alerts.")
+
+
+class Dashboards(Values):
+    enabled: bool = Field(default=True, description="Ship the Grafana dashboard as a ConfigMap.")
+    label: str = Field(default="grafana_dashboard", description="Label the Grafana sidecar selects dashboards by.")
+
+
+class Metrics(Values):
+    service_monitor: ServiceMonitor = Field(default_factory=ServiceMonitor, description="ServiceMonitor settings.")
+    prometheus_rule: PrometheusRule = Field(default_factory=PrometheusRule, description="Alerting rules.")
+    dashboards: Dashboards = Field(default_factory=Dashboards, description="Grafana dashboard ConfigMap.")
+
+
+class ChartValues(Values):
+    image: Image = Field(default_factory=Image, description="The Tandem image (operator and router).")
+    image_pull_secrets: list[str] = Field(default_factory=list, description="Pull secrets for every pod.")
+    operator: Operator = Field(default_factory=Operator, description="The operator.")
+    router: Router = Field(default_factory=Router, description="The OpenAI-compatible router.")
+    etcd: Etcd = Field(default_factory=Etcd, description="The etcd holding the endpoint registry.")
+    mooncake_master: MooncakeMaster = Field(default_factory=MooncakeMaster, description="Mooncake Store master.")
+    metrics: Metrics = Field(default_factory=Metrics, description="Prometheus and Grafana integration.")

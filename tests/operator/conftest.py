@@ -1,0 +1,32 @@
+"""Shared builders for the operator's pure-function tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem_operator.api.pdcluster import PDClusterSpec
+
+KIMI_8XH200: dict[str, Any] = {
+    "transfer": {"protocol": "rdma", "ibDevices": ["mlx5_0", "mlx5_1"]},
+    "etcd": {"endpoints": ["http://etcd-0.etcd:2379", "http://etcd-1.etcd:2379"]},
+    "prefill": {"groups": 2, "chunkedPrefillSize": 524288, "enableEplb": True, "topologyKey": "example.com/rack"},
+    "decode": {
+        "groups": 1,
+        "nodesPerGroup": 2,
+        "tpSize": 16,
+        "epSize": 16,
+        "attnDpSize": 16,
+        "enableDpLmHead": True,
+        "moeDenseTpSize": 1,
+        "topologyKey": "example.com/rack",
+        "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "resources": {"requests": {"cpu": 96, "memory": "1500Gi"}},
+        "env": [{"name": "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", "value": "2"}],
+        "kvOffload": {"enabled": True, "storageBackend": "mooncake", "mooncakeStore": {}},
+    },
+}
+
+
+def kimi_spec(**overrides: Any) -> PDClusterSpec:
+    return PDClusterSpec.model_validate({**KIMI_8XH200, **overrides})

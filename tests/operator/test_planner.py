@@ -1,0 +1,138 @@
+"""The group planner: a table of (desired, observed groups, template) -> actions."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem_operator.planner import Action, CreateGroup, DeleteGroup, DeleteReason, plan
+from tandem_operator.status import GroupState, GroupView
+
+R, S, INC, B = GroupState.READY, GroupState.STARTING, GroupState.INCOMPLETE, GroupState.BROKEN
+NEW, OLD = "new", "old"
+
+
+def groups(*specs: tuple[int, GroupState, str]) -> dict[int, GroupView]:
+    return {i: GroupView(i, state, template, ()) for i, state, template in specs}
+
+
+def delete(index: int, reason: DeleteReason) -> DeleteGroup:
+    return DeleteGroup(index, reason)
+
+
+CASES: list[tuple[str, int, dict[int, GroupView], int, list[Action]]] = [
+    ("create from nothing", 3, groups(), 1, [CreateGroup(0), CreateGroup(1), CreateGroup(2)]),
+    ("steady state", 2, groups((0, R, NEW), (1, R, NEW)), 1, []),
+    ("starting groups are left alone", 2, groups((0, R, NEW), (1, S, NEW)), 1, []),
+    ("fill the lowest free index", 3, groups((0, R, NEW), (2, R, NEW)), 1, [CreateGroup(1)]),
+    ("incomplete group gets its missing pods", 2, groups((0, R, NEW), (1, INC, NEW)), 1, [CreateGroup(1)]),
+    (
+        "scale down removes the highest index",
+        1,
+        groups((0, R, NEW), (1, R, NEW), (2, R, NEW)),
+        1,
+        [delete(2, DeleteReason.SCALE_DOWN), delete(1, DeleteReason.SCALE_DOWN)],
+    ),
+    (
+        "scale down prefers not-ready groups",
+        2,
+        groups((0, S, NEW), (1, R, NEW), (2, R, NEW)),
+        1,
+        [delete(0, DeleteReason.SCALE_DOWN)],
+    ),
+    ("scale to zero", 0, groups((0, R, NEW)), 0, [delete(0, DeleteReason.SCALE_DOWN)]),
+    (
+        "a broken group is deleted whole and keeps its index",
+        2,
+        groups((0, R, NEW), (1, B, NEW)),
+        1,
+        [delete(1, DeleteReason.BROKEN)],
+    ),
+    ("recreated under the same name once gone", 2, groups((0, R, NEW)), 1, [CreateGroup(1)]),
+    (
+        "scale down takes broken groups first",
+        1,
+        groups((0, R, NEW), (1, B, NEW)),
+        1,
+        [delete(1, DeleteReason.SCALE_DOWN)],
+    ),
+    # Rollout with a surge group.
+    ("roll: surge one new group", 2, groups((0, R, OLD), (1, R, OLD)), 1, [CreateGroup(2)]),
+    ("roll: wait for the surge group", 2, groups((0, R, OLD), (1, R, OLD), (2, S, NEW)), 1, []),
+    (
+        "roll: surge ready -> retire one old group and surge the next",
+        2,
+        groups((0, R, OLD), (1, R, OLD), (2, R, NEW)),
+        1,
+        [delete(1, DeleteReason.ROLLOUT), CreateGroup(3)],
+    ),
+    (
+        "roll: old group terminating counts as surplus",
+        2,
+        groups((0, R, OLD), (1, B, OLD), (2, R, NEW), (3, S, NEW)),
+        1,
+        [delete(1, DeleteReason.SCALE_DOWN)],
+    ),
+    (
+        "roll: last old group retires",
+        2,
+        groups((0, R, OLD), (2, R, NEW), (3, R, NEW)),
+        1,
+        [delete(0, DeleteReason.ROLLOUT)],
+    ),
+    (
+        "roll: outdated groups that do not serve are replaced at once (plus the surge group)",
+        2,
+        groups((0, S, OLD), (1, R, OLD)),
+        1,
+        [delete(0, DeleteReason.ROLLOUT), CreateGroup(2), CreateGroup(3)],
+    ),
+    # Rollout in place (no spare nodes).
+    (
+        "in place: retire one old group when all are ready",
+        2,
+        groups((0, R, OLD), (1, R, OLD)),
+        0,
+        [delete(1, DeleteReason.ROLLOUT), CreateGroup(2)],
+    ),
+    ("in place: wait while a group is not ready", 2, groups((0, R, OLD), (2, S, NEW)), 0, []),
+    (
+        "in place: next step",
+        2,
+        groups((0, R, OLD), (2, R, NEW)),
+        0,
+        [delete(0, DeleteReason.ROLLOUT), CreateGroup(1)],
+    ),
+    (
+        "a half-rolled group (mixed hashes) is outdated",
+        1,
+        groups((0, R, "")),
+        1,
+        [CreateGroup(1)],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("desired", "observed", "max_surge", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_plan(desired: int, observed: dict[int, GroupView], max_surge: int, expected: list[Action]) -> None:
+    assert plan(desired, observed, NEW, max_surge) == expected
+
+
+def test_rollout_converges_and_never_drops_below_desired_ready_groups() -> None:
+    """Drive the planner against a toy world: a deleted group vanishes, a created one is Ready one step later."""
+    world = groups((0, R, OLD), (1, R, OLD), (2, R, OLD))
+    for _ in range(20):
+        actions = plan(3, world, NEW, 1)
+        if not actions and all(g.state is R for g in world.values()):
+            break
+        nxt = {i: GroupView(i, R, g.template_hash, ()) for i, g in world.items()}
+        for action in actions:
+            if isinstance(action, DeleteGroup):
+                nxt.pop(action.index)
+            else:
+                nxt[action.index] = GroupView(action.index, S, NEW, ())
+        assert sum(g.state is R for g in nxt.values()) >= 3, nxt
+        assert len(nxt) <= 4, nxt
+        world = nxt
+    assert sorted(g.template_hash for g in world.values()) == [NEW, NEW, NEW]

@@ -1,0 +1,57 @@
+"""Helpers shared by the simulator tests: PD request fan-out and deterministic prompt sets."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import aiohttp
+from tandem_sim import model
+from tandem_sim.testing import SimWorker, pd_fields
+
+# Rare words only: the simulated model never makes these up, so one in an output was copied from some context.
+WORDS = model.vocabulary()[model.COMMON_WORDS_END :]
+
+
+def prompts(n: int, seed: int = 1) -> list[dict[str, Any]]:
+    """``n`` /generate bodies of mixed prompt and output lengths, prompts made of vocabulary words."""
+    rng = random.Random(seed)
+    bodies = []
+    for _ in range(n):
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 60)))
+        params = {"max_new_tokens": rng.randint(8, 40), "temperature": rng.choice([0.0, 0.7, 1.0])}
+        bodies.append({"text": text, "sampling_params": params})
+    return bodies
+
+
+async def pd_generate(
+    sess: aiohttp.ClientSession, prefill: SimWorker, decode: SimWorker, body: dict[str, Any], room: int
+) -> tuple[int, dict[str, Any], int]:
+    """Send ``body`` to both workers at once, as a router does.
+
+    Returns (decode status, decode body, prefill status or -1 if the prefill connection broke)."""
+    full = dict(body, **pd_fields(prefill, room))
+
+    async def post(url: str) -> tuple[int, Any]:
+        async with sess.post(f"{url}/generate", json=full) as resp:
+            return resp.status, await resp.json()
+
+    async def post_prefill() -> int:
+        try:
+            return (await post(prefill.url))[0]
+        except aiohttp.ClientError:
+            return -1  # the prefill died mid-request (the failure tests kill it)
+
+    p_status, (d_status, d_body) = await asyncio.gather(post_prefill(), post(decode.url))
+    return d_status, d_body, p_status
+
+
+async def bounded(concurrency: int, jobs: list[Any]) -> list[Any]:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def run(job: Any) -> Any:
+        async with sem:
+            return await job
+
+    return await asyncio.gather(*(run(j) for j in jobs))

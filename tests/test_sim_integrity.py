@@ -1,0 +1,99 @@
+"""PD output equals aggregated output under load with decode KV offload; the injected offload race garbles it.
+
+Real processes on loopback (inside the suite's loopback-only netns): a prefill and a decode moving KV with the
+Mooncake transfer engine over TCP, and an aggregated worker as the reference.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from tandem_sim.testing import SimWorker, start_decode, start_prefill, start_worker
+
+from tandem.procs import ManagedProcess
+from tests.simhelpers import WORDS, bounded, pd_generate, prompts
+
+N_REQUESTS = 500
+CONCURRENCY = 64
+# A small decode pool: 64 concurrent requests need ~5k tokens, the pool holds 2k, so pages are reused constantly.
+DECODE_POOL = ["--max-total-tokens", "2048", "--page-size", "4"]
+OFFLOAD = ["--disaggregation-decode-enable-offload-kvcache", "--hicache-storage-backend", "file"]
+SPEED = ["--sim-inter-token-ms", "1", "--enable-metrics"]
+
+
+def _start(tmp_path: Path, procs: list[ManagedProcess], race: bool) -> tuple[SimWorker, SimWorker, SimWorker]:
+    prefill = start_prefill("prefill", tmp_path, SPEED)
+    procs.append(prefill.proc)
+    extra = [*DECODE_POOL, *OFFLOAD, *SPEED] + (["--sim-inject-offload-race"] if race else [])
+    decode = start_decode("decode", tmp_path, extra)
+    procs.append(decode.proc)
+    reference = start_worker("aggregated", tmp_path, SPEED)
+    procs.append(reference.proc)
+    return prefill, decode, reference
+
+
+async def _run_all(prefill: SimWorker, decode: SimWorker, reference: SimWorker) -> list[tuple[Any, ...]]:
+    bodies = prompts(N_REQUESTS, seed=7)
+    rng = random.Random(3)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as sess:
+
+        async def one(body: dict[str, Any]) -> tuple[Any, ...]:
+            status, got, p_status = await pd_generate(sess, prefill, decode, body, rng.randrange(2**63))
+            async with sess.post(f"{reference.url}/generate", json=body) as resp:
+                want = await resp.json()
+            return body, status, got, p_status, want
+
+        return await bounded(CONCURRENCY, [one(b) for b in bodies])
+
+
+async def _metric(url: str, name: str) -> float:
+    async with aiohttp.ClientSession() as sess, sess.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(240)
+async def test_pd_equals_aggregated_under_load_with_offload(tmp_path: Path, proc_factory: list[ManagedProcess]) -> None:
+    prefill, decode, reference = _start(tmp_path, proc_factory, race=False)
+    results = await _run_all(prefill, decode, reference)
+    failures = [(s, g) for _, s, g, p, _ in results if s != 200 or p != 200]
+    assert not failures, failures[:3]
+    mismatches = [(b["text"], g["text"], w["text"]) for b, _, g, _, w in results if g["text"] != w["text"]]
+    assert mismatches == [], f"{len(mismatches)} mismatches, e.g. {mismatches[:2]}"
+    assert all(g["meta_info"]["completion_tokens"] == w["meta_info"]["completion_tokens"] for *_, g, _, w in results)
+    # The pool really was reused many times over, and offload ran.
+    prompt_tokens = sum(g["meta_info"]["prompt_tokens"] for _, _, g, _, _ in results)
+    assert prompt_tokens > 5 * 2048
+    assert await _metric(decode.url, "sglang:kv_transfer_total_mb_sum") == 0.0  # decode sends nothing
+    moved_mb = await _metric(prefill.url, "sglang:kv_transfer_total_mb_sum")
+    assert moved_mb == pytest.approx(prompt_tokens * 256 / 1e6, rel=1e-6)  # every prompt KV byte really moved
+    assert await _metric(decode.url, "tandem_sim:offload_poisoned_pages_total") == 0.0
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(240)
+async def test_injected_offload_race_garbles_with_foreign_prompt_text(
+    tmp_path: Path, proc_factory: list[ManagedProcess]
+) -> None:
+    prefill, decode, reference = _start(tmp_path, proc_factory, race=True)
+    results = await _run_all(prefill, decode, reference)
+    assert all(s == 200 for _, s, _, _, _ in results)
+    rare = set(WORDS)
+    mismatched = [(b, g, w) for b, _, g, _, w in results if g["text"] != w["text"]]
+    assert len(mismatched) >= 5, f"only {len(mismatched)} mismatches with the race injected"
+    # Prompts are made of rare words, which the model only ever copies from its context. A rare word in an output
+    # that is not in the request's own prompt was read from KV of another request: foreign prompt text.
+    all_prompt_words = set().union(*(set(b["text"].split()) for b, *_ in results))
+    foreign = 0
+    for body, got, _ in mismatched:
+        stray = {w for w in got["text"].split() if w in rare} - set(body["text"].split())
+        if stray and stray <= all_prompt_words:
+            foreign += 1
+    assert foreign >= len(mismatched) // 2, f"{foreign} of {len(mismatched)} mismatches carry foreign prompt text"
+    # And with the race off, no output ever contains a rare word outside its own prompt (test above: 0 mismatches).
