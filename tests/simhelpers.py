@@ -7,6 +7,7 @@ import random
 from typing import Any
 
 import aiohttp
+
 from tandem_sim import model
 from tandem_sim.testing import SimWorker, pd_fields
 

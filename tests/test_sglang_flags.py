@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from tandem_sim.config import ConfigError, parse
 
 from tandem.sglang_args import SGLANG_VERSION, load_flags, validate_command
+from tandem_sim.config import ConfigError, parse
 
 ROOT = Path(__file__).resolve().parent.parent
 WHEELS = Path.home() / ".cache" / "tandem" / "wheels"

@@ -12,9 +12,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from tandem_sim.testing import SimWorker, start_decode, start_prefill, start_worker
 
 from tandem.procs import ManagedProcess
+from tandem_sim.testing import SimWorker, start_decode, start_prefill, start_worker
 from tests.simhelpers import WORDS, bounded, pd_generate, prompts
 
 N_REQUESTS = 500
