@@ -124,6 +124,8 @@ class LocalStack:
     model: str = MODEL
     say: Callable[[str], None] = print
     router_args: Sequence[str] = ()
+    restart: bool = True  # False: a dead worker is only deregistered (tests that check it stops getting traffic)
+    worker_env: dict[str, str] = field(default_factory=dict)
     etcd: ManagedProcess | None = None
     etcd_endpoint: str = ""
     workers: list[Worker] = field(default_factory=list)
@@ -147,7 +149,8 @@ class LocalStack:
                 bootstrap = free_port() if role is Role.PREFILL else None
                 group = f"{role.value}-{i}"
                 port = free_port()
-                proc = ManagedProcess(group, self.worker_argv(role, port, bootstrap), self.workdir / f"{group}.log")
+                argv = self.worker_argv(role, port, bootstrap)
+                proc = ManagedProcess(group, argv, self.workdir / f"{group}.log", env=self.worker_env)
                 self.workers.append(Worker(role, group, port, bootstrap, proc))
         self.say(f"starting {self.prefills} prefill + {self.decodes} decode workers ...")
         for w in self.workers:
@@ -194,10 +197,12 @@ class LocalStack:
                     assert self.writer is not None
                     await self.writer.remove(w.endpoint(self.model))
                     w.registered = False
+                    self.say(f"  {w.group} exited ({w.proc.returncode()}); deregistered")
+                    w.proc.stop()
+                    if not self.restart:
+                        continue
                     w.epoch += 1
                     self.restarts += 1
-                    self.say(f"  {w.group} exited ({w.proc.returncode()}); deregistered, restarting")
-                    w.proc.stop()
                     w.proc.start()
                     task = asyncio.create_task(self._register_when_healthy(w))
                     pending.add(task)
