@@ -90,6 +90,8 @@ async def _scenario(stack: LocalStack) -> None:
     outcomes = await asyncio.gather(*tasks)
 
     cut = [o for o in outcomes if not o.ok]
+    print(f"{len(cut)} cut after the first byte; errors: {sorted({o.error for o in cut})[:3]}")
+    assert cut, "the kill hit no stream in flight"
     assert all(o.first_byte for o in cut), [o.error for o in cut if not o.first_byte]
     assert all(o.error for o in cut)
     assert sum(o.ok for o in outcomes) >= TOTAL - CONCURRENCY
