@@ -214,6 +214,16 @@ def _processes(workdir: Path, quick: bool) -> Iterator[tuple[list[Target], list[
 
 
 def run(args: BenchArgs) -> list[Table]:
+    """Both router tables: its own cost on instant workers, then end to end on simulated workers."""
+    from tandem_router import bench_e2e
+
+    tables = [router_cost(args)]
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-e2e-") as tmp:
+        tables.append(bench_e2e.run(args, Path(tmp)))
+    return tables
+
+
+def router_cost(args: BenchArgs) -> Table:
     seconds = 2 if args.quick else 8
     n_ttft = 50 if args.quick else 300
     results: dict[str, Result] = {}
@@ -264,4 +274,4 @@ def run(args: BenchArgs) -> list[Table]:
     table.notes.append(
         f"{seconds}s per wrk run, {n_ttft} sequential requests for TTFT; all processes share this machine's cores"
     )
-    return [table]
+    return table
