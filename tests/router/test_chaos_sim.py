@@ -36,6 +36,9 @@ def _slow_sim(role: Role, port: int, bootstrap_port: int | None) -> list[str]:
     return [*sim_worker_argv(role, port, bootstrap_port), "--sim-inter-token-ms", "15"]
 
 
+STREAMING: set[int] = set()  # requests between their first chunk and their end
+
+
 @dataclass
 class Outcome:
     first_byte: bool = False
@@ -48,13 +51,16 @@ async def _one(client: openai.AsyncOpenAI, i: int) -> Outcome:
     try:
         stream = await client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": f"request {i}: tell me a long story"}],
-            max_tokens=60, temperature=0, stream=True,
+            max_tokens=100, temperature=0, stream=True,
         )  # fmt: skip
         async for _chunk in stream:
             out.first_byte = True
+            STREAMING.add(i)
         out.ok = True
     except openai.APIError as err:
         out.error = f"{type(err).__name__}: {err.message}"
+    finally:
+        STREAMING.discard(i)
     return out
 
 
@@ -83,7 +89,9 @@ async def _scenario(stack: LocalStack) -> None:
             return await asyncio.wait_for(_one(client, i), 90)  # a hang fails the test here
 
     tasks = [asyncio.create_task(bounded(i)) for i in range(TOTAL)]
-    await asyncio.sleep(1.5)
+    while len(STREAMING) < CONCURRENCY // 2:  # kill while many streams are mid-flight, however loaded the machine
+        assert not all(t.done() for t in tasks), "all requests ended before the kill"
+        await asyncio.sleep(0.05)
     killed_at = time.monotonic()
     prefill.proc.signal(signal.SIGKILL)
     decode.proc.signal(signal.SIGKILL)

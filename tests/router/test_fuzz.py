@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
@@ -49,7 +50,13 @@ def router_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             proc.stop()
 
 
+@pytest.fixture(scope="module")
+def session() -> Iterator[requests.Session]:
+    with requests.Session() as s:
+        yield s
+
+
 @schema.parametrize()
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-def test_no_server_errors(case: schemathesis.Case[Any], router_url: str) -> None:
-    case.call_and_validate(base_url=router_url, checks=[not_a_server_error], timeout=10)
+def test_no_server_errors(case: schemathesis.Case[Any], router_url: str, session: requests.Session) -> None:
+    case.call_and_validate(base_url=router_url, session=session, checks=[not_a_server_error], timeout=10)
