@@ -39,10 +39,12 @@ class Target:
     name: str
     url: str
     body: dict[str, object]
+    proc: ManagedProcess | None = None  # the process group whose CPU time a request costs (None: direct)
 
 
 @dataclass
 class Result:
+    cpu_us: float  # router CPU time (user + system, whole process group) per request, from /proc
     rps: float
     p50_ms: float
     p99_ms: float
@@ -75,8 +77,8 @@ def smg_python() -> Path | None:
 
 def wrk(
     url: str, body: dict[str, object], connections: int, seconds: int, workdir: Path
-) -> tuple[float, float, float, int]:
-    """Requests/s, latency p50 and p99 (ms), non-2xx count."""
+) -> tuple[float, float, float, int, int]:
+    """Requests/s, latency p50 and p99 (ms), non-2xx count, requests completed."""
     script = workdir / "post.lua"
     script.write_text(
         'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
@@ -92,7 +94,24 @@ def wrk(
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
     errors = int(m.group(1)) if (m := re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)) else 0
     errors += sum(int(x) for x in re.findall(r"(?:connect|read|write|timeout) (\d+)", out))
-    return rps, _wrk_pct(out, "50%"), _wrk_pct(out, "99%"), errors
+    total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
+    return rps, _wrk_pct(out, "50%"), _wrk_pct(out, "99%"), errors, total
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds of every live process in process group ``pgid`` (Linux /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # fields after "(comm)": state ppid pgrp ...; utime/stime are 12th/13th
+            total += int(fields[11]) + int(fields[12])
+    return total / ticks
 
 
 def _wrk_pct(out: str, pct: str) -> float:
@@ -164,26 +183,26 @@ def _processes(workdir: Path, quick: bool) -> Iterator[tuple[list[Target], list[
             "round_robin",
         ]
         t_port = free_port()
-        start(
+        tandem = start(
             "tandem",
             [py, "-m", "tandem.cli", "router", "--port", str(t_port), *router_args],
             f"http://127.0.0.1:{t_port}/readiness",
         )
-        targets.append(Target("tandem router", f"http://127.0.0.1:{t_port}", BODY))
+        targets.append(Target("tandem router", f"http://127.0.0.1:{t_port}", BODY, tandem))
         t2_port = free_port()
-        start(
+        tandem2 = start(
             "tandem2",
             [py, "-m", "tandem.cli", "router", "--port", str(t2_port), "--workers", "2", *router_args],
             f"http://127.0.0.1:{t2_port}/readiness",
         )
-        targets.append(Target("tandem router --workers 2", f"http://127.0.0.1:{t2_port}", BODY))
+        targets.append(Target("tandem router --workers 2", f"http://127.0.0.1:{t2_port}", BODY, tandem2))
         smg = smg_python()
         if smg is None:
             notes.append(f"smg {SMG_VERSION} could not be installed here (no PyPI?): its row is missing")
         else:
             s_port = free_port()
             try:
-                start(
+                smg_proc = start(
                     "smg",
                     [
                         str(smg),
@@ -204,7 +223,7 @@ def _processes(workdir: Path, quick: bool) -> Iterator[tuple[list[Target], list[
                     ],
                     f"http://127.0.0.1:{s_port}/health",
                 )
-                targets.append(Target(f"smg {SMG_VERSION}", f"http://127.0.0.1:{s_port}", BODY))
+                targets.append(Target(f"smg {SMG_VERSION}", f"http://127.0.0.1:{s_port}", BODY, smg_proc))
             except ProcessFailedError as err:
                 notes.append(f"smg did not start: {str(err).splitlines()[0]}")
         yield targets, procs, notes
@@ -237,15 +256,18 @@ def router_cost(args: BenchArgs) -> Table:
     ):
         for t in targets:
             wrk(t.url, t.body, 8, 1, Path(tmp))  # warm up connections and caches
-            rps, p50, p99, errors = wrk(t.url, t.body, 32, seconds, Path(tmp))
+            cpu0 = group_cpu_seconds(t.proc.pid) if t.proc else 0.0
+            rps, p50, p99, errors, total = wrk(t.url, t.body, 32, seconds, Path(tmp))
+            cpu = (group_cpu_seconds(t.proc.pid) - cpu0) / max(total, 1) * 1e6 if t.proc else float("nan")
             t50, t99 = ttft(t.url, t.body, n_ttft)
-            results[t.name] = Result(rps, p50, p99, errors, t50, t99)
+            results[t.name] = Result(cpu, rps, p50, p99, errors, t50, t99)
     direct = results["direct to decode"]
     smg = next((r for name, r in results.items() if name.startswith("smg")), None)
     table = Table(
         "router cost: instant PD workers (prefill answers at once, decode streams 16 chunks), wrk -c32 / TTFT at c=1",
         [
             "target",
+            "CPU us/req",
             "req/s @32",
             "vs smg",
             "lat p50 ms",
@@ -260,6 +282,7 @@ def router_cost(args: BenchArgs) -> Table:
         table.rows.append(
             [
                 name,
+                "-" if r is direct else r.cpu_us,
                 r.rps,
                 f"{r.rps / smg.rps:.2f}x" if smg else "-",
                 r.p50_ms,
@@ -271,6 +294,10 @@ def router_cost(args: BenchArgs) -> Table:
             ]
         )
     table.notes += notes
+    table.notes.append(
+        "CPU us/req: the router's own CPU time (all its processes) per request, from /proc; unlike req/s it hardly "
+        "depends on what else this shared machine runs"
+    )
     table.notes.append(
         f"{seconds}s per wrk run, {n_ttft} sequential requests for TTFT; all processes share this machine's cores"
     )
