@@ -123,3 +123,24 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path: Path) -> None:
     finally:
         for proc in reversed(procs):
             proc.stop()
+
+
+def test_pod_watch_events_keep_the_pool_in_step() -> None:
+    from tandem.registry import Role
+    from tandem_router.config import RouterSettings
+    from tandem_router.discovery import KubernetesDiscovery
+    from tandem_router.pool import WorkerPool
+
+    pool = WorkerPool()
+    k8s = KubernetesDiscovery(pool, RouterSettings(discovery=DiscoveryMode.KUBERNETES, k8s_worker_port=30000))
+    k8s.apply(Role.DECODE, "ADDED", _pod())
+    assert list(pool.workers) == ["decode:http://10.1.2.3:30000"]
+    k8s.apply(Role.DECODE, "MODIFIED", _pod(ready=False))  # not ready any more: no traffic
+    assert pool.workers == {}
+    k8s.apply(Role.DECODE, "MODIFIED", _pod())
+    moved = _pod()
+    moved["status"]["podIP"] = "10.9.9.9"  # type: ignore[index]
+    k8s.apply(Role.DECODE, "MODIFIED", moved)  # same pod, new IP: the old address is dropped
+    assert list(pool.workers) == ["decode:http://10.9.9.9:30000"]
+    k8s.apply(Role.DECODE, "DELETED", moved)
+    assert pool.workers == {}
