@@ -73,12 +73,19 @@ async def _worker_urls_seen_by_router(url: str) -> set[str]:
 
 def test_kill_a_prefill_and_a_decode_under_64_streams(tmp_path: Path) -> None:
     with running_stack(tmp_path, router_port=0, worker_argv=_slow_sim, restart=False, worker_env=FAST_PD_ENV,
-                       router_args=["--retry-max-attempts", "6"]) as stack:  # fmt: skip
+                       router_args=["--retry-max-attempts", "6", "--policy", "round_robin"]) as stack:  # fmt: skip
         asyncio.run(_scenario(stack))
 
 
 async def _scenario(stack: LocalStack) -> None:
     client = openai.AsyncOpenAI(base_url=f"{stack.router_url}/v1", api_key="none", max_retries=0, timeout=60)
+    try:
+        await _kill_under_load(stack, client)
+    finally:
+        await client.close()
+
+
+async def _kill_under_load(stack: LocalStack, client: openai.AsyncOpenAI) -> None:
     prefill = next(w for w in stack.workers if w.role is Role.PREFILL)
     decode = next(w for w in stack.workers if w.role is Role.DECODE)
     assert {prefill.url, decode.url} <= await _worker_urls_seen_by_router(stack.router_url)
@@ -109,4 +116,3 @@ async def _scenario(stack: LocalStack) -> None:
         await asyncio.sleep(0.1)
     after = await asyncio.gather(*(bounded(TOTAL + i) for i in range(32)))
     assert all(o.ok for o in after), [o.error for o in after]
-    await client.close()
