@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.sglang_args import SGLANG_VERSION, add_sglang_flags
+from tandem_sim.model import MIN_KV_BYTES
 
 HICACHE_BACKENDS_SIMULATED = ("file", "mooncake")
 
@@ -100,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim = parser.add_argument_group("simulator")
     sim.add_argument("--sim-prefill-ms-per-token", type=float, default=0.02, help="simulated prefill compute")
     sim.add_argument("--sim-inter-token-ms", type=float, default=2.0, help="simulated time per decoded token")
-    sim.add_argument("--sim-kv-bytes-per-token", type=int, default=256, help="KV bytes per token (>= 16)")
+    sim.add_argument("--sim-kv-bytes-per-token", type=int, default=256, help=f"KV bytes per token (>= {MIN_KV_BYTES})")
     sim.add_argument("--sim-seed", type=int, default=0, help="simulated weights: changes KV bytes and text")
     sim.add_argument(
         "--sim-inject-offload-race",
@@ -149,8 +150,11 @@ def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> SimConfig:
         raise ConfigError(f"--node-rank {ns.node_rank} must be in [0, {nnodes})")
     if nnodes > 1 and not ns.dist_init_addr:
         raise ConfigError("--nnodes > 1 requires --dist-init-addr")
-    if ns.sim_kv_bytes_per_token < 16:
-        raise ConfigError("--sim-kv-bytes-per-token must be >= 16")
+    if ns.sim_kv_bytes_per_token < MIN_KV_BYTES:
+        raise ConfigError(
+            f"--sim-kv-bytes-per-token must be >= {MIN_KV_BYTES} (token id, position and the word's UTF-8 bytes "
+            f"live in each token's KV), got {ns.sim_kv_bytes_per_token}"
+        )
     page_size = _positive("--page-size", int(ns.page_size or 1))
     max_total = _positive("--max-total-tokens", int(ns.max_total_tokens or 65536))
     max_total -= max_total % page_size

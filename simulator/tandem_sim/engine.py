@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -33,10 +34,11 @@ OFFLOAD_COPY_S = 0.05
 @dataclass(eq=False)  # identity semantics: offload state is keyed by the request object, never by its id
 class RunningRequest:
     rid: str
-    input_ids: list[int]
+    prompt: model.Tokens
     params: model.SamplingParams
     pages: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
+    output_words: list[str] = field(default_factory=list)
     inflight_offloads: int = 0
     offloaded_tokens: int = 0
     prompt_pages_released: int = 0  # race 1: how many leading pages were handed back early
@@ -45,7 +47,7 @@ class RunningRequest:
 
     @property
     def prompt_len(self) -> int:
-        return len(self.input_ids)
+        return len(self.prompt.ids)
 
 
 class Engine:
@@ -62,7 +64,7 @@ class Engine:
         self._queued = 0
         self.offloaded_pages = 0
         self.poisoned_pages = 0
-        self._tokens_window: list[float] = []
+        self._token_seconds: deque[list[int]] = deque(maxlen=11)
 
     # -- admission -------------------------------------------------------------------------------------------
     async def admit(self, req: RunningRequest) -> None:
@@ -106,7 +108,7 @@ class Engine:
 
     # -- KV ----------------------------------------------------------------------------------------------------
     def write_prompt_kv_locally(self, req: RunningRequest) -> None:
-        self.pool.write(req.pages, 0, model.compute_kv(self.weights, req.input_ids, 0))
+        self.pool.write(req.pages, 0, model.compute_kv(self.weights, req.prompt, 0))
 
     def _read_rows(self, req: RunningRequest) -> Callable[[int, int], np.ndarray]:
         def read(start: int, count: int) -> np.ndarray:
@@ -115,42 +117,47 @@ class Engine:
         return read
 
     # -- decoding ----------------------------------------------------------------------------------------------
-    async def decode(self, req: RunningRequest, on_token: Callable[[int], Awaitable[bool]] | None = None) -> str:
+    async def decode(self, req: RunningRequest, on_token: Callable[[int, str], Awaitable[bool]] | None = None) -> str:
         """Generate until EOS/stop/length. Returns the finish reason type ("stop" or "length").
 
-        ``on_token`` is awaited after each token; returning False stops generation (a stop string matched).
+        ``on_token(token, word)`` is awaited after each token; returning False stops generation (a stop string
+        matched).
         """
         decoder = model.Decoder(self.weights, req.prompt_len, req.params, self._read_rows(req))
         interval = self.cfg.inter_token_ms / 1000.0
         last = time.monotonic()
         for _ in range(req.params.max_new_tokens):
-            token = decoder.next_token()
+            token, word = decoder.next_token()
             position = req.prompt_len + len(req.output_ids)
             if token == model.EOS_ID:
                 return "stop"
-            self.pool.write(req.pages, position, model.compute_kv(self.weights, [token], position))
+            self.pool.write(
+                req.pages, position, model.compute_kv(self.weights, model.Tokens([token], [word]), position)
+            )
             req.output_ids.append(token)
+            req.output_words.append(word)
             self._maybe_offload(req)
-            self.metrics.generation_tokens.labels(self.metrics.model_name).inc()
+            self.metrics.generation_tokens.inc()
             self._note_token()
-            if on_token is not None and not await on_token(token):
+            if on_token is not None and not await on_token(token, word):
                 return "stop"
             await asyncio.sleep(interval)
             now = time.monotonic()
-            self.metrics.inter_token_latency.labels(self.metrics.model_name).observe(now - last)
+            self.metrics.inter_token_latency.observe(now - last)
             last = now
         return "length"
 
     def _note_token(self) -> None:
-        now = time.monotonic()
-        self._tokens_window.append(now)
-        if len(self._tokens_window) > 4096 or self._tokens_window[0] < now - 10:
-            self._tokens_window = [t for t in self._tokens_window if t >= now - 10][-4096:]
+        second = int(time.monotonic())
+        if self._token_seconds and self._token_seconds[-1][0] == second:
+            self._token_seconds[-1][1] += 1
+        else:
+            self._token_seconds.append([second, 1])  # bounded: one entry per second of the last 10
 
     def gen_throughput(self) -> float:
-        now = time.monotonic()
-        recent = [t for t in self._tokens_window if t >= now - 10]
-        return len(recent) / 10.0
+        """Tokens per second over the last 10 s (SGLang's ``gen_throughput`` gauge)."""
+        now = int(time.monotonic())
+        return sum(count for second, count in self._token_seconds if second > now - 10) / 10.0
 
     # -- offload -----------------------------------------------------------------------------------------------
     def _maybe_offload(self, req: RunningRequest) -> None:
@@ -168,7 +175,7 @@ class Engine:
                 self.pool.free(req.pages[:full_prompt_pages])
                 req.prompt_pages_released = full_prompt_pages
         req.inflight_offloads += 1
-        expected = model.compute_kv(self.weights, req.output_ids[start - req.prompt_len :][: self.cfg.page_size], start)
+        expected = model.compute_kv(self.weights, self._decoded(req, start, self.cfg.page_size), start)
         asyncio.get_running_loop().call_later(OFFLOAD_COPY_S, self._finish_copy, req, start, expected)
 
     def _offload_tail(self, req: RunningRequest) -> None:
@@ -179,8 +186,13 @@ class Engine:
         start = req.prompt_len + req.offloaded_tokens
         req.offloaded_tokens += tail
         req.inflight_offloads += 1
-        expected = model.compute_kv(self.weights, req.output_ids[-tail:], start)
+        expected = model.compute_kv(self.weights, self._decoded(req, start, tail), start)
         asyncio.get_running_loop().call_later(OFFLOAD_COPY_S, self._finish_copy, req, start, expected)
+
+    @staticmethod
+    def _decoded(req: RunningRequest, start: int, count: int) -> model.Tokens:
+        first = start - req.prompt_len
+        return model.Tokens(req.output_ids[first : first + count], req.output_words[first : first + count])
 
     def _finish_copy(self, req: RunningRequest, start: int, expected: np.ndarray) -> None:
         """The device->host copy lands: it reads the device slots *now*."""
@@ -191,19 +203,19 @@ class Engine:
         self.offloaded_pages += 1
         if not np.array_equal(copied, expected):
             self.poisoned_pages += 1
-            self.metrics.offload_poisoned_pages.labels(self.metrics.model_name).inc()
+            self.metrics.offload_poisoned_pages.inc()
         req.inflight_offloads -= 1
         if req.finished and req.inflight_offloads == 0 and not req.released:
             asyncio.get_running_loop().create_task(self._free(req))
 
     # -- state -------------------------------------------------------------------------------------------------
     def _gauges(self) -> None:
-        m, name = self.metrics, self.metrics.model_name
-        m.num_running_reqs.labels(name).set(self._running)
-        m.num_queue_reqs.labels(name).set(self._queued)
-        m.kv_used_tokens.labels(name).set(self.pool.used_tokens)
-        m.kv_available_tokens.labels(name).set(self.pool.free_pages * self.pool.page_size)
-        m.token_usage.labels(name).set(self.pool.used_tokens / max(1, len(self.pool.data)))
+        m = self.metrics
+        m.num_running_reqs.set(self._running)
+        m.num_queue_reqs.set(self._queued)
+        m.kv_used_tokens.set(self.pool.used_tokens)
+        m.kv_available_tokens.set(self.pool.free_pages * self.pool.page_size)
+        m.token_usage.set(self.pool.used_tokens / max(1, len(self.pool.data)))
 
     def internal_state(self) -> dict[str, object]:
         return {
