@@ -23,7 +23,7 @@ import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, lru_cache
 
 import numpy as np
 import numpy.typing as npt
@@ -67,6 +67,7 @@ class Tokens:
     words: list[str]
 
 
+@lru_cache(maxsize=1 << 16)
 def _hashed_id(word: str) -> int:
     digest = hashlib.blake2b(word.encode(), digest_size=4).digest()
     return FIRST_WORD_ID + int.from_bytes(digest, "little") % (VOCAB_SIZE - FIRST_WORD_ID)
@@ -77,7 +78,8 @@ def tokenize(text: str) -> Tokens:
     token keeps its surface word."""
     known = _word_ids()
     words = text.split()
-    return Tokens([known[w] if w in known else _hashed_id(w) for w in words], words)
+    ids = [known.get(w, -1) for w in words]
+    return Tokens([i if i >= 0 else _hashed_id(w) for i, w in zip(ids, words, strict=True)], words)
 
 
 def encode(text: str) -> list[int]:
@@ -149,8 +151,9 @@ def _pattern_table(kv_bytes: int) -> KV:
 
 def _position_pattern(kv_bytes: int, positions: npt.NDArray[np.uint32]) -> KV:
     """A per-(position, lane) byte pattern (uint32 arithmetic: any claimed position has one)."""
-    if len(positions) and int(positions[-1]) < _PATTERN_TABLE_POSITIONS and int(positions[0]) >= 0:
-        return _pattern_table(kv_bytes)[positions]
+    if len(positions) and int(positions[-1]) < _PATTERN_TABLE_POSITIONS:
+        first = int(positions[0])
+        return _pattern_table(kv_bytes)[first : first + len(positions)]  # positions are consecutive
     return _compute_pattern(positions, kv_bytes)
 
 
@@ -160,14 +163,23 @@ def _pattern_bytes(kv_bytes: int, position: int) -> bytes:
     return bytes(_compute_pattern(np.asarray([position], dtype=np.uint32), kv_bytes)[0])
 
 
-def _pack_surfaces(words: Sequence[str], capacity: int) -> KV:
-    """(n, 1 + capacity): length byte then UTF-8 bytes; a word too long for a slot gets length 0 (vocabulary id)."""
-    width = capacity + 1
-    parts = []
-    for word in words:
-        raw = word.encode()
-        parts.append(bytes([len(raw)]) + raw.ljust(capacity, b"\0") if len(raw) <= capacity else bytes(width))
-    return np.frombuffer(b"".join(parts), dtype=np.uint8).reshape(len(words), width)
+def _pack_surfaces(tokens: Tokens, capacity: int) -> KV:
+    """(n, 1 + longest): length byte then UTF-8 bytes, zero padded. Length 0 means "the vocabulary word of the
+    token id": used for vocabulary words themselves (nothing to store) and words longer than ``capacity``."""
+    vocab = vocabulary()
+    raws = [b"" if vocab[i] == word else word.encode() for i, word in zip(tokens.ids, tokens.words, strict=True)]
+    fitting = [len(raw) if len(raw) <= capacity else 0 for raw in raws]
+    lengths = np.asarray(fitting, dtype=np.int64)
+    width = max(fitting, default=0) + 1
+    packed = np.zeros((len(raws), width), dtype=np.uint8)
+    packed[:, 0] = lengths
+    total = sum(fitting)
+    if total:
+        data = np.frombuffer(b"".join(raw for raw, n in zip(raws, fitting, strict=True) if n), dtype=np.uint8)
+        rows = np.repeat(np.arange(len(raws)), lengths)
+        starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+        packed[rows, 1 + np.arange(total) - starts] = data
+    return packed
 
 
 def compute_kv(w: Weights, tokens: Tokens, start_pos: int = 0) -> KV:
@@ -184,7 +196,8 @@ def compute_kv(w: Weights, tokens: Tokens, start_pos: int = 0) -> KV:
     kv = w.embedding[ids] ^ _position_pattern(w.kv_bytes, positions)
     kv[:, 0:4] = (ids ^ np.uint32(w.token_mask)).astype("<u4").view(np.uint8).reshape(-1, 4)
     kv[:, 4:8] = (positions ^ np.uint32(w.position_mask)).astype("<u4").view(np.uint8).reshape(-1, 4)
-    kv[:, _SURFACE_AT : _SURFACE_AT + 1 + w.surface_capacity] ^= _pack_surfaces(tokens.words, w.surface_capacity)
+    packed = _pack_surfaces(tokens, w.surface_capacity)
+    kv[:, _SURFACE_AT : _SURFACE_AT + packed.shape[1]] ^= packed
     return kv
 
 
@@ -197,7 +210,7 @@ def _one_token_kv(w: Weights, token: int, word: str, position: int) -> KV:
     row = bytearray(_xor(w.embedding_rows[token], _pattern_bytes(w.kv_bytes, position)))
     row[0:4] = (token ^ w.token_mask).to_bytes(4, "little")
     row[4:8] = ((position ^ w.position_mask) & 0xFFFFFFFF).to_bytes(4, "little")
-    raw = word.encode()
+    raw = b"" if vocabulary()[token] == word else word.encode()
     packed = bytes([len(raw)]) + raw if len(raw) <= w.surface_capacity else b"\0"
     end = _SURFACE_AT + len(packed)
     row[_SURFACE_AT:end] = _xor(bytes(row[_SURFACE_AT:end]), packed)
