@@ -80,6 +80,7 @@ class SimConfig:
     context_length: int
     offload: bool
     hicache_storage_backend: str | None
+    hicache_file_dir: str | None  # shared L3 pages (file backend): decode offload writes, prefill reads/writes
     enable_metrics: bool
     prefill_ms_per_token: float
     inter_token_ms: float
@@ -164,6 +165,12 @@ def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> SimConfig:
         failure_prob = pd_env.test_failure_prob
     if not 0.0 <= failure_prob <= 1.0:
         raise ConfigError("--sim-transfer-failure-prob must be in [0, 1]")
+    file_dir = None
+    uses_l3 = bool(ns.disaggregation_decode_enable_offload_kvcache) or (
+        mode == "prefill" and bool(ns.enable_hierarchical_cache)
+    )
+    if ns.hicache_storage_backend == "file" and uses_l3:
+        file_dir = env.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR") or "/tmp/hicache"
     server_args = {k: v for k, v in vars(ns).items() if not k.startswith("sim_")}
     server_args.update(attn_dp_size=attn_dp, page_size=page_size, max_total_tokens=max_total)
     server_args["context_length"] = context_length
@@ -185,6 +192,7 @@ def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> SimConfig:
         context_length=context_length,
         offload=bool(ns.disaggregation_decode_enable_offload_kvcache),
         hicache_storage_backend=ns.hicache_storage_backend,
+        hicache_file_dir=file_dir,
         enable_metrics=bool(ns.enable_metrics),
         prefill_ms_per_token=float(ns.sim_prefill_ms_per_token),
         inter_token_ms=float(ns.sim_inter_token_ms),

@@ -24,6 +24,7 @@ import numpy as np
 
 from tandem_sim import model
 from tandem_sim.config import SimConfig
+from tandem_sim.hicache import FileStore, page_keys
 from tandem_sim.kvpool import PagedPool
 from tandem_sim.metrics import Metrics
 
@@ -40,7 +41,7 @@ class RunningRequest:
     output_ids: list[int] = field(default_factory=list)
     output_words: list[str] = field(default_factory=list)
     inflight_offloads: int = 0
-    offloaded_tokens: int = 0
+    next_offload_pos: int = -1  # first position of the next page to copy device->host (-1: not started)
     prompt_pages_released: int = 0  # race 1: how many leading pages were handed back early
     finished: bool = False
     released: bool = False
@@ -48,6 +49,13 @@ class RunningRequest:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt.ids)
+
+
+def _tokens_at(req: RunningRequest, start: int, end: int) -> model.Tokens:
+    """The request's tokens (prompt, then decoded) at positions ``start..end``."""
+    ids = req.prompt.ids + req.output_ids
+    words = req.prompt.words + req.output_words
+    return model.Tokens(ids[start:end], words[start:end])
 
 
 class Engine:
@@ -59,10 +67,14 @@ class Engine:
         host_pages = max(1, cfg.host_pool_tokens // cfg.page_size)
         self.host = PagedPool(host_pages, cfg.page_size, cfg.kv_bytes_per_token)
         self._host_cursor = 0
+        self.l3 = (
+            FileStore(cfg.hicache_file_dir, cfg.kv_bytes_per_token, cfg.page_size) if cfg.hicache_file_dir else None
+        )
         self._pages_changed = asyncio.Condition()
         self._running = 0
         self._queued = 0
         self.offloaded_pages = 0
+        self._frees: set[asyncio.Task[None]] = set()
         self.poisoned_pages = 0
         self._token_seconds: deque[list[int]] = deque(maxlen=11)
 
@@ -161,41 +173,42 @@ class Engine:
 
     # -- offload -----------------------------------------------------------------------------------------------
     def _maybe_offload(self, req: RunningRequest) -> None:
+        """Copy each page device->host once all its slots are written (pages are aligned on positions, so the
+        first one may end with prompt tokens)."""
         if not self.cfg.offload:
             return
-        decoded = len(req.output_ids)
-        if decoded - req.offloaded_tokens < self.cfg.page_size:
+        ps = self.cfg.page_size
+        if req.next_offload_pos < 0:
+            req.next_offload_pos = req.prompt_len - req.prompt_len % ps
+        start = req.next_offload_pos
+        if req.prompt_len + len(req.output_ids) < start + ps:
             return
-        start = req.prompt_len + req.offloaded_tokens
-        req.offloaded_tokens += self.cfg.page_size
+        req.next_offload_pos += ps
         if self.cfg.inject_offload_race and req.prompt_pages_released == 0:
             # Race 1 (upstream bug): prompt slots handed back on the first offload, still attended to.
-            full_prompt_pages = req.prompt_len // self.cfg.page_size
+            full_prompt_pages = req.prompt_len // ps
             if full_prompt_pages:
                 self.pool.free(req.pages[:full_prompt_pages])
                 req.prompt_pages_released = full_prompt_pages
-        req.inflight_offloads += 1
-        expected = model.compute_kv(self.weights, self._decoded(req, start, self.cfg.page_size), start)
-        asyncio.get_running_loop().call_later(OFFLOAD_COPY_S, self._finish_copy, req, start, expected)
+        self._copy(req, start, ps)
 
     def _offload_tail(self, req: RunningRequest) -> None:
-        """At finish, the decoded tokens not yet offloaded (a partial page) are copied too."""
-        tail = len(req.output_ids) - req.offloaded_tokens
-        if tail <= 0:
-            return
-        start = req.prompt_len + req.offloaded_tokens
-        req.offloaded_tokens += tail
+        """At finish, the written slots not yet copied (a partial page) are copied too."""
+        if req.next_offload_pos < 0:
+            req.next_offload_pos = req.prompt_len - req.prompt_len % self.cfg.page_size
+        tail = req.prompt_len + len(req.output_ids) - req.next_offload_pos
+        if tail > 0:
+            start = req.next_offload_pos
+            req.next_offload_pos += tail
+            self._copy(req, start, tail)
+
+    def _copy(self, req: RunningRequest, start: int, count: int) -> None:
         req.inflight_offloads += 1
-        expected = model.compute_kv(self.weights, self._decoded(req, start, tail), start)
+        expected = model.compute_kv(self.weights, _tokens_at(req, start, start + count), start)
         asyncio.get_running_loop().call_later(OFFLOAD_COPY_S, self._finish_copy, req, start, expected)
 
-    @staticmethod
-    def _decoded(req: RunningRequest, start: int, count: int) -> model.Tokens:
-        first = start - req.prompt_len
-        return model.Tokens(req.output_ids[first : first + count], req.output_words[first : first + count])
-
     def _finish_copy(self, req: RunningRequest, start: int, expected: np.ndarray) -> None:
-        """The device->host copy lands: it reads the device slots *now*."""
+        """The device->host copy lands: it reads the device slots *now*. Full pages also go to the L3 store."""
         copied = self.pool.read(req.pages, start, len(expected))
         host_page = self._host_cursor % self.host.num_pages
         self._host_cursor += 1
@@ -204,9 +217,14 @@ class Engine:
         if not np.array_equal(copied, expected):
             self.poisoned_pages += 1
             self.metrics.offload_poisoned_pages.inc()
+        if self.l3 is not None and len(copied) == self.cfg.page_size and start % self.cfg.page_size == 0:
+            key = page_keys(_tokens_at(req, 0, start + len(copied)), self.cfg.page_size, self.cfg.seed)[-1]
+            self.l3.put(key, copied)
         req.inflight_offloads -= 1
         if req.finished and req.inflight_offloads == 0 and not req.released:
-            asyncio.get_running_loop().create_task(self._free(req))
+            task = asyncio.get_running_loop().create_task(self._free(req))
+            self._frees.add(task)
+            task.add_done_callback(self._frees.discard)
 
     # -- state -------------------------------------------------------------------------------------------------
     def _gauges(self) -> None:

@@ -82,6 +82,10 @@ class Metrics:
         self.failed_session_recoveries = counter(
             "sglang:failed_session_recoveries_total", "Blacklisted Mooncake sessions recovered by the probe."
         )
+        self.hicache_hit_tokens = counter(
+            "tandem_sim:hicache_storage_hit_tokens_total",
+            "Simulator only: prompt tokens whose KV a prefill read back from the HiCache L3 store (prefix hits).",
+        )
         self.offload_poisoned_pages = counter(
             "tandem_sim:offload_poisoned_pages_total",
             "Simulator only: offloaded pages whose host copy differs from the request's KV (slot reuse race).",

@@ -21,6 +21,7 @@ import numpy.typing as npt
 
 from tandem_sim import model
 from tandem_sim.config import SimConfig
+from tandem_sim.hicache import FileStore, page_keys
 from tandem_sim.kvpool import PagedPool
 from tandem_sim.metrics import Metrics
 from tandem_sim.transfer import MooncakeTransfer
@@ -103,6 +104,9 @@ class PrefillSide:
         self._staging_free = asyncio.Condition()
         self._rng = random.Random(cfg.seed ^ 0x5EED)
         self.failure_prob = cfg.transfer_failure_prob
+        self.l3 = (
+            FileStore(cfg.hicache_file_dir, cfg.kv_bytes_per_token, cfg.page_size) if cfg.hicache_file_dir else None
+        )
         self.bootstrap_waiting = 0
 
     def _room(self, room: int) -> RoomState:
@@ -187,13 +191,29 @@ class PrefillSide:
         pages = await self._alloc_staging(n)
         try:
             await asyncio.sleep(self.cfg.prefill_ms_per_token * n / 1000.0)
-            self.staging.write(pages, 0, model.compute_kv(self.weights, prompt, 0))
+            self.staging.write(pages, 0, self._prompt_kv(prompt))
             self.metrics.prompt_tokens.inc(n)
             await self._send(room, reg, pages, dst_pages, n)
         finally:
             self.staging.free(pages)
             async with self._staging_free:
                 self._staging_free.notify_all()
+
+    def _prompt_kv(self, prompt: model.Tokens) -> npt.NDArray[np.uint8]:
+        """The prompt's KV: the longest prefix of pages found in the L3 store is read back (a prefix hit), the rest
+        computed and written through to the store."""
+        kv = model.compute_kv(self.weights, prompt, 0)
+        if self.l3 is None:
+            return kv
+        ps = self.cfg.page_size
+        keys = page_keys(prompt, ps, self.cfg.seed)
+        cached = self.l3.longest_prefix(keys)
+        if cached:
+            kv[: len(cached) * ps] = np.concatenate(cached)
+            self.metrics.hicache_hit_tokens.inc(len(cached) * ps)
+        for j in range(len(cached), len(keys)):
+            self.l3.put(keys[j], kv[j * ps : (j + 1) * ps])
+        return kv
 
     async def _alloc_staging(self, tokens: int) -> list[int]:
         async with self._staging_free:
