@@ -210,6 +210,8 @@ class DecodeSide:
                     continue
                 if reply.get("status") == "success":
                     done.set_result(None)
+                elif reply.get("status") == "expired":
+                    continue  # the prefill dropped the room; the waiting timeout fails it
                 else:
                     self.metrics.num_transfer_failed_reqs.inc()
                     done.set_exception(KVTransferError(room, str(reply.get("reason", "unknown"))))

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tandem_sim import model
+from tandem_sim import hicache, model
 from tandem_sim.config import SimConfig
-from tandem_sim.hicache import FileStore, page_keys
+from tandem_sim.hicache import FileStore
 from tandem_sim.kvpool import PagedPool
 from tandem_sim.metrics import Metrics
 
@@ -42,6 +42,7 @@ class RunningRequest:
     output_words: list[str] = field(default_factory=list)
     inflight_offloads: int = 0
     next_offload_pos: int = -1  # first position of the next page to copy device->host (-1: not started)
+    l3_chain: tuple[int, bytes] | None = None  # (end position, key) of the last page put in the L3 store
     prompt_pages_released: int = 0  # race 1: how many leading pages were handed back early
     finished: bool = False
     released: bool = False
@@ -53,9 +54,10 @@ class RunningRequest:
 
 def _tokens_at(req: RunningRequest, start: int, end: int) -> model.Tokens:
     """The request's tokens (prompt, then decoded) at positions ``start..end``."""
-    ids = req.prompt.ids + req.output_ids
-    words = req.prompt.words + req.output_words
-    return model.Tokens(ids[start:end], words[start:end])
+    n = req.prompt_len
+    a, b = max(start - n, 0), max(end - n, 0)
+    ids = req.prompt.ids[start : min(end, n)] + req.output_ids[a:b]
+    return model.Tokens(ids, req.prompt.words[start : min(end, n)] + req.output_words[a:b])
 
 
 class Engine:
@@ -218,13 +220,27 @@ class Engine:
             self.poisoned_pages += 1
             self.metrics.offload_poisoned_pages.inc()
         if self.l3 is not None and len(copied) == self.cfg.page_size and start % self.cfg.page_size == 0:
-            key = page_keys(_tokens_at(req, 0, start + len(copied)), self.cfg.page_size, self.cfg.seed)[-1]
-            self.l3.put(key, copied)
+            self.l3.put(self._l3_key(req, start), copied)
         req.inflight_offloads -= 1
         if req.finished and req.inflight_offloads == 0 and not req.released:
             task = asyncio.get_running_loop().create_task(self._free(req))
             self._frees.add(task)
             task.add_done_callback(self._frees.discard)
+
+    def _l3_key(self, req: RunningRequest, start: int) -> str:
+        """Key of the page at ``start``: the prefix chain is extended page by page, computed once from scratch."""
+        ps = self.cfg.page_size
+        if req.l3_chain is not None and req.l3_chain[0] == start:
+            chain = req.l3_chain[1]
+        else:
+            chain = hicache.chain_start(ps, self.cfg.seed)
+            for page in range(0, start, ps):
+                before = _tokens_at(req, page, page + ps)
+                chain = hicache.chain_extend(chain, before.ids, before.words)
+        page_tokens = _tokens_at(req, start, start + ps)
+        chain = hicache.chain_extend(chain, page_tokens.ids, page_tokens.words)
+        req.l3_chain = (start + ps, chain)
+        return chain.hex()
 
     # -- state -------------------------------------------------------------------------------------------------
     def _gauges(self) -> None:

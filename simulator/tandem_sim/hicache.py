@@ -23,16 +23,23 @@ from tandem_sim import model
 DEFAULT_FILE_DIR = "/tmp/hicache"
 
 
+def chain_start(page_size: int, seed: int) -> bytes:
+    return hashlib.blake2b(f"tandem-sim:{seed}:{page_size}".encode(), digest_size=16).digest()
+
+
+def chain_extend(chain: bytes, ids: list[int], words: list[str]) -> bytes:
+    """The key of the page holding ``ids``/``words``, after the page keyed ``chain``."""
+    page = "\x1f".join(f"{i}\x1e{w}" for i, w in zip(ids, words, strict=True))
+    return hashlib.blake2b(chain + page.encode(), digest_size=16).digest()
+
+
 def page_keys(tokens: model.Tokens, page_size: int, seed: int) -> list[str]:
     """One key per *full* page: a hash chain over the ids and surface words of every token up to the page's end."""
     keys = []
-    chain = hashlib.blake2b(f"tandem-sim:{seed}:{page_size}".encode(), digest_size=16).digest()
+    chain = chain_start(page_size, seed)
     for start in range(0, len(tokens.ids) - page_size + 1, page_size):
-        page = "\x1f".join(
-            f"{i}\x1e{w}"
-            for i, w in zip(tokens.ids[start : start + page_size], tokens.words[start : start + page_size], strict=True)
-        )
-        chain = hashlib.blake2b(chain + page.encode(), digest_size=16).digest()
+        end = start + page_size
+        chain = chain_extend(chain, tokens.ids[start:end], tokens.words[start:end])
         keys.append(chain.hex())
     return keys
 

@@ -33,6 +33,10 @@ class TransferFailedError(RuntimeError):
     """The KV of a room could not be delivered; the message is SGLang's failure reason."""
 
 
+class RoomExpiredError(RuntimeError):
+    """The decode's hand-over for a room waited the bootstrap timeout without a prefill request."""
+
+
 @dataclass
 class DecodeRegistration:
     session_id: str
@@ -131,8 +135,11 @@ class PrefillSide:
         try:
             return await asyncio.wait_for(asyncio.shield(state.result), timeout=self.cfg.pd.bootstrap_timeout_s)
         except TimeoutError:
-            elapsed = time.monotonic() - state.created
-            return f"Request {room} timed out after {elapsed:.1f}s in KVPoll.Bootstrapping (no prefill request)"
+            # No prefill request came for the room: drop it without failing the decode, which gives up on its
+            # own waiting timeout (KVPoll.WaitingForInput), as SGLang's decode does.
+            if self.rooms.get(room) is state and not state.result.done():
+                self.rooms.pop(room, None)
+            raise RoomExpiredError(room) from None
         finally:
             if state.result.done():
                 self.rooms.pop(room, None)

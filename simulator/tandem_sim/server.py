@@ -24,7 +24,7 @@ from tandem_sim import responses
 from tandem_sim.config import SimConfig
 from tandem_sim.decode import MAX_MESSAGE, PD_PATH
 from tandem_sim.openai_requests import parse_openai
-from tandem_sim.prefill import DecodeRegistration
+from tandem_sim.prefill import DecodeRegistration, RoomExpiredError
 from tandem_sim.requests import BadRequestError, GenerateInput, parse_generate
 from tandem_sim.responses import Outcome
 from tandem_sim.streaming import OpenAIStream
@@ -299,10 +299,13 @@ class Server:
         self._channels.add(ws)
 
         async def answer(room: int, session: str, pages: list[int]) -> None:
-            reason = await prefill.await_transfer(room, session, pages)
-            reply = {"room": room, "status": "success"} if reason is None else {"room": room, "status": "failed"}
-            if reason is not None:
-                reply["reason"] = reason
+            reply: dict[str, Any] = {"room": room}
+            try:
+                reason = await prefill.await_transfer(room, session, pages)
+            except RoomExpiredError:
+                reply["status"] = "expired"  # settles the room; the decode fails it on its own timeout
+            else:
+                reply.update({"status": "success"} if reason is None else {"status": "failed", "reason": reason})
             with contextlib.suppress(ConnectionError, RuntimeError):
                 await ws.send_bytes(orjson.dumps(reply))
 
