@@ -292,7 +292,10 @@ class TransferSpec(CrdModel):
 class RouterSpec(CrdModel):
     """Settings for the Tandem routers that serve this cluster."""
 
-    policy: Literal["random", "round_robin", "least_load"] = "least_load"
+    # The router's selection policies (tandem_router.policy.selection.Policy; a test keeps them equal).
+    policy: Literal["round_robin", "power_of_two", "cache_aware", "random"] = Field(
+        default="cache_aware", description="How the router picks a prefill/decode pair (cache_aware: prefix affinity)."
+    )
     max_attempts: int = Field(default=5, ge=1, le=10, description="Tries per request before its first byte.")
     pair_same_revision: bool = Field(default=True, description="Pair only prefill and decode of one revision.")
 
