@@ -102,4 +102,4 @@ def test_pdpool_spec() -> None:
 def test_router_policies_are_the_routers_own() -> None:
     field = RouterSpec.model_fields["policy"]
     assert set(get_args(field.annotation)) == {p.value for p in Policy}
-    assert RouterSpec().policy == Policy.CACHE_AWARE
+    assert RouterSpec().policy == Policy.CACHE_AWARE.value

@@ -52,7 +52,11 @@ def test_leader_endpoint_of_a_decode_group_over_tcp() -> None:
     endpoint = leader_endpoint(spec, Role.DECODE, live_pod(spec, Role.DECODE, 3, 0, ip="10.2.0.5"))
     assert endpoint is not None
     assert (endpoint.group, endpoint.url, endpoint.bootstrap_port) == ("decode-3", "http://10.2.0.5:30001", None)
-    assert (endpoint.mooncake_session, endpoint.ib_devices, endpoint.attn_dp_size) == ("10.2.0.5:15001", (), 16)
+    assert (endpoint.mooncake_session, endpoint.ib_devices, endpoint.attn_dp_size) == (
+        None,
+        (),
+        16,
+    )  # tcp: 2-port range
 
 
 def test_no_endpoint_without_ip_or_for_a_follower() -> None:
