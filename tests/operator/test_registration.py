@@ -6,7 +6,17 @@ from dataclasses import replace
 
 from tandem.registry import Endpoint, Role
 from tandem_operator.fencing import GroupKey
-from tandem_operator.recovery import FenceRecord, apply_fences, group_epochs, recovered, service_epochs, stamp_epoch
+from tandem_operator.recovery import (
+    FenceRecord,
+    apply_fences,
+    fence_annotation,
+    group_epochs,
+    recovered,
+    resumed_fences,
+    service_epochs,
+    service_fences,
+    stamp_epoch,
+)
 from tandem_operator.registration import (
     RegistryChanges,
     desired_endpoints,
@@ -93,6 +103,22 @@ def test_epochs() -> None:
     service = stamp_epoch({"metadata": {"labels": {"tandem.dev/role": "decode", "tandem.dev/group": "0"}}}, 7)
     assert service["metadata"]["annotations"] == {"tandem.dev/epoch": "7"}
     assert service_epochs([service, {"metadata": {"labels": {}}}]) == {D0: 7}
+
+
+def test_a_fence_recorded_on_the_service_is_resumed_while_its_incarnation_has_pods() -> None:
+    labels = {"tandem.dev/role": "decode", "tandem.dev/group": "0"}
+    patch = fence_annotation(4, "pod-not-ready")
+    assert patch == {"metadata": {"annotations": {"tandem.dev/fenced": "4/pod-not-ready"}}}
+    service = {
+        "metadata": {"labels": labels, "annotations": {"tandem.dev/epoch": "5", **patch["metadata"]["annotations"]}}
+    }
+    other = {"metadata": {"labels": {**labels, "tandem.dev/group": "1"}, "annotations": {"tandem.dev/fenced": "x/y"}}}
+    recorded = service_fences([service, other])
+    assert recorded == {D0: (4, "pod-not-ready")}
+    assert resumed_fences(recorded, {}, {D0: 4}) == {D0: (4, "pod-not-ready")}  # the fenced pods are still there
+    assert resumed_fences(recorded, {}, {D0: 5}) == {}  # already recreated
+    assert resumed_fences(recorded, {}, {}) == {}  # no pods left: the group is simply created again
+    assert resumed_fences(recorded, {D0: FenceRecord(4, "pod-not-ready", 0.0)}, {D0: 4}) == {}  # known already
 
 
 def test_a_fenced_incarnation_is_broken_even_if_its_pods_look_ready() -> None:
