@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -30,6 +32,7 @@ from tests.operator.test_operator_live import tandem_crds  # noqa: F401  (sessio
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(300)]
 PEER = Path(__file__).with_name("mooncake_peer.py")
+LOAD = Path(__file__).with_name("load_client.py")
 MODEL = "kimi-k2.6-sim"
 STREAMS, LOAD_SECONDS, KILL_AFTER = 32, 10.0, 2.0
 
@@ -55,18 +58,6 @@ async def stream_once(sdk: openai.AsyncOpenAI, load: Load, n: int) -> None:
             load.cut_mid_stream += 1
         else:
             load.failed_before_first_byte.append(repr(err))
-
-
-async def run_load(sdk: openai.AsyncOpenAI, load: Load, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-
-    async def worker(w: int) -> None:
-        n = 0
-        while time.monotonic() < deadline:
-            n += 1
-            await stream_once(sdk, load, w * 1000 + n)
-
-    await asyncio.gather(*(worker(w) for w in range(STREAMS)))
 
 
 @pytest.fixture
@@ -133,76 +124,106 @@ async def test_a_decode_pod_deleted_under_load_is_fenced_cleaned_recreated_and_r
         ).start()
         proc_factory.append(router)
         sdk = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
+        try:
+            await _recover_under_load(k8s_api, ns, etcd_endpoint, reg, sdk, tmp_path, proc_factory)
+        finally:
+            await sdk.close()
 
-        async def serves() -> bool:
-            probe = Load()
-            await stream_once(sdk, probe, 0)
-            return probe.ok == 1
 
-        await eventually(serves, "a completion through the router and the simulated workers", within=90)
+async def _recover_under_load(
+    k8s_api: client.ApiClient,
+    ns: str,
+    etcd_endpoint: str,
+    reg: Registry,
+    sdk: openai.AsyncOpenAI,
+    tmp_path: Path,
+    proc_factory: list[ManagedProcess],
+) -> None:
 
-        victim = next(p for p in await pods(k8s_api, ns) if p.metadata.name == "sim-decode-0-1")
-        ip = victim.status.pod_ip
-        root = f"mooncake/{ns}.sim/"
-        env = {
-            "MC_METADATA_CLUSTER_ID": f"{ns}.sim",
-            "MC_TCP_BIND_ADDRESS": ip,
-            "MC_MIN_RPC_PORT": "23000",
-            "MC_MAX_RPC_PORT": "23999",
-            "PYTHONPATH": os.pathsep.join(sys.path),
-        }
-        argv = [sys.executable, str(PEER), ip, etcd_endpoint.split("://", 1)[1]]
-        peer = ManagedProcess("mooncake-victim", argv, tmp_path / "peer.log", env=env).start()
-        proc_factory.append(peer)
+    async def serves() -> bool:
+        probe = Load()
+        await stream_once(sdk, probe, 0)
+        return probe.ok == 1
 
-        async def mooncake_keys() -> list[str]:
-            kvs = await reg.client.get_prefix(root.encode())
-            return [kv.key.decode() for kv in kvs if kv.key.decode().split("/")[-1].split(":")[0] == ip]
+    await eventually(serves, "a completion through the router and the simulated workers", within=90)
 
-        assert len(await eventually(mooncake_keys, "the victim's Mooncake metadata in etcd", within=30)) >= 2
-        epoch_before = (await reg.endpoints(ns, "sim"))["decode-0"].epoch
+    victim = next(p for p in await pods(k8s_api, ns) if p.metadata.name == "sim-decode-0-1")
+    ip = victim.status.pod_ip
+    root = f"mooncake/{ns}.sim/"
+    env = {
+        "MC_METADATA_CLUSTER_ID": f"{ns}.sim",
+        "MC_TCP_BIND_ADDRESS": ip,
+        "MC_MIN_RPC_PORT": "23000",
+        "MC_MAX_RPC_PORT": "23999",
+        "PYTHONPATH": os.pathsep.join(sys.path),
+    }
+    argv = [sys.executable, str(PEER), ip, etcd_endpoint.split("://", 1)[1]]
+    peer = ManagedProcess("mooncake-victim", argv, tmp_path / "peer.log", env=env).start()
+    proc_factory.append(peer)
 
-        load = Load()
-        traffic = asyncio.create_task(run_load(sdk, load, LOAD_SECONDS))
-        await asyncio.sleep(KILL_AFTER)
-        deleted = time.monotonic()
-        await client.CoreV1Api(k8s_api).delete_namespaced_pod("sim-decode-0-1", ns)
-        peer.stop()
-        fenced_s = cleaned_s = None
-        async with asyncio.timeout(10):
-            while fenced_s is None or cleaned_s is None:
-                now = time.monotonic() - deleted
-                if fenced_s is None and "decode-0" not in await reg.endpoints(ns, "sim"):
-                    fenced_s = now
-                if cleaned_s is None and not await mooncake_keys():
-                    cleaned_s = now
-                await asyncio.sleep(0.005)
+    async def mooncake_keys() -> list[str]:
+        kvs = await reg.client.get_prefix(root.encode())
+        return [kv.key.decode() for kv in kvs if kv.key.decode().split("/")[-1].split(":")[0] == ip]
 
-        async def registered_again() -> int | None:
-            endpoint = (await reg.endpoints(ns, "sim")).get("decode-0")
-            return endpoint.epoch if endpoint is not None and endpoint.epoch > epoch_before else None
+    async def published() -> list[str] | None:
+        keys = await mooncake_keys()
+        return keys if len(keys) >= 2 else None  # rpc_meta and ram
 
-        epoch_after = await eventually(registered_again, "decode-0 registered again", within=60)
-        recovered_s = time.monotonic() - deleted
-        await traffic
-        status = await pdc_status(k8s_api, ns, "sim")
-        print(
-            f"\nfenced {fenced_s * 1000:.0f} ms, stale Mooncake keys gone {cleaned_s * 1000:.0f} ms, "
-            f"registered again (epoch {epoch_before} -> {epoch_after}) {recovered_s:.2f} s after the delete; "
-            f"operator's lastRecoverySeconds {status.get('lastRecoverySeconds')}; load: {load.ok} ok, "
-            f"{load.cut_mid_stream} cut mid-stream, {len(load.failed_before_first_byte)} failed before a byte"
-        )
-        assert fenced_s < 1.0
-        assert cleaned_s < 2.0
-        assert epoch_after == epoch_before + 1
-        assert load.failed_before_first_byte == []
-        assert load.ok > STREAMS
-        new_pods = {p.metadata.name: p for p in await pods(k8s_api, ns, "tandem.dev/group=0,tandem.dev/role=decode")}
-        assert sorted(new_pods) == ["sim-decode-0-0", "sim-decode-0-1"]
-        assert {p.metadata.annotations["tandem.dev/epoch"] for p in new_pods.values()} == {str(epoch_after)}
-        assert status["recoveries"] >= 1
-        after = Load()
-        await eventually(lambda: _served(sdk, after), "traffic after the recovery", within=30)
+    await eventually(published, "the victim's Mooncake metadata in etcd", within=30)
+    epoch_before = (await reg.endpoints(ns, "sim"))["decode-0"].epoch
+
+    traffic = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(LOAD),
+        str(sdk.base_url),
+        MODEL,
+        str(STREAMS),
+        str(LOAD_SECONDS),
+        stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    await asyncio.sleep(KILL_AFTER)
+    peer.signal(signal.SIGKILL)  # the pod's worker dies first (its Mooncake keys stay behind, as after a crash)
+    deleted = time.monotonic()
+    await client.CoreV1Api(k8s_api).delete_namespaced_pod("sim-decode-0-1", ns)
+    fenced_s = cleaned_s = None
+    async with asyncio.timeout(10):
+        while fenced_s is None or cleaned_s is None:
+            now = time.monotonic() - deleted
+            current = (await reg.endpoints(ns, "sim")).get("decode-0")
+            if fenced_s is None and (current is None or current.epoch > epoch_before):  # gone (or already back)
+                fenced_s = now
+            if cleaned_s is None and not await mooncake_keys():
+                cleaned_s = now
+            await asyncio.sleep(0.005)
+
+    async def registered_again() -> int | None:
+        endpoint = (await reg.endpoints(ns, "sim")).get("decode-0")
+        return endpoint.epoch if endpoint is not None and endpoint.epoch > epoch_before else None
+
+    epoch_after = await eventually(registered_again, "decode-0 registered again", within=60)
+    recovered_s = time.monotonic() - deleted
+    async with asyncio.timeout(LOAD_SECONDS + 60):
+        out, _ = await traffic.communicate()
+    load = Load(**json.loads(out.decode().strip().splitlines()[-1]))
+    status = await pdc_status(k8s_api, ns, "sim")
+    print(
+        f"\nfenced {fenced_s * 1000:.0f} ms, stale Mooncake keys gone {cleaned_s * 1000:.0f} ms, "
+        f"registered again (epoch {epoch_before} -> {epoch_after}) {recovered_s:.2f} s after the delete; "
+        f"operator's lastRecoverySeconds {status.get('lastRecoverySeconds')}; load: {load.ok} ok, "
+        f"{load.cut_mid_stream} cut mid-stream, {len(load.failed_before_first_byte)} failed before a byte"
+    )
+    assert fenced_s < 1.0
+    assert cleaned_s < 2.0
+    assert epoch_after == epoch_before + 1
+    assert load.failed_before_first_byte == []
+    assert load.ok > STREAMS
+    new_pods = {p.metadata.name: p for p in await pods(k8s_api, ns, "tandem.dev/group=0,tandem.dev/role=decode")}
+    assert sorted(new_pods) == ["sim-decode-0-0", "sim-decode-0-1"]
+    assert {p.metadata.annotations["tandem.dev/epoch"] for p in new_pods.values()} == {str(epoch_after)}
+    assert status["recoveries"] >= 1
+    after = Load()
+    await eventually(lambda: _served(sdk, after), "traffic after the recovery", within=30)
 
 
 async def _served(sdk: openai.AsyncOpenAI, load: Load) -> bool:
