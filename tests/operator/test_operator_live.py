@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 from kubernetes_asyncio import client
 
+from tandem import registry
 from tandem.devcluster.cluster import DevCluster
 from tandem.procs import ManagedProcess
+from tandem_operator.recovery import fence_annotation
 from tests.devcluster_fixtures import eventually
 from tests.operator.live import (
     CRDS,
@@ -134,7 +136,7 @@ async def test_invalid_specs_are_rejected_by_the_api_server_with_field_paths(
     k8s_namespace: str,
     tandem_crds: None,
     tmp_path: Path,
-    change: dict,
+    change: dict[str, object],
     field: str,
     message: str,
 ) -> None:
@@ -145,3 +147,41 @@ async def test_invalid_specs_are_rejected_by_the_api_server_with_field_paths(
     assert code != 0
     assert field in err, err
     assert message in err, err
+
+
+async def test_a_restarted_operator_keeps_pods_and_registrations_and_finishes_a_recorded_fence(
+    k8s_cluster: DevCluster, k8s_api: client.ApiClient, k8s_namespace: str, operator: ManagedProcess, etcd_endpoint: str
+) -> None:
+    ns = k8s_namespace
+    await create_pdcluster(k8s_api, ns, pdcluster("sim", decode_groups=2))
+    await eventually(lambda: ready(k8s_api, ns, "sim", 1, 2), "PDCluster sim Ready", within=60)
+    async with Registry(etcd_endpoint) as reg:
+
+        async def three() -> bool:
+            return len(await reg.endpoints(ns, "sim")) == 3
+
+        await eventually(three, "three groups registered", within=30)
+        before = {p.metadata.name: p.metadata.uid for p in await pods(k8s_api, ns)}
+        operator.stop()
+        # The state an operator leaves when it dies right after fencing decode-1 (NotReady) and before
+        # recreating it: the registry key deleted, the fence recorded on the group's Service.
+        await reg.client.delete(f"{registry.cluster_prefix(ns, 'sim')}decode/decode-1".encode())
+        await client.CoreV1Api(k8s_api).patch_namespaced_service("sim-decode-1", ns, fence_annotation(0, "PodNotReady"))
+        successor = operator_process(k8s_cluster, ns, etcd_endpoint, operator.log_path.parent, "op-b").start()
+        try:
+
+            async def recovered() -> bool:
+                entries = await reg.endpoints(ns, "sim")
+                return sorted(entries) == ["decode-0", "decode-1", "prefill-0"] and entries["decode-1"].epoch == 1
+
+            await eventually(recovered, "decode-1 recreated and registered with epoch 1", within=60)
+            after = {p.metadata.name: p.metadata.uid for p in await pods(k8s_api, ns)}
+            assert sorted(after) == sorted(before)  # no duplicates
+            untouched = ["sim-prefill-0-0", "sim-decode-0-0", "sim-decode-0-1"]
+            assert [after[n] for n in untouched] == [before[n] for n in untouched]
+            assert after["sim-decode-1-0"] != before["sim-decode-1-0"]  # the fenced group was recreated
+            assert len(await reg.leases(ns, "sim")) == 1  # every entry re-put under the successor's lease
+            entries = await reg.endpoints(ns, "sim")
+            assert (entries["prefill-0"].epoch, entries["decode-0"].epoch) == (0, 0)
+        finally:
+            successor.stop()
