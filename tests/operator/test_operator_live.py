@@ -10,6 +10,7 @@ import itertools
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kubernetes_asyncio import client
@@ -136,7 +137,7 @@ async def test_invalid_specs_are_rejected_by_the_api_server_with_field_paths(
     k8s_namespace: str,
     tandem_crds: None,
     tmp_path: Path,
-    change: dict[str, object],
+    change: dict[str, Any],
     field: str,
     message: str,
 ) -> None:
