@@ -11,6 +11,7 @@ After that, a failure ends the stream with an OpenAI error event.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -265,8 +266,12 @@ class Proxy:
                     "X-Request-Id": req.request_id,
                 },
             )
-            await out.prepare(http)
-            await out.write(first)
+            try:
+                await out.prepare(http)
+                await out.write(first)
+            except ConnectionResetError:
+                client_gone = True
+                return out
             last = time.monotonic()
             self.metrics.ttft.labels(route).observe(last - req.started)
             itl = self.metrics.itl.labels(route)
@@ -284,7 +289,8 @@ class Proxy:
                         "decode stream broke after the first byte",
                         extra={"request_id": req.request_id, "decode": pair.decode.url, "error": repr(err)},
                     )
-                    await out.write(stream_error_event(f"decode worker stream failed: {type(err).__name__}", 502))
+                    with contextlib.suppress(ConnectionResetError):
+                        await out.write(stream_error_event(f"decode worker stream failed: {type(err).__name__}", 502))
                     break
                 try:
                     await out.write(chunk)
@@ -294,7 +300,8 @@ class Proxy:
                 now = time.monotonic()
                 itl.observe(now - last)
                 last = now
-            await out.write_eof()
+            with contextlib.suppress(ConnectionResetError):
+                await out.write_eof()
             return out
         finally:
             if ok:

@@ -53,6 +53,7 @@ class Transport:
                 connector=connector,
                 timeout=self._timeout,
                 auto_decompress=False,
+                cookie_jar=aiohttp.DummyCookieJar(),
                 skip_auto_headers=("User-Agent", "Accept-Encoding"),
             )
             self._sessions[base_url] = s
@@ -63,7 +64,7 @@ class Transport:
     ) -> aiohttp.ClientResponse:
         """POST and return once the response head arrived; the caller reads the body and releases it."""
         try:
-            return await self.session(base_url).post(path, data=body, headers=headers)
+            return await self.session(base_url).post(path, data=body, headers=headers, allow_redirects=False)
         except aiohttp.ClientConnectorError as err:
             raise WorkerUnreachableError(f"{base_url}: {err.os_error or err}") from err
         except (TimeoutError, aiohttp.ClientError, OSError) as err:
