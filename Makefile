@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: up test bootstrap lint typecheck unit bench generate verify format clean
+.PHONY: up test bootstrap k8s-binaries lint typecheck unit bench generate verify format clean
 
 bootstrap:
 	@scripts/bootstrap.sh
@@ -12,8 +12,13 @@ bootstrap:
 up: bootstrap
 	$(VENV)/bin/tandem up
 
+## k8s-binaries: build the test control plane (kube-apiserver, controller-manager, scheduler, etcd, kwok) and
+## unpack helm/kubectl when missing; cached in ~/.cache/tandem/k8s/<version>/bin, so a rerun only checks.
+k8s-binaries:
+	@scripts/build-k8s.sh
+
 ## test: install everything, then lint, type-check and run every test (inside a loopback-only netns).
-test: bootstrap lint typecheck
+test: bootstrap k8s-binaries lint typecheck
 	scripts/in-netns.sh $(PY) -m pytest $(PYTEST_ARGS)
 
 lint: bootstrap

@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 # libibverbs1/librdmacm1/libnuma1: shared libraries the Mooncake transfer engine loads even for TCP.
 # etcd-server: the registry of the local stack and tests. wrk: the benchmarks' load generator.
 # iproute2 + util-linux: loopback-only network namespaces for the tests (Mooncake listens on all interfaces).
-DEB_PACKAGES=(libibverbs1 librdmacm1 libnuma1 etcd-server wrk iproute2 util-linux)
+# openssl: certificates of the test Kubernetes control plane (tandem/devcluster/pki.py).
+DEB_PACKAGES=(libibverbs1 librdmacm1 libnuma1 etcd-server wrk iproute2 util-linux openssl)
 
 missing=()
 for pkg in "${DEB_PACKAGES[@]}"; do

@@ -20,3 +20,6 @@ def proc_factory(tmp_path: Path) -> Iterator[list[ManagedProcess]]:
     yield procs
     for proc in reversed(procs):
         proc.stop()
+
+
+pytest_plugins = ["tests.devcluster_fixtures"]

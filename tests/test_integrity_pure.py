@@ -163,3 +163,18 @@ def test_consensus(answers: dict[tuple[str, str], str], reference: str | None, f
 def test_explicit_reference_wins_over_majority() -> None:
     verdict = judge({("p", "d0"): "bad", ("p", "d1"): "bad", ("p", "d2"): "good"}, reference="good")
     assert verdict.failed == {("p", "d0"), ("p", "d1")}
+
+
+def test_probation_after_release_requarantines_on_one_failure_with_longer_backoff() -> None:
+    policy = QuarantinePolicy(threshold=2, window_s=10, probe_initial_s=1, probe_max_s=100, probation_s=50)
+    book = IntegrityBook(policy)
+    book.record_failure(PAIR, "x", 0.0)
+    book.record_failure(PAIR, "x", 0.0)
+    book.record_probe(PAIR, clean=True, now=1.0)
+    assert book.record_probe(PAIR, clean=True, now=1.0) is Transition.RELEASED
+    assert book.record_failure(PAIR, "again", now=20.0) is Transition.QUARANTINED  # one failure on probation
+    assert book.probes_due(21.9) == []  # second quarantine: interval 2 s, not 1 s
+    assert book.probes_due(22.0) == [PAIR]
+    book.record_probe(PAIR, clean=True, now=22.0)
+    book.record_probe(PAIR, clean=True, now=22.0)
+    assert book.record_failure(PAIR, "late", now=80.0) is None  # probation over: back to the threshold

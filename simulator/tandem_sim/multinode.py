@@ -32,6 +32,7 @@ class Rendezvous:
         self.all_connected = asyncio.Event()
         self.lost = asyncio.Event()
         self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()  # the loop only keeps weak references to tasks
 
     async def start(self) -> None:
         if self.node_rank == 0:
@@ -39,9 +40,12 @@ class Rendezvous:
             if self.nnodes == 1:
                 self.all_connected.set()
         else:
-            asyncio.get_running_loop().create_task(self._connect())
+            self._tasks.add(asyncio.get_running_loop().create_task(self._connect()))
 
     async def _on_peer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        current = asyncio.current_task()
+        if current is not None:
+            self._tasks.add(current)
         try:
             line = await reader.readline()
             if not line.startswith(HELLO):

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
+
+from tandem.procs import ManagedProcess, free_port
 from tandem_operator.api.pdcluster import PDClusterSpec
 
 KIMI_8XH200: dict[str, Any] = {
@@ -30,3 +34,35 @@ KIMI_8XH200: dict[str, Any] = {
 
 def kimi_spec(**overrides: Any) -> PDClusterSpec:
     return PDClusterSpec.model_validate({**KIMI_8XH200, **overrides})
+
+
+@pytest.fixture(scope="session")
+def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real etcd (Debian etcd-server) on loopback for the registry and Mooncake metadata, one per session."""
+    root = tmp_path_factory.mktemp("etcd")
+    client, peer = free_port(), free_port()
+    url = f"http://127.0.0.1:{client}"
+    proc = ManagedProcess(
+        "etcd",
+        [
+            "etcd",
+            "--data-dir",
+            str(root / "data"),
+            "--listen-client-urls",
+            url,
+            "--advertise-client-urls",
+            url,
+            "--listen-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-cluster",
+            f"default=http://127.0.0.1:{peer}",
+        ],
+        root / "etcd.log",
+    ).start()
+    try:
+        proc.wait_http(f"{url}/health", timeout=20)
+        yield url
+    finally:
+        proc.stop()

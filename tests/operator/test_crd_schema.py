@@ -60,7 +60,7 @@ def test_structural_schema_golden() -> None:
                 "description": "the inner",
                 "type": "object",
                 "properties": {"size": {"default": 3, "minimum": 1, "type": "integer"}},
-                "default": {},
+                "default": {"size": 3},  # spelled out: the API server checks defaults against CEL rules
             },
             "needy": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]},
             "maybe": {

@@ -22,6 +22,10 @@ ALLOWED = {
     "status": {"api", "desired", "status"},
     "planner": {"status", "planner"},
     "crdgen": {"crd"},
+    "fencing": {"api", "desired", "status", "fencing"},
+    "registration": {"api", "desired", "status", "fencing", "registration"},
+    "recovery": {"desired", "status", "fencing", "recovery"},
+    "leader": {"leader"},
 }
 
 

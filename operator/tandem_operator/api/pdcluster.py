@@ -181,7 +181,8 @@ class PoolSpec(CrdModel):
             field_path=".enableDpLmHead",
         ),
         Rule(
-            cel=f"self.extraArgs.all(a, !{_MANAGED_CEL}.exists(f, a == f || a.startsWith(f + '=')))",
+            cel="!has(self.extraArgs) || "
+            f"self.extraArgs.all(a, !{_MANAGED_CEL}.exists(f, a == f || a.startsWith(f + '=')))",
             message="extraArgs may not set flags the operator manages: " + " ".join(MANAGED_FLAGS),
             check=lambda s: not any(a == f or a.startswith(f + "=") for a in s.extra_args for f in MANAGED_FLAGS),
             field_path=".extraArgs",
@@ -280,7 +281,7 @@ class TransferSpec(CrdModel):
 
     cel_rules = (
         Rule(
-            cel="self.protocol != 'rdma' || self.ibDevices.size() > 0",
+            cel="self.protocol != 'rdma' || (has(self.ibDevices) && self.ibDevices.size() > 0)",
             message="protocol rdma needs ibDevices (e.g. [mlx5_0]); use protocol tcp without RDMA",
             check=lambda s: s.protocol != TransferProtocol.RDMA or len(s.ib_devices) > 0,
             field_path=".ibDevices",

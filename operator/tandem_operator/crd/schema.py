@@ -9,8 +9,9 @@ pydantic emits JSON Schema 2020-12; the API server wants a *structural* schema (
 * turns ``const`` into a one-value ``enum`` and 2020-12 numeric ``exclusiveMinimum: n`` into OpenAPI 3.0's
   ``minimum: n, exclusiveMinimum: true``;
 * drops ``title`` and ``additionalProperties: false`` (the API server prunes unknown fields anyway);
-* gives optional object fields ``default: {}`` when their own fields are all optional, so the API server fills
-  in nested defaults (pydantic does not render ``default_factory`` defaults);
+* gives optional object fields whose own fields are all optional a default made of their fields' defaults, so the
+  API server fills in nested defaults (pydantic does not render ``default_factory`` defaults) and the default
+  passes the object's CEL rules;
 * rejects any keyword it does not know, so a new pydantic feature cannot slip an invalid schema into a CRD.
 """
 
@@ -129,4 +130,6 @@ def _default_nested_objects(obj: Schema) -> None:
         if name in required or "default" in prop or prop.get("nullable") or prop.get("type") != "object":
             continue
         if "properties" in prop and not prop.get("required"):
-            prop["default"] = {}
+            # The API server checks a default against the object's CEL rules *without* filling in nested
+            # defaults first, so an empty default fails rules that read fields ("no such key"): spell them out.
+            prop["default"] = {key: sub["default"] for key, sub in prop["properties"].items() if "default" in sub}

@@ -20,6 +20,8 @@ LABEL_RANK = f"{GROUP}/rank"
 LABEL_REVISION = f"{GROUP}/revision"
 LABEL_TEMPLATE_HASH = f"{GROUP}/template-hash"
 ANNOTATION_BOOTSTRAP_PORT = "sglang.ai/bootstrap-port"
+# Incarnation of a group: bumped each time the group is recreated after a member died (pods and Service carry it).
+ANNOTATION_EPOCH = f"{GROUP}/epoch"
 COMMON_LABELS = {"app.kubernetes.io/name": "tandem-worker", "app.kubernetes.io/managed-by": FIELD_MANAGER}
 
 

@@ -77,7 +77,7 @@ async def send(api: Any, request: Request) -> dict[str, Any]:
         query_params=list(request.query),
         header_params={"Accept": "application/json", **request.headers},
         body=request.body,
-        response_types_map={200: "object", 201: "object"},
+        response_types_map={200: "object", 201: "object", 202: "object"},
         auth_settings=["BearerToken"],
         _return_http_data_only=True,
     )

@@ -8,6 +8,9 @@ Rules:
 - ``threshold`` integrity failures (detector hits, failed canaries) within ``window_s`` quarantine a pair.
 - A quarantined pair is re-probed (known-answer canary) after ``probe_initial_s``, doubling up to
   ``probe_max_s`` after each failed probe; ``clean_probes_to_release`` consecutive clean probes release it.
+- A released pair is on probation for ``probation_s``: one failure sends it back, and each repeated quarantine
+  starts from a doubled probe interval. Garbling that only shows under load (the offload races) can pass a quiet
+  probe; probation keeps such a pair from flapping back into traffic at full rate.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class QuarantinePolicy:
     probe_initial_s: float = 5.0
     probe_max_s: float = 300.0
     clean_probes_to_release: int = 2
+    probation_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.threshold < 1 or self.clean_probes_to_release < 1:
@@ -49,6 +53,7 @@ class PairRecord:
     clean_probes: int = 0
     total_failures: int = 0
     total_quarantines: int = 0
+    released_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -82,11 +87,12 @@ class IntegrityBook:
         record.failures.append(now)
         while record.failures and record.failures[0] < now - self.policy.window_s:
             record.failures.popleft()
-        if len(record.failures) < self.policy.threshold:
+        on_probation = record.released_at is not None and now - record.released_at < self.policy.probation_s
+        if len(record.failures) < self.policy.threshold and not on_probation:
             return None
         record.quarantined_at = now
         record.reason = reason
-        record.probe_interval = self.policy.probe_initial_s
+        record.probe_interval = min(self.policy.probe_initial_s * 2**record.total_quarantines, self.policy.probe_max_s)
         record.next_probe_at = now + record.probe_interval
         record.clean_probes = 0
         record.total_quarantines += 1
@@ -114,6 +120,7 @@ class IntegrityBook:
             record.next_probe_at = now  # confirm right away: a released pair should not wait a full interval
             return None
         record.quarantined_at = None
+        record.released_at = now
         record.reason = ""
         record.clean_probes = 0
         return Transition.RELEASED

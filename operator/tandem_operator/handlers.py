@@ -1,0 +1,132 @@
+"""kopf handlers: thin. They translate Kubernetes events into calls on ``OperatorState`` / ``ClusterRuntime``.
+
+Built on an explicit ``kopf.OperatorRegistry`` (no module-level globals), so ``main`` and the tests each get
+their own. PDCluster create/update/resume -> validate, apply the PDPools, (re)start the cluster's runtime; pods
+(label ``tandem.dev/cluster`` present) -> the fast fence path; PDPools -> a reconcile kick (``kubectl scale``);
+nodes -> lost-node fencing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+import pydantic
+
+from tandem_operator.api.common import GROUP, VERSION
+from tandem_operator.api.pdcluster import PDClusterSpec
+from tandem_operator.desired.naming import LABEL_CLUSTER, ClusterRef
+from tandem_operator.fencing import node_lost
+from tandem_operator.k8s.kube import Kube
+from tandem_operator.reconcile import apply_pools
+from tandem_operator.registrar import Registrar
+from tandem_operator.runtime import ClusterRuntime, RuntimeOptions
+
+log = logging.getLogger("tandem.operator")
+
+
+@dataclass
+class OperatorState:
+    kube: Kube
+    options: RuntimeOptions
+    etcd_override: Sequence[str] = ()  # the operator's own route to etcd, if it differs from the spec's
+    lease_ttl: int = 10
+    runtimes: dict[tuple[str, str], ClusterRuntime] = field(default_factory=dict)
+    registrars: dict[tuple[str, ...], Registrar] = field(default_factory=dict)
+    lost_nodes: set[str] = field(default_factory=set)
+
+    async def registrar(self, endpoints: Sequence[str]) -> Registrar:
+        key = tuple(self.etcd_override or endpoints)
+        if key not in self.registrars:
+            registrar = Registrar(key, ttl=self.lease_ttl)
+            await registrar.start()
+            self.registrars[key] = registrar
+        return self.registrars[key]
+
+    async def ensure_runtime(self, ref: ClusterRef, spec: PDClusterSpec) -> ClusterRuntime:
+        key = (ref.namespace, ref.name)
+        runtime = self.runtimes.get(key)
+        if runtime is not None and runtime.ref.uid != ref.uid:  # deleted and recreated under the same name
+            await runtime.stop(unregister=False)
+            runtime = None
+        if runtime is None:
+            registrar = await self.registrar(spec.etcd.endpoints)
+            runtime = ClusterRuntime(ref, spec, self.kube, registrar, self.options, lambda: self.lost_nodes)
+            self.runtimes[key] = runtime
+            await runtime.start()
+        return runtime
+
+    async def close(self) -> None:
+        for runtime in self.runtimes.values():
+            await runtime.stop(unregister=False)
+        for registrar in self.registrars.values():
+            await registrar.close()
+
+
+def parse_spec(spec: Any) -> PDClusterSpec:
+    """The PDCluster spec as the model; a spec the API server let through but the model rejects is permanent."""
+    try:
+        return PDClusterSpec.model_validate(dict(spec))
+    except pydantic.ValidationError as err:
+        raise kopf.PermanentError(f"invalid PDCluster spec: {err}") from err
+
+
+def build_registry(state: OperatorState) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.resume(GROUP, VERSION, "pdclusters", registry=registry)
+    @kopf.on.create(GROUP, VERSION, "pdclusters", registry=registry)
+    @kopf.on.update(GROUP, VERSION, "pdclusters", field="spec", registry=registry)
+    async def cluster_changed(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, **_: Any) -> None:
+        ref = ClusterRef(name=str(meta["name"]), namespace=str(meta["namespace"]), uid=str(meta["uid"]))
+        model = parse_spec(spec)
+        runtime = await state.ensure_runtime(ref, model)
+        await apply_pools(runtime)
+        runtime.update(model, int(meta.get("generation") or 0), dict(status))
+
+    @kopf.on.event(GROUP, VERSION, "pdclusters", registry=registry)
+    async def cluster_event(event: kopf.RawEvent, **_: Any) -> None:
+        if event["type"] != "DELETED":
+            return
+        meta = event["object"]["metadata"]
+        runtime = state.runtimes.pop((meta["namespace"], meta["name"]), None)
+        if runtime is not None:
+            await runtime.stop(unregister=True)
+            log.info("cluster deleted; endpoints removed", extra={"cluster": f"{meta['namespace']}/{meta['name']}"})
+
+    @kopf.on.event(GROUP, VERSION, "pdpools", registry=registry)
+    async def pool_event(body: kopf.Body, **_: Any) -> None:
+        runtime = state.runtimes.get((str(body.metadata.namespace), str(body.spec.get("clusterName", ""))))
+        if runtime is not None:
+            runtime.kick()
+
+    @kopf.on.event("", "v1", "pods", labels={LABEL_CLUSTER: kopf.PRESENT}, registry=registry)
+    async def pod_event(event: kopf.RawEvent, **_: Any) -> None:
+        pod = event["object"]
+        meta = pod.get("metadata") or {}
+        runtime = state.runtimes.get((meta.get("namespace", ""), (meta.get("labels") or {}).get(LABEL_CLUSTER, "")))
+        if runtime is not None:
+            await runtime.on_pod_event(str(event["type"]), pod)
+
+    @kopf.on.event("", "v1", "nodes", registry=registry)
+    async def node_event(event: kopf.RawEvent, **_: Any) -> None:
+        node = event["object"]
+        name = str((node.get("metadata") or {}).get("name", ""))
+        if not node_lost(str(event["type"]), node):
+            state.lost_nodes.discard(name)
+            return
+        if name in state.lost_nodes:
+            return
+        state.lost_nodes.add(name)
+        log.warning("node lost", extra={"node": name})
+        for runtime in list(state.runtimes.values()):
+            await runtime.on_nodes_lost({name})
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(**_: Any) -> None:
+        await state.close()
+
+    return registry

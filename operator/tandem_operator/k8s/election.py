@@ -1,0 +1,87 @@
+"""Leader election adapter: holds a ``coordination.k8s.io/v1`` Lease, deciding with ``tandem_operator.leader``.
+
+``acquire`` blocks until this replica holds the Lease; ``hold`` renews it every ``duration / 3`` and returns when
+leadership is lost (a renewal failed for longer than the Lease lasts, or another replica took it), so the caller
+stops the operator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from datetime import UTC, datetime
+
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from tandem_operator.k8s.kube import Kube
+from tandem_operator.leader import LeaseAction, decide, lease_body, lease_state
+
+log = logging.getLogger("tandem.operator.leader")
+
+
+class LeaderElector:
+    def __init__(self, kube: Kube, *, name: str, namespace: str, identity: str, duration_s: int = 15) -> None:
+        self.kube, self.name, self.namespace, self.identity, self.duration_s = (
+            kube,
+            name,
+            namespace,
+            identity,
+            duration_s,
+        )
+        self.path = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/{name}"
+
+    async def try_once(self) -> bool:
+        """One election round; True if this replica holds the Lease afterwards."""
+        now = datetime.now(UTC)
+        state = lease_state(await self.kube.get(self.path))
+        action = decide(state, self.identity, now)
+        if action is LeaseAction.WAIT:
+            return False
+        body = lease_body(
+            name=self.name,
+            namespace=self.namespace,
+            me=self.identity,
+            duration_s=self.duration_s,
+            now=now,
+            action=action,
+            state=state,
+        )
+        try:
+            if action is LeaseAction.CREATE:
+                await self.kube.post(f"/apis/coordination.k8s.io/v1/namespaces/{self.namespace}/leases", body)
+            else:
+                await self.kube.put(self.path, body)
+        except ApiException as err:
+            if err.status in (409, 422):  # another replica wrote first
+                return False
+            raise
+        if action is not LeaseAction.RENEW:
+            log.info("leadership acquired", extra={"lease": self.name, "identity": self.identity})
+        return True
+
+    async def acquire(self) -> None:
+        while True:
+            try:
+                if await self.try_once():
+                    return
+            except Exception as err:
+                log.warning("leader election round failed", extra={"error": repr(err)})
+            await asyncio.sleep(self.duration_s / 3)
+
+    async def hold(self) -> None:
+        """Renew until leadership is lost; then return."""
+        last_renewed = time.monotonic()
+        while True:
+            await asyncio.sleep(self.duration_s / 3)
+            try:
+                if await self.try_once():
+                    last_renewed = time.monotonic()
+                    continue
+                log.error("leadership lost to another replica", extra={"lease": self.name})
+                return
+            except Exception as err:
+                log.warning("lease renewal failed", extra={"error": repr(err)})
+            if time.monotonic() - last_renewed > self.duration_s:
+                log.error("leadership lost: could not renew the lease in time", extra={"lease": self.name})
+                return

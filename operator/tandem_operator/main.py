@@ -1,0 +1,173 @@
+"""``tandem operator``: the kopf operator for PDCluster / PDPool.
+
+Configuration: ``--kubeconfig`` (else in-cluster service account, else the default kubeconfig), namespaces to
+serve (``--namespace``, repeatable, or ``--all-namespaces``, the default), ``--etcd-endpoints`` to reach the
+registry's etcd by another route than the PDCluster's ``spec.etcd.endpoints``, ``--metrics-port`` for ``/healthz``
+and ``/metrics``. Leader election over a Lease is on by default (any number of replicas is safe; kopf's own
+peering is switched off, it only pauses lower-priority peers); ``--no-leader-election`` for a single local run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import kopf
+from kubernetes_asyncio import client as k8s_client
+from kubernetes_asyncio import config as k8s_config
+
+from tandem import logs
+from tandem_operator.handlers import OperatorState, build_registry
+from tandem_operator.k8s.election import LeaderElector
+from tandem_operator.k8s.kube import Kube
+from tandem_operator.metrics import LEADER, serve
+from tandem_operator.runtime import RuntimeOptions
+
+log = logging.getLogger("tandem.operator")
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def _namespace_of_pod() -> str:
+    try:
+        return SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
+    except OSError:
+        return "default"
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="tandem operator", description=__doc__)
+    parser.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG"), help="kubeconfig file")
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", action="append", default=[], help="namespace to serve (repeatable)")
+    scope.add_argument("--all-namespaces", action="store_true", help="serve every namespace (the default)")
+    parser.add_argument(
+        "--etcd-endpoints", default="", help="comma-separated etcd endpoints overriding spec.etcd.endpoints"
+    )
+    parser.add_argument("--lease-ttl", type=int, default=10, help="etcd lease TTL of registry entries (s)")
+    parser.add_argument("--resync", type=float, default=30.0, help="periodic reconcile of every cluster (s)")
+    parser.add_argument("--metrics-port", type=int, default=0, help="serve /healthz and /metrics on this port")
+    parser.add_argument("--metrics-host", default="0.0.0.0", help="address of the /healthz and /metrics server")
+    parser.add_argument("--no-leader-election", dest="leader_election", action="store_false")
+    parser.add_argument("--leader-election-namespace", default=os.environ.get("POD_NAMESPACE") or _namespace_of_pod())
+    parser.add_argument("--leader-election-name", default="tandem-operator")
+    parser.add_argument("--identity", default=os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}")
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    if args.lease_ttl < 2:
+        parser.error("--lease-ttl must be at least 2 seconds")
+    args.etcd = [e.strip() for e in args.etcd_endpoints.split(",") if e.strip()]
+    return args
+
+
+async def kube_configuration(kubeconfig: str | None) -> k8s_client.Configuration:
+    configuration = k8s_client.Configuration()
+    if kubeconfig:
+        await k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+        return configuration
+    try:
+        k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+    except k8s_config.ConfigException:
+        await k8s_config.load_kube_config(client_configuration=configuration)
+    return configuration
+
+
+def connection_info(configuration: k8s_client.Configuration) -> kopf.ConnectionInfo:
+    token = configuration.api_key.get("BearerToken") or configuration.api_key.get("authorization")
+    scheme, _, value = (token or "").partition(" ")
+    return kopf.ConnectionInfo(
+        server=str(configuration.host),
+        ca_path=configuration.ssl_ca_cert,
+        insecure=not configuration.verify_ssl,
+        scheme=scheme if value else None,
+        token=(value or scheme) or None,
+        certificate_path=configuration.cert_file,
+        private_key_path=configuration.key_file,
+    )
+
+
+def operator_settings(settings: kopf.OperatorSettings) -> None:
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="operator.tandem.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="operator.tandem.dev", key="last-handled-spec"
+    )
+    settings.posting.level = logging.WARNING  # our own Events say what happened; kopf's only report failures
+    settings.watching.server_timeout = 300
+    settings.networking.request_timeout = 30
+
+
+async def run(args: argparse.Namespace) -> int:
+    configuration = await kube_configuration(args.kubeconfig)
+    http = await serve(args.metrics_host, args.metrics_port) if args.metrics_port else None
+    try:
+        async with k8s_client.ApiClient(configuration) as api:
+            return await _run_operator(args, configuration, Kube(api))
+    finally:
+        if http is not None:
+            await http.cleanup()
+
+
+async def _run_operator(args: argparse.Namespace, configuration: k8s_client.Configuration, kube: Kube) -> int:
+    stop = asyncio.Event()
+    holder: asyncio.Task[None] | None = None
+    if args.leader_election:
+        elector = LeaderElector(
+            kube, name=args.leader_election_name, namespace=args.leader_election_namespace, identity=args.identity
+        )
+        log.info("waiting for leadership", extra={"identity": args.identity})
+        await elector.acquire()
+        LEADER.set(1)
+        holder = asyncio.create_task(elector.hold())
+        holder.add_done_callback(lambda _: stop.set())
+    state = OperatorState(
+        kube, RuntimeOptions(args.identity, resync_seconds=args.resync), tuple(args.etcd), args.lease_ttl
+    )
+    registry = build_registry(state)
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return connection_info(configuration)
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        operator_settings(settings)
+
+    await kopf.operator(
+        registry=registry,
+        standalone=True,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace,
+        stop_flag=stop,
+    )
+    LEADER.set(0)
+    lost = holder is not None and holder.done()
+    if holder is not None:
+        holder.cancel()
+    return 1 if lost else 0
+
+
+def _drop_kopf_settings(record: logging.LogRecord) -> bool:
+    """kopf attaches its whole settings object to every record; the JSON log line should not carry it."""
+    record.__dict__.pop("settings", None)
+    return True
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    logs.setup(args.log_level, "tandem.operator")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_drop_kopf_settings)
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # one line per handled event is noise at scale
+    try:
+        return asyncio.run(run(args))
+    except KeyboardInterrupt:
+        return 130
+    except k8s_config.ConfigException as err:
+        print(f"tandem operator: cannot configure the Kubernetes client: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,94 @@
+"""Registry entries desired from observed pods, and the changes that bring etcd there. Pure.
+
+Every READY group (``status.group_views``) is advertised by one ``tandem.registry.Endpoint`` built from its rank-0
+pod: the SGLang URL ``http://<pod ip>:<http port>``, the prefill bootstrap port, the Mooncake session
+``<pod ip>:<fixed rpc port>`` (from the pod's env, so it is what the worker really uses), the RDMA devices, the
+pod's compatibility revision and its epoch (the group's incarnation). A group fenced at its current epoch is not
+advertised again until it is recreated with a higher epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from tandem.registry import Endpoint, Role
+from tandem_operator.api.pdcluster import PDClusterSpec, TransferProtocol
+from tandem_operator.desired.naming import LABEL_REVISION
+from tandem_operator.fencing import GroupKey, Pod, pod_facts
+from tandem_operator.status import GroupState, GroupView
+
+
+def leader_endpoint(spec: PDClusterSpec, role: Role, leader: Pod) -> Endpoint | None:
+    """The endpoint of a group whose leader (rank 0) is ``leader``; None while it has no IP, or an IPv6 one (the
+    registry's Mooncake session id is ``ip:port``, which the shared schema defines for IPv4 only)."""
+    facts = pod_facts(leader)
+    if facts is None or facts.ip is None or facts.rank != 0 or ":" in facts.ip:
+        return None
+    ports = spec.role(role).ports
+    host = facts.ip
+    rpc_port = facts.mooncake_rpc_port or ports.mooncake_rpc
+    labels = (leader.get("metadata") or {}).get("labels") or {}
+    return Endpoint(
+        role=role,
+        group=facts.group.name,
+        url=f"http://{host}:{ports.http}",
+        bootstrap_port=ports.bootstrap if role is Role.PREFILL else None,
+        mooncake_session=f"{facts.ip}:{rpc_port}",
+        ib_devices=tuple(spec.transfer.ib_devices) if spec.transfer.protocol is TransferProtocol.RDMA else (),
+        attn_dp_size=spec.role(role).attn_dp_size,
+        model=spec.model.served_name,
+        revision=labels.get(LABEL_REVISION, ""),
+        epoch=facts.epoch,
+    )
+
+
+def desired_endpoints(
+    spec: PDClusterSpec,
+    role: Role,
+    views: Mapping[int, GroupView],
+    pods: Iterable[Pod],
+    fenced: Mapping[GroupKey, int],
+) -> dict[GroupKey, Endpoint]:
+    """Endpoints of the role's READY groups, except those fenced at the epoch their pods carry."""
+    leaders: dict[int, Pod] = {}
+    for pod in pods:
+        facts = pod_facts(pod)
+        if facts is not None and facts.group.role is role and facts.rank == 0:
+            leaders[facts.group.index] = pod
+    result: dict[GroupKey, Endpoint] = {}
+    for index, view in views.items():
+        if view.state is not GroupState.READY or index not in leaders:
+            continue
+        endpoint = leader_endpoint(spec, role, leaders[index])
+        key = GroupKey(role, index)
+        if endpoint is not None and fenced.get(key) != endpoint.epoch:
+            result[key] = endpoint
+    return result
+
+
+@dataclass(frozen=True)
+class RegistryChanges:
+    put: dict[GroupKey, Endpoint]
+    remove: dict[GroupKey, Endpoint]
+
+
+def registry_changes(desired: Mapping[GroupKey, Endpoint], current: Mapping[GroupKey, Endpoint]) -> RegistryChanges:
+    """Puts for new or changed entries, removals for entries no longer desired."""
+    put = {key: ep for key, ep in desired.items() if current.get(key) != ep}
+    remove = {key: ep for key, ep in current.items() if key not in desired}
+    return RegistryChanges(put, remove)
+
+
+def parse_group(endpoint: Endpoint) -> GroupKey | None:
+    """The group key of a registry entry written by the operator (``<role>-<index>``), else None."""
+    prefix, _, index = endpoint.group.rpartition("-")
+    if prefix != endpoint.role.value or not index.isdigit():
+        return None
+    return GroupKey(endpoint.role, int(index))
+
+
+def next_epoch(*seen: int | None) -> int:
+    """The epoch of a group's next incarnation: one more than any epoch seen for it (Service, pods, registry)."""
+    known = [e for e in seen if e is not None]
+    return max(known) + 1 if known else 0

@@ -1,0 +1,154 @@
+"""Known-answer canaries: deterministic probes through each specific (prefill, decode) pair.
+
+Every ``interval_s`` one canary prompt (temperature 0, fixed seed) goes through every pair the pool can form,
+quarantined ones included. The reference answer is the pool's strict-majority answer for that prompt
+(``integrity.consensus``); pairs that disagree fail the canary. Quarantined pairs are also re-probed on the
+book's backoff schedule, with a concurrent burst of every canary whose reference is known, and are released
+after enough clean probes. A pair that cannot be reached is the breakers' business, not an integrity failure:
+it is skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+
+from tandem_router.integrity.consensus import judge
+from tandem_router.integrity.monitor import IntegrityMonitor, PairKey
+from tandem_router.policy import bootstrap
+from tandem_router.pool import Pair
+from tandem_router.transport import Transport, WorkerError
+
+log = logging.getLogger("tandem.router.canary")
+
+CANARY_PROMPTS: tuple[str, ...] = (
+    "Canary: list the planets of the solar system in order from the sun.",
+    "Canary: explain in one paragraph why the sky appears blue during the day.",
+    "Canary: write three short sentences about a lighthouse keeper and the sea.",
+    "Canary: describe how a bicycle converts pedalling into forward motion.",
+)
+
+
+@dataclass(frozen=True)
+class CanaryConfig:
+    interval_s: float = 30.0
+    max_new_tokens: int = 32
+    timeout_s: float = 30.0
+    seed: int = 1234
+
+
+class CanaryProber:
+    def __init__(
+        self,
+        monitor: IntegrityMonitor,
+        transport: Transport,
+        pairs: Callable[[], list[Pair]],
+        cfg: CanaryConfig | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.monitor = monitor
+        self.transport = transport
+        self.pairs = pairs
+        self.cfg = cfg or CanaryConfig()
+        self.rng = rng or random.Random()
+        self.references: dict[str, str] = {}
+        self._round = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Rounds every ``interval_s``, re-probes of quarantined pairs in between (checked every 0.5 s)."""
+        next_round = 0.0
+        loop = asyncio.get_running_loop()
+        while not stop.is_set():
+            try:
+                if loop.time() >= next_round:
+                    await self.round()
+                    next_round = loop.time() + self.cfg.interval_s
+                await self.reprobe_due()
+            except Exception:
+                log.exception("canary iteration failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+
+    async def round(self) -> None:
+        """One prompt through every pair; judge by consensus; score every pair that answered."""
+        prompt = CANARY_PROMPTS[self._round % len(CANARY_PROMPTS)]
+        self._round += 1
+        pairs = self.pairs()
+        if len(pairs) < 2:
+            return  # one answer is no consensus; nothing to compare against
+        answers = await asyncio.gather(*(self.probe(pair, prompt) for pair in pairs))
+        by_pair: dict[PairKey, str] = {p.key: a for p, a in zip(pairs, answers, strict=True) if a is not None}
+        verdict = judge(by_pair, self.references.get(prompt) if len(by_pair) < 3 else None)
+        if verdict.reference is None:
+            log.warning("canary round without a majority answer", extra={"pairs": len(pairs), "answered": len(by_pair)})
+            return
+        self.references[prompt] = verdict.reference
+        log.info(
+            "canary round",
+            extra={"pairs": len(pairs), "answered": len(by_pair), "failed": sorted(verdict.failed)},
+        )
+        for key in verdict.passed:
+            self.monitor.canary_result(key, True)
+        for key in verdict.failed:
+            self.monitor.canary_result(key, False, f"canary answer differs from the pool's: {by_pair[key][:80]!r}")
+
+    async def reprobe_due(self) -> None:
+        """Re-probe quarantined pairs that are due with a concurrent burst of every canary whose reference is
+        known: garbling that needs concurrency (slot reuse) shows in a burst where a lone probe passes."""
+        due = set(self.monitor.probes_due())
+        if not due or not self.references:
+            return
+        for pair in [p for p in self.pairs() if p.key in due]:
+            prompts = list(self.references)
+            answers = await asyncio.gather(*(self.probe(pair, prompt) for prompt in prompts))
+            answered = [(prompt, a) for prompt, a in zip(prompts, answers, strict=True) if a is not None]
+            if not answered:
+                continue
+            wrong = [a for prompt, a in answered if a != self.references[prompt]]
+            reason = f"re-probe answer differs: {wrong[0][:80]!r}" if wrong else ""
+            self.monitor.canary_result(pair.key, not wrong, reason)
+
+    async def probe(self, pair: Pair, prompt: str) -> str | None:
+        """The decode's text for ``prompt`` through exactly this pair, or None if the pair could not answer."""
+        body = bootstrap.inject(
+            {
+                "text": prompt,
+                "sampling_params": {
+                    "temperature": 0.0,
+                    "max_new_tokens": self.cfg.max_new_tokens,
+                    "sampling_seed": self.cfg.seed,  # SGLang 0.5.23 SamplingParams
+                },
+            },
+            host=bootstrap.bootstrap_host(pair.prefill.url),
+            port=pair.prefill.bootstrap_port,
+            items=0,
+            rng=self.rng,
+            dp_size=pair.prefill.attn_dp_size,
+        )
+        data = orjson.dumps(body)
+        headers = {"Content-Type": "application/json", "X-Request-Id": f"canary-{self.rng.getrandbits(48):x}"}
+        try:
+            async with asyncio.timeout(self.cfg.timeout_s):
+                prefill, decode = await asyncio.gather(
+                    self._post(pair.prefill.url, data, headers), self._post(pair.decode.url, data, headers)
+                )
+        except (TimeoutError, WorkerError, aiohttp.ClientError) as err:
+            log.info("canary not answered", extra={"prefill": pair.key[0], "decode": pair.key[1], "error": repr(err)})
+            return None
+        if prefill[0] != 200 or decode[0] != 200:
+            return None
+        doc = orjson.loads(decode[1])
+        text = doc.get("text") if isinstance(doc, dict) else None
+        return text if isinstance(text, str) else None
+
+    async def _post(self, url: str, data: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+        resp = await self.transport.open_post(url, "/generate", data, headers)
+        async with resp:
+            return resp.status, await resp.read()

@@ -1,0 +1,139 @@
+"""Command lines of the control-plane components (pure functions of the cluster layout).
+
+Everything binds 127.0.0.1: the test suite runs in a loopback-only network namespace, where the API server
+cannot discover an address of its own (hence ``--advertise-address``) and nothing else is reachable anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tandem.devcluster.config import DevClusterConfig
+from tandem.devcluster.nodes import KWOK_ANNOTATION
+
+HOST = "127.0.0.1"
+SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
+
+
+@dataclass(frozen=True)
+class Ports:
+    etcd_client: int
+    etcd_peer: int
+    apiserver: int
+    controller_manager: int
+    scheduler: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one cluster keeps its files. ``root`` holds pki/, etcd/, logs/ and the kubeconfigs."""
+
+    root: Path
+    ports: Ports
+
+    @property
+    def pki(self) -> Path:
+        return self.root / "pki"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def etcd_data(self) -> Path:
+        return self.root / "etcd"
+
+    @property
+    def etcd_url(self) -> str:
+        return f"http://{HOST}:{self.ports.etcd_client}"
+
+    @property
+    def server(self) -> str:
+        return f"https://{HOST}:{self.ports.apiserver}"
+
+    def kubeconfig(self, identity: str) -> Path:
+        return self.root / f"kubeconfig-{identity}.yaml"
+
+
+def etcd_argv(binary: Path, layout: Layout) -> list[str]:
+    peer = f"http://{HOST}:{layout.ports.etcd_peer}"
+    return [
+        str(binary),
+        "--name=dev",
+        f"--data-dir={layout.etcd_data}",
+        f"--listen-client-urls={layout.etcd_url}",
+        f"--advertise-client-urls={layout.etcd_url}",
+        f"--listen-peer-urls={peer}",
+        f"--initial-advertise-peer-urls={peer}",
+        f"--initial-cluster=dev={peer}",
+        "--unsafe-no-fsync",
+        "--log-level=warn",
+    ]
+
+
+def apiserver_argv(binary: Path, layout: Layout, config: DevClusterConfig) -> list[str]:
+    pki = layout.pki
+    return [
+        str(binary),
+        f"--etcd-servers={layout.etcd_url}",
+        f"--bind-address={HOST}",
+        f"--advertise-address={HOST}",
+        f"--secure-port={layout.ports.apiserver}",
+        f"--tls-cert-file={pki / 'apiserver.crt'}",
+        f"--tls-private-key-file={pki / 'apiserver.key'}",
+        f"--client-ca-file={pki / 'ca.crt'}",
+        f"--service-cluster-ip-range={config.service_cidr}",
+        f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
+        f"--service-account-key-file={pki / 'sa.pub'}",
+        f"--service-account-signing-key-file={pki / 'sa.key'}",
+        "--authorization-mode=RBAC",
+        "--allow-privileged=true",
+        # The "kubernetes" Service would point at 127.0.0.1, which Endpoints validation rejects; nothing in a
+        # kwok pod calls it.
+        "--endpoint-reconciler-type=none",
+        "--profiling=false",
+    ]
+
+
+def controller_manager_argv(binary: Path, layout: Layout, config: DevClusterConfig) -> list[str]:
+    kubeconfig = layout.kubeconfig("controller-manager")
+    return [
+        str(binary),
+        f"--kubeconfig={kubeconfig}",
+        f"--bind-address={HOST}",
+        f"--secure-port={layout.ports.controller_manager}",
+        f"--cert-dir={layout.root / 'controller-manager-certs'}",
+        f"--service-account-private-key-file={layout.pki / 'sa.key'}",
+        f"--root-ca-file={layout.pki / 'ca.crt'}",
+        f"--service-cluster-ip-range={config.service_cidr}",
+        "--use-service-account-credentials=true",
+        "--leader-elect=false",
+        "--profiling=false",
+    ]
+
+
+def scheduler_argv(binary: Path, layout: Layout) -> list[str]:
+    kubeconfig = layout.kubeconfig("scheduler")
+    return [
+        str(binary),
+        f"--kubeconfig={kubeconfig}",
+        f"--bind-address={HOST}",
+        f"--secure-port={layout.ports.scheduler}",
+        f"--cert-dir={layout.root / 'scheduler-certs'}",
+        "--leader-elect=false",
+        "--profiling=false",
+    ]
+
+
+def kwok_argv(binary: Path, layout: Layout, config: DevClusterConfig, stages: Path) -> list[str]:
+    key, value = KWOK_ANNOTATION
+    return [
+        str(binary),
+        f"--kubeconfig={layout.kubeconfig('kwok')}",
+        f"--config={stages}",
+        f"--manage-nodes-with-annotation-selector={key}={value}",
+        f"--cidr={config.pod_cidr}",
+        f"--node-ip={config.node_ip_base}",
+        "--node-lease-duration-seconds=40",
+    ]

@@ -1,0 +1,235 @@
+"""Run a real process behind each simulated SGLang pod's IP.
+
+kwok marks pods Running and gives them loopback IPs, but nothing runs inside them. The pod runner watches pods
+and, for every Running pod that uses the SGLang image (or carries ``tandem.dev/simulate: "true"``), starts
+``tandem sim`` with the pod's ``python3 -m sglang.launch_server`` arguments and env, bound to the pod IP; it
+stops that process when the pod is deleted, stops running, or changes. Deciding is pure
+(``desired_launches``); ``PodRunner`` only diffs that against what runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shlex
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubernetes_asyncio import client, watch
+
+from tandem.procs import ManagedProcess
+
+log = logging.getLogger("tandem.devcluster.podrunner")
+
+SIMULATE_LABEL = "tandem.dev/simulate"
+LAUNCH_MODULE = "sglang.launch_server"
+# Downward-API fields a pod's env may reference, resolved from the pod object.
+_FIELD_PATHS: dict[str, Callable[[Mapping[str, Any]], Any]] = {
+    "metadata.name": lambda pod: pod["metadata"].get("name"),
+    "metadata.namespace": lambda pod: pod["metadata"].get("namespace"),
+    "metadata.uid": lambda pod: pod["metadata"].get("uid"),
+    "spec.nodeName": lambda pod: pod["spec"].get("nodeName"),
+    "spec.serviceAccountName": lambda pod: pod["spec"].get("serviceAccountName"),
+    "status.podIP": lambda pod: pod.get("status", {}).get("podIP"),
+    "status.hostIP": lambda pod: pod.get("status", {}).get("hostIP"),
+}
+
+
+class NotAnSGLangCommandError(ValueError):
+    """The container does not run ``python3 -m sglang.launch_server``."""
+
+
+@dataclass(frozen=True)
+class SimulateRule:
+    """Which pods get a simulated worker: an image containing ``image_substring``, or the opt-in label."""
+
+    image_substring: str = "sglang"
+    label: tuple[str, str] = (SIMULATE_LABEL, "true")
+
+    def container(self, pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        containers: list[Mapping[str, Any]] = pod.get("spec", {}).get("containers", [])
+        labels = pod.get("metadata", {}).get("labels") or {}
+        for c in containers:
+            if self.image_substring and self.image_substring in c.get("image", ""):
+                return c
+        if containers and labels.get(self.label[0]) == self.label[1]:
+            return containers[0]
+        return None
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What to run for one pod: SGLang server flags (``--host`` already set to the pod IP) and env."""
+
+    pod: str  # namespace/name
+    uid: str
+    host: str
+    server_args: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = field(default=())
+
+    @property
+    def port(self) -> int:
+        return int(_flag_value(self.server_args, "--port") or 30000)
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(f"{flag}="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def sglang_server_args(command: Sequence[str], host: str) -> tuple[str, ...]:
+    """The flags after ``-m sglang.launch_server`` (also inside ``sh -c "..."``), with ``--host`` set to ``host``."""
+    words = list(command)
+    if LAUNCH_MODULE not in words:
+        for word in words:
+            if LAUNCH_MODULE in word:  # a shell script string: sh -c "exec python3 -m sglang.launch_server ..."
+                words = shlex.split(word)
+                break
+    if LAUNCH_MODULE not in words:
+        raise NotAnSGLangCommandError(f"command does not run python3 -m {LAUNCH_MODULE}: {shlex.join(command)}")
+    flags = words[words.index(LAUNCH_MODULE) + 1 :]
+    kept: list[str] = []
+    skip = False
+    for arg in flags:
+        if skip:
+            skip = False
+        elif arg == "--host":
+            skip = True
+        elif not arg.startswith("--host="):
+            kept.append(arg)
+    return (*kept, "--host", host)
+
+
+def container_env(pod: Mapping[str, Any], container: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """Literal values and downward-API field references; secret/configmap references are not resolved."""
+    env: list[tuple[str, str]] = []
+    for var in container.get("env") or []:
+        if "value" in var:
+            env.append((var["name"], str(var["value"])))
+            continue
+        field_path = (var.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath")
+        getter = _FIELD_PATHS.get(field_path or "")
+        value = getter(pod) if getter else None
+        if value is not None:
+            env.append((var["name"], str(value)))
+    return tuple(env)
+
+
+def pod_key(pod: Mapping[str, Any]) -> str:
+    meta = pod["metadata"]
+    return f"{meta.get('namespace', 'default')}/{meta['name']}"
+
+
+def desired_launches(pods: Sequence[Mapping[str, Any]], rule: SimulateRule) -> dict[str, Launch]:
+    """uid -> Launch for every matching pod that is Running with an IP and not being deleted."""
+    wanted: dict[str, Launch] = {}
+    for pod in pods:
+        status = pod.get("status") or {}
+        ip = status.get("podIP")
+        if pod["metadata"].get("deletionTimestamp") or status.get("phase") != "Running" or not ip:
+            continue
+        container = rule.container(pod)
+        if container is None:
+            continue
+        command = [*(container.get("command") or []), *(container.get("args") or [])]
+        try:
+            args = sglang_server_args(command, ip)
+        except NotAnSGLangCommandError as err:
+            log.warning("pod not simulated", extra={"pod": pod_key(pod), "error": str(err)})
+            continue
+        uid = pod["metadata"]["uid"]
+        wanted[uid] = Launch(pod_key(pod), uid, ip, args, container_env(pod, container))
+    return wanted
+
+
+def tandem_sim_argv(launch: Launch) -> list[str]:
+    """The default launcher: the simulated SGLang worker with the pod's server flags."""
+    return [sys.executable, "-m", "tandem.cli", "sim", *launch.server_args]
+
+
+class PodRunner:
+    """Keeps one process per simulated pod running. ``run()`` until cancelled; ``stop_all()`` on the way out."""
+
+    def __init__(
+        self,
+        api: client.ApiClient,
+        log_dir: Path,
+        rule: SimulateRule | None = None,
+        launcher: Callable[[Launch], list[str]] = tandem_sim_argv,
+        namespace: str | None = None,
+    ) -> None:
+        self.api = api
+        self.log_dir = log_dir
+        self.rule = rule or SimulateRule()
+        self.launcher = launcher
+        self.namespace = namespace
+        self.pods: dict[str, dict[str, Any]] = {}  # uid -> pod, the watch's view
+        self.running: dict[str, tuple[Launch, ManagedProcess]] = {}
+
+    async def run(self) -> None:
+        core = client.CoreV1Api(self.api)
+        while True:
+            pods = await self._list(core)
+            self.pods = {p["metadata"]["uid"]: p for p in pods["items"]}
+            await self.reconcile()
+            resource_version = pods["metadata"]["resourceVersion"]
+            with contextlib.suppress(client.ApiException):  # 410 Gone etc.: list again
+                await self._watch(core, resource_version)
+
+    async def _list(self, core: client.CoreV1Api) -> dict[str, Any]:
+        if self.namespace:
+            pods = await core.list_namespaced_pod(self.namespace)
+        else:
+            pods = await core.list_pod_for_all_namespaces()
+        data: dict[str, Any] = self.api.sanitize_for_serialization(pods)
+        return data
+
+    async def _watch(self, core: client.CoreV1Api, resource_version: str) -> None:
+        func = core.list_namespaced_pod if self.namespace else core.list_pod_for_all_namespaces
+        args = [self.namespace] if self.namespace else []
+        async with watch.Watch() as w:
+            async for event in w.stream(func, *args, resource_version=resource_version, timeout_seconds=300):
+                pod: dict[str, Any] = event["raw_object"]
+                if event["type"] == "ERROR":
+                    return
+                uid = pod["metadata"]["uid"]
+                if event["type"] == "DELETED":
+                    self.pods.pop(uid, None)
+                else:
+                    self.pods[uid] = pod
+                await self.reconcile()
+
+    async def reconcile(self) -> None:
+        wanted = desired_launches(list(self.pods.values()), self.rule)
+        for uid, (launch, proc) in list(self.running.items()):
+            if wanted.get(uid) != launch or not proc.alive():
+                del self.running[uid]
+                log.info("stopping simulated pod", extra={"pod": launch.pod, "uid": uid})
+                await asyncio.to_thread(proc.stop)
+        for uid, launch in wanted.items():
+            if uid not in self.running:
+                self._start(launch)
+
+    def _start(self, launch: Launch) -> None:
+        name = launch.pod.replace("/", "_")
+        proc = ManagedProcess(
+            name=f"pod-{name}",
+            argv=self.launcher(launch),
+            log_path=self.log_dir / f"{name}-{launch.uid[:8]}.log",
+            env=dict(launch.env),
+        )
+        log.info("starting simulated pod", extra={"pod": launch.pod, "uid": launch.uid, "host": launch.host})
+        self.running[launch.uid] = (launch, proc.start())
+
+    async def stop_all(self) -> None:
+        while self.running:
+            _, (_, proc) = self.running.popitem()
+            await asyncio.to_thread(proc.stop)

@@ -1,0 +1,146 @@
+"""Which group a pod or node event fences, and which Mooncake keys are stale (pure, plain equality)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tandem.registry import Role
+from tandem_operator.fencing import (
+    Fence,
+    FenceReason,
+    GroupKey,
+    StaleKeys,
+    fence_decision,
+    node_lost,
+    pod_facts,
+    stale_mooncake_keys,
+)
+from tests.operator.conftest import kimi_spec
+from tests.operator.workers import live_pod
+
+SPEC = kimi_spec(transfer={"protocol": "tcp"})
+DECODE_0 = GroupKey(Role.DECODE, 0)
+
+
+def decide(event: str, pod: dict[str, Any], **kwargs: Any) -> Fence | None:
+    args: dict[str, Any] = {"lost_nodes": (), "registered": {DECODE_0: 0}, "fenced": {}, "retiring": ()}
+    return fence_decision(event, pod, **{**args, **kwargs})
+
+
+def test_pod_facts_of_a_worker_pod() -> None:
+    facts = pod_facts(live_pod(SPEC, Role.DECODE, 0, 1, epoch=3, ip="10.1.2.3"))
+    assert facts is not None
+    assert (facts.cluster, facts.group, facts.rank, facts.epoch, facts.ip) == ("kimi", DECODE_0, 1, 3, "10.1.2.3")
+    assert facts.mooncake_rpc_port == 15001
+    assert facts.env["MC_METADATA_CLUSTER_ID"] == "serving.kimi"
+
+
+def test_pod_facts_ignores_other_pods() -> None:
+    assert pod_facts({"metadata": {"name": "x", "labels": {"app": "web"}}}) is None
+    assert pod_facts({"metadata": {"labels": {"tandem.dev/role": "decode", "tandem.dev/cluster": "k"}}}) is None
+
+
+def _dead(how: str) -> dict[str, Any]:
+    pod = live_pod(SPEC, Role.DECODE, 0, 1)
+    if how == "terminating":
+        pod["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    elif how == "failed":
+        pod["status"]["phase"] = "Failed"
+    elif how == "restarted":
+        pod["status"]["containerStatuses"] = [{"name": "sglang", "restartCount": 1, "state": {"running": {}}}]
+    elif how == "notready":
+        pod["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+    return pod
+
+
+@pytest.mark.parametrize(
+    ("event", "how", "reason"),
+    [
+        ("DELETED", "alive", FenceReason.POD_DELETED),
+        ("MODIFIED", "terminating", FenceReason.POD_TERMINATING),
+        ("MODIFIED", "failed", FenceReason.POD_FAILED),
+        ("MODIFIED", "restarted", FenceReason.CONTAINER_RESTARTED),
+        ("MODIFIED", "notready", FenceReason.POD_NOT_READY),
+    ],
+)
+def test_a_dead_member_fences_its_group(event: str, how: str, reason: FenceReason) -> None:
+    pod = live_pod(SPEC, Role.DECODE, 0, 1) if how == "alive" else _dead(how)
+    name = "kimi-decode-0-1"
+    assert decide(event, pod) == Fence(DECODE_0, 0, reason, name)
+
+
+def test_a_member_on_a_lost_node_fences_its_group() -> None:
+    pod = live_pod(SPEC, Role.DECODE, 0, 1, node="gpu-7")
+    assert decide("MODIFIED", pod, lost_nodes={"gpu-7"}) == Fence(DECODE_0, 0, FenceReason.NODE_LOST, "kimi-decode-0-1")
+    assert decide("MODIFIED", pod, lost_nodes={"gpu-8"}) is None
+
+
+def test_healthy_or_starting_pods_fence_nothing() -> None:
+    assert decide("MODIFIED", live_pod(SPEC, Role.DECODE, 0, 1)) is None
+    # NotReady while the group was never registered is a pod still starting, not a death.
+    assert decide("ADDED", _dead("notready"), registered={}) is None
+    # NotReady of an older incarnation than the registered one: not this group's serving pods.
+    assert decide("MODIFIED", _dead("notready"), registered={DECODE_0: 1}) is None
+
+
+def test_one_fence_per_incarnation_and_none_for_retiring_groups() -> None:
+    assert decide("DELETED", live_pod(SPEC, Role.DECODE, 0, 0), fenced={DECODE_0: 0}) is None
+    assert decide("DELETED", live_pod(SPEC, Role.DECODE, 0, 0, epoch=1), fenced={DECODE_0: 0}) is not None
+    assert decide("DELETED", live_pod(SPEC, Role.DECODE, 0, 0), retiring={DECODE_0}) is None
+
+
+@pytest.mark.parametrize(
+    ("event", "conditions", "lost"),
+    [
+        ("MODIFIED", [{"type": "Ready", "status": "True"}], False),
+        ("MODIFIED", [{"type": "Ready", "status": "False"}], True),
+        ("MODIFIED", [{"type": "Ready", "status": "Unknown"}], True),
+        ("DELETED", [{"type": "Ready", "status": "True"}], True),
+        ("ADDED", [], False),
+    ],
+)
+def test_node_lost(event: str, conditions: list[dict[str, str]], lost: bool) -> None:
+    assert node_lost(event, {"metadata": {"name": "n"}, "status": {"conditions": conditions}}) is lost
+
+
+def test_stale_keys_cover_every_member_by_ip_and_ip_port() -> None:
+    members = [pod_facts(live_pod(SPEC, Role.DECODE, 0, r, ip=f"10.0.0.{r + 5}")) for r in range(2)]
+    stale = stale_mooncake_keys([m for m in members if m is not None], "unused")
+    assert stale == StaleKeys(
+        keys=(
+            "mooncake/serving.kimi/ram/10.0.0.5",
+            "mooncake/serving.kimi/ram/10.0.0.6",
+            "mooncake/serving.kimi/rpc_meta/10.0.0.5",
+            "mooncake/serving.kimi/rpc_meta/10.0.0.6",
+        ),
+        prefixes=(
+            "mooncake/serving.kimi/ram/10.0.0.5:",
+            "mooncake/serving.kimi/ram/10.0.0.6:",
+            "mooncake/serving.kimi/rpc_meta/10.0.0.5:",
+            "mooncake/serving.kimi/rpc_meta/10.0.0.6:",
+        ),
+    )
+
+
+def test_stale_keys_of_host_network_pods_name_only_their_own_port() -> None:
+    spec = kimi_spec(transfer={"protocol": "tcp", "hostNetwork": True})
+    facts = pod_facts(live_pod(spec, Role.PREFILL, 0, 0, ip="192.168.1.4"))
+    assert facts is not None
+    assert stale_mooncake_keys([facts], "x") == StaleKeys(
+        keys=("mooncake/serving.kimi/ram/192.168.1.4:15000", "mooncake/serving.kimi/rpc_meta/192.168.1.4:15000"),
+        prefixes=(),
+    )
+
+
+def test_stale_keys_skip_pods_without_ip_and_honour_a_cluster_id_override() -> None:
+    pod = live_pod(SPEC, Role.DECODE, 0, 0, ip=None)
+    facts = pod_facts(pod)
+    assert facts is not None
+    assert stale_mooncake_keys([facts], "d") == StaleKeys((), ())
+    pod = live_pod(SPEC, Role.DECODE, 0, 0, ip="10.0.0.9")
+    pod["spec"]["containers"][0]["env"] = [{"name": "MC_METADATA_CLUSTER_ID", "value": ""}]
+    facts = pod_facts(pod)
+    assert facts is not None
+    assert stale_mooncake_keys([facts], "d").keys == ("mooncake/ram/10.0.0.9", "mooncake/rpc_meta/10.0.0.9")

@@ -1,0 +1,45 @@
+"""``tandem operator`` command line (the flags the Helm chart passes) and its /healthz + /metrics server."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+
+from tandem.procs import free_port
+from tandem_operator.main import parse_args
+from tandem_operator.metrics import FENCES, serve
+
+
+def test_chart_flags_parse() -> None:
+    args = parse_args(
+        ["--etcd-endpoints=tandem-etcd.ops.svc:2379, http://10.0.0.9:2379", "--log-level=info", "--all-namespaces"]
+    )
+    assert args.etcd == ["tandem-etcd.ops.svc:2379", "http://10.0.0.9:2379"]
+    assert args.namespace == []
+    assert args.leader_election is True
+    assert parse_args(["--namespace=a", "--namespace=b", "--no-leader-election"]).namespace == ["a", "b"]
+
+
+def test_bad_flags_are_named(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--namespace=a", "--all-namespaces"])
+    assert "--all-namespaces: not allowed with argument --namespace" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--lease-ttl=1"])
+    assert "--lease-ttl must be at least 2 seconds" in capsys.readouterr().err
+
+
+async def test_healthz_and_metrics() -> None:
+    port = free_port()
+    runner = await serve("127.0.0.1", port)
+    FENCES.labels("PodDeleted").inc()
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{port}/healthz") as resp:
+                assert (resp.status, await resp.text()) == (200, "ok")
+            async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                body = await resp.text()
+        assert 'tandem_operator_fences_total{reason="PodDeleted"}' in body
+        assert "tandem_operator_fence_seconds_bucket" in body
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,103 @@
+"""Registry entries desired from pods, the etcd changes, epochs and fences on views (pure)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tandem.registry import Endpoint, Role
+from tandem_operator.fencing import GroupKey
+from tandem_operator.recovery import FenceRecord, apply_fences, group_epochs, recovered, service_epochs, stamp_epoch
+from tandem_operator.registration import (
+    RegistryChanges,
+    desired_endpoints,
+    leader_endpoint,
+    next_epoch,
+    parse_group,
+    registry_changes,
+)
+from tandem_operator.status import GroupState, group_views
+from tests.operator.conftest import kimi_spec
+from tests.operator.workers import live_pod
+
+SPEC = kimi_spec()  # rdma over mlx5_0/mlx5_1, decode groups of 2 nodes with attention DP 16
+D0, D1, P0 = GroupKey(Role.DECODE, 0), GroupKey(Role.DECODE, 1), GroupKey(Role.PREFILL, 0)
+
+
+def decode_group(index: int, epoch: int = 0, ready: bool = True, ip: str = "10.0.1.1") -> list[dict[str, object]]:
+    return [
+        live_pod(SPEC, Role.DECODE, index, 0, epoch=epoch, ip=ip, ready=ready),
+        live_pod(SPEC, Role.DECODE, index, 1, epoch=epoch, ip="10.0.9.9", ready=ready),
+    ]
+
+
+def test_leader_endpoint_of_a_prefill_group() -> None:
+    pod = live_pod(SPEC, Role.PREFILL, 0, 0, epoch=2, ip="10.0.0.7")
+    endpoint = leader_endpoint(SPEC, Role.PREFILL, pod)
+    assert endpoint == Endpoint(
+        role=Role.PREFILL,
+        group="prefill-0",
+        url="http://10.0.0.7:30000",
+        bootstrap_port=8998,
+        mooncake_session="10.0.0.7:15000",
+        ib_devices=("mlx5_0", "mlx5_1"),
+        attn_dp_size=1,
+        model="kimi-k2.6",
+        revision=pod["metadata"]["labels"]["tandem.dev/revision"],
+        epoch=2,
+    )
+
+
+def test_leader_endpoint_of_a_decode_group_over_tcp() -> None:
+    spec = kimi_spec(transfer={"protocol": "tcp"})
+    endpoint = leader_endpoint(spec, Role.DECODE, live_pod(spec, Role.DECODE, 3, 0, ip="10.2.0.5"))
+    assert endpoint is not None
+    assert (endpoint.group, endpoint.url, endpoint.bootstrap_port) == ("decode-3", "http://10.2.0.5:30001", None)
+    assert (endpoint.mooncake_session, endpoint.ib_devices, endpoint.attn_dp_size) == ("10.2.0.5:15001", (), 16)
+
+
+def test_no_endpoint_without_ip_or_for_a_follower() -> None:
+    assert leader_endpoint(SPEC, Role.DECODE, live_pod(SPEC, Role.DECODE, 0, 0, ip=None)) is None
+    assert leader_endpoint(SPEC, Role.DECODE, live_pod(SPEC, Role.DECODE, 0, 1)) is None
+
+
+def test_only_ready_unfenced_groups_are_desired() -> None:
+    pods = decode_group(0) + decode_group(1, ready=False, ip="10.0.1.2") + decode_group(2, epoch=4, ip="10.0.1.3")
+    views = group_views(pods, 2)
+    desired = desired_endpoints(SPEC, Role.DECODE, views, pods, fenced={GroupKey(Role.DECODE, 2): 3})
+    assert sorted(desired) == [D0, GroupKey(Role.DECODE, 2)]  # group 2 was fenced at epoch 3, now runs epoch 4
+    assert desired_endpoints(SPEC, Role.DECODE, views, pods, fenced={GroupKey(Role.DECODE, 2): 4}).keys() == {D0}
+    assert desired_endpoints(SPEC, Role.PREFILL, views, pods, fenced={}) == {}
+
+
+def test_registry_changes() -> None:
+    a = leader_endpoint(SPEC, Role.DECODE, decode_group(0)[0])
+    b = leader_endpoint(SPEC, Role.DECODE, decode_group(1, ip="10.0.1.2")[0])
+    assert a is not None
+    assert b is not None
+    b2 = b.model_copy(update={"epoch": 1})
+    assert registry_changes({D0: a, D1: b2}, {D0: a, D1: b}) == RegistryChanges(put={D1: b2}, remove={})
+    assert registry_changes({}, {D0: a}) == RegistryChanges(put={}, remove={D0: a})
+    assert parse_group(a) == D0
+    assert parse_group(a.model_copy(update={"group": "something-else"})) is None
+
+
+def test_epochs() -> None:
+    assert next_epoch() == 0
+    assert next_epoch(None, 2, 5) == 6
+    pods = [*decode_group(0, epoch=3), live_pod(SPEC, Role.PREFILL, 0, 0, epoch=1)]
+    assert group_epochs(pods) == {D0: 3, P0: 1}
+    service = stamp_epoch({"metadata": {"labels": {"tandem.dev/role": "decode", "tandem.dev/group": "0"}}}, 7)
+    assert service["metadata"]["annotations"] == {"tandem.dev/epoch": "7"}
+    assert service_epochs([service, {"metadata": {"labels": {}}}]) == {D0: 7}
+
+
+def test_a_fenced_incarnation_is_broken_even_if_its_pods_look_ready() -> None:
+    views = group_views(decode_group(0, epoch=2) + decode_group(1, epoch=0, ip="10.0.1.2"), 2)
+    fenced = apply_fences(Role.DECODE, views, {D0: 2, D1: 5}, {D0: 2, D1: 0})
+    assert fenced[0] == replace(views[0], state=GroupState.BROKEN)
+    assert fenced[1] == views[1]  # fenced at another epoch: the new incarnation is judged on its own
+
+
+def test_recovered_when_a_newer_epoch_is_registered() -> None:
+    fenced = {D0: FenceRecord(2, "PodDeleted", 100.0), D1: FenceRecord(0, "PodFailed", 101.0)}
+    assert recovered(fenced, {D0: 3, D1: 0}, now=104.5) == {D0: 4.5}

@@ -1,0 +1,174 @@
+"""The SGLang HTTP surface of the simulated worker (aggregated mode), incl. the official openai SDK and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from tandem.procs import ManagedProcess
+from tandem_sim.testing import SimWorker, start_worker
+from tests.simhelpers import prompts
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimWorker]:
+    w = start_worker(
+        "aggregated",
+        tmp_path_factory.mktemp("sim-http"),
+        ["--served-model-name", "kimi", "--enable-metrics", "--context-length", "256", "--page-size", "4"],
+    )
+    yield w
+    w.proc.stop()
+
+
+async def _post(url: str, body: object | None = None, raw: bytes | None = None) -> tuple[int, object]:
+    async with aiohttp.ClientSession() as sess:
+        kwargs = {"data": raw} if raw is not None else {"json": body}
+        async with sess.post(url, **kwargs) as resp:
+            text = await resp.text()
+            try:
+                return resp.status, json.loads(text)
+            except ValueError:
+                return resp.status, text
+
+
+async def _get(url: str) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as sess, sess.get(url) as resp:
+        return resp.status, await resp.text()
+
+
+async def test_generate_meta_info_and_determinism(worker: SimWorker) -> None:
+    body = prompts(1)[0]
+    status, first = await _post(f"{worker.url}/generate", body)
+    assert status == 200
+    assert isinstance(first, dict)
+    meta = first["meta_info"]
+    assert meta["prompt_tokens"] == len(body["text"].split())
+    assert meta["completion_tokens"] == len(first["output_ids"])
+    assert meta["finish_reason"]["type"] in {"length", "stop"}
+    assert (await _post(f"{worker.url}/generate", body))[1]["text"] == first["text"]  # type: ignore[index]
+
+
+async def test_generate_stream_is_sse_and_ends_with_done(worker: SimWorker) -> None:
+    body = dict(prompts(1)[0], stream=True)
+    async with aiohttp.ClientSession() as sess, sess.post(f"{worker.url}/generate", json=body) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        chunks = [line async for line in resp.content if line.strip()]
+    assert chunks[-1] == b"data: [DONE]\n"
+    assert len(chunks) >= 3
+
+
+@pytest.mark.parametrize(
+    ("raw", "fragment"),
+    [
+        (b"{not json", "Invalid JSON"),
+        (b'{"text": "kala", "frobnicate": 1}', "Unknown field"),
+        (b'{"text": "kala", "sampling_params": {"max_new_tokens": -1}}', "max_new_tokens"),
+        (b'{"text": "kala", "sampling_params": {"max_new_tokens": 100000}}', "maximum context length"),
+        (b'{"text": "' + b" kala" * 300 + b'"}', "longer than the model's context length"),
+        (b'{"text": "kala", "sampling_params": {"top_p": 0}}', "top_p"),
+        (b'{"sampling_params": {}}', "text or input_ids"),
+        (b'{"input_ids": [1, -3]}', "input_ids"),
+    ],
+)
+async def test_bad_generate_input_is_a_400(worker: SimWorker, raw: bytes, fragment: str) -> None:
+    status, body = await _post(f"{worker.url}/generate", raw=raw)
+    assert status == 400
+    assert fragment in str(body)
+
+
+async def test_bootstrap_fields_validated_in_pd_modes_only(worker: SimWorker) -> None:
+    # Aggregated mode ignores bootstrap fields, as SGLang does when not disaggregated.
+    status, _ = await _post(f"{worker.url}/generate", dict(prompts(1)[0], bootstrap_room=5, bootstrap_host="h"))
+    assert status == 200
+
+
+def test_openai_sdk_chat_completion_and_stream_with_usage(worker: SimWorker) -> None:
+    client = openai.OpenAI(base_url=f"{worker.url}/v1", api_key="none")
+    try:
+        models = client.models.list()
+        assert [m.id for m in models.data] == ["kimi"]
+        assert models.data[0].owned_by == "sglang"
+        chat = client.chat.completions.create(
+            model="kimi", messages=[{"role": "user", "content": "kala bede"}], max_tokens=6
+        )
+        assert chat.usage is not None
+        assert chat.usage.completion_tokens <= 6
+        content = chat.choices[0].message.content or ""
+        stream = client.chat.completions.create(
+            model="kimi",
+            messages=[{"role": "user", "content": "kala bede"}],
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        parts, usage = [], None
+        for chunk in stream:
+            if chunk.choices:
+                parts.append(chunk.choices[0].delta.content or "")
+            if chunk.usage is not None:
+                usage = chunk.usage
+        assert "".join(parts) == content
+        assert usage is not None
+        assert usage.total_tokens == chat.usage.total_tokens
+        completion = client.completions.create(model="kimi", prompt="kala bede bodo", max_tokens=4)
+        assert completion.choices[0].finish_reason in {"length", "stop"}
+        with pytest.raises(openai.BadRequestError, match="maximum context length"):
+            client.completions.create(model="kimi", prompt="kala", max_tokens=10_000)
+    finally:
+        client.close()
+
+
+async def test_info_health_metrics_endpoints(worker: SimWorker) -> None:
+    for path in ("/health", "/health_generate", "/ready", "/model_info", "/get_model_info"):
+        assert (await _get(f"{worker.url}{path}"))[0] == 200, path
+    for path in ("/server_info", "/get_server_info"):
+        status, text = await _get(f"{worker.url}{path}")
+        assert status == 200
+        assert '"internal_states"' in text
+        assert '"served_model_name":"kimi"' in text
+    status, text = await _get(f"{worker.url}/metrics")
+    assert status == 200
+    for name in ("sglang:num_running_reqs", "sglang:kv_used_tokens", "sglang:gen_throughput", "sglang:prompt_tokens"):
+        assert name in text
+    assert (await _post(f"{worker.url}/flush_cache"))[0] == 200
+    assert (await _post(f"{worker.url}/abort_request", {"rid": "nope"}))[0] == 200
+
+
+async def test_concurrent_requests_and_abort(worker: SimWorker) -> None:
+    bodies = prompts(80, seed=9)
+    results = await asyncio.gather(*(_post(f"{worker.url}/generate", b) for b in bodies))
+    assert all(status == 200 for status, _ in results)
+    long = {"text": "kala", "rid": "to-abort", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
+    job = asyncio.ensure_future(_post(f"{worker.url}/generate", long))
+    await asyncio.sleep(0.1)
+    assert (await _post(f"{worker.url}/abort_request", {"rid": "to-abort"}))[0] == 200
+    status, body = await job
+    assert status == 500
+    assert "aborted" in str(body)
+
+
+def test_multinode_group_rank0_waits_for_ranks_and_dies_with_them(tmp_path: Path) -> None:
+    from tandem.procs import free_port
+
+    addr = f"127.0.0.1:{free_port()}"
+    group = ["--nnodes", "2", "--dist-init-addr", addr]
+    rank0 = start_worker("rank0", tmp_path, [*group, "--node-rank", "0"], wait=False)
+    procs: list[ManagedProcess] = [rank0.proc]
+    try:
+        rank0.proc.wait_http(f"{rank0.url}/health", expect=503)  # up, but the group is incomplete
+        rank1 = start_worker("rank1", tmp_path, [*group, "--node-rank", "1"])  # dummy health server only
+        procs.append(rank1.proc)
+        rank0.proc.wait_http(f"{rank0.url}/health")
+        rank1.proc.stop()
+        assert rank0.proc.popen is not None
+        assert rank0.proc.popen.wait(timeout=10) == 1  # like NCCL losing a rank: the group fails
+    finally:
+        for proc in procs:
+            proc.stop()
