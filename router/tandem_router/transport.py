@@ -30,7 +30,7 @@ class WorkerUnreachableError(WorkerError):
 class TransportConfig:
     connect_timeout: float = 2.0
     read_idle_timeout: float = 300.0  # longest silence between two bytes of a worker's response
-    probe_timeout: float = 2.0
+    probe_timeout: float = 5.0
     connections_per_worker: int = 0  # 0: unbounded
 
 
