@@ -21,6 +21,9 @@ from tandem.devcluster.podrunner import (
     SimulateRule,
     container_env,
     desired_launches,
+    resolve_services,
+    selected_pod_ip,
+    service_refs,
     sglang_server_args,
 )
 
@@ -177,3 +180,20 @@ def test_dev_cluster_command_rejects_bad_options_by_name(capsys: pytest.CaptureF
     assert "invalid option" in capsys.readouterr().err
     assert main(["dev-cluster", "--pod-cidr", "10.0.0.0/8"]) == 2
     assert "pod_cidr 10.0.0.0/8 must lie inside 127.0.0.0/8" in capsys.readouterr().err
+
+
+def test_service_names_in_address_flags_resolve_to_the_selected_pod_ip() -> None:
+    args = ("--dist-init-addr", "kimi-decode-0.ns.svc:5001", "--node-rank", "1", "--host", "127.10.0.8")
+    launch = Launch(pod="ns/kimi-decode-0-1", uid="u", host="127.10.0.8", server_args=args)
+    assert service_refs(launch) == {("ns", "kimi-decode-0")}
+    leader = _pod(metadata={"name": "kimi-decode-0-0", "namespace": "ns", "uid": "l", "labels": {"g": "0", "r": "0"}})
+    other = _pod(metadata={"name": "x", "namespace": "other", "uid": "o", "labels": {"g": "0", "r": "0"}})
+    assert selected_pod_ip([other, leader], "ns", {"g": "0", "r": "0"}) == "127.10.0.7"
+    assert selected_pod_ip([other, leader], "ns", {"g": "1"}) is None
+    resolved = resolve_services(launch, {("ns", "kimi-decode-0"): "127.10.0.7"})
+    assert resolved is not None
+    assert resolved.server_args[:2] == ("--dist-init-addr", "127.10.0.7:5001")
+    assert resolve_services(launch, {}) is None  # waits for the leader
+    plain = Launch(pod="ns/p", uid="p", host="127.10.0.9", server_args=("--dist-init-addr", "127.0.0.1:5000"))
+    assert service_refs(plain) == set()
+    assert resolve_services(plain, {}) == plain

@@ -32,6 +32,7 @@ from tandem_operator.status import PodHealth, pod_health
 
 Pod = Mapping[str, Any]
 MOONCAKE_ROOT = "mooncake/"
+MAX_NAMED_PORTS = 16  # a hostNetwork pod's Mooncake names are cleaned one port at a time, up to this many
 
 
 class FenceReason(StrEnum):
@@ -70,10 +71,18 @@ class PodFacts:
     host_network: bool = False
 
     @property
+    def mooncake_ports(self) -> tuple[int, ...]:
+        """Mooncake's port range (MC_MIN_RPC_PORT..MC_MAX_RPC_PORT) when it is small enough to name each port."""
+        low, high = self.env.get("MC_MIN_RPC_PORT", ""), self.env.get("MC_MAX_RPC_PORT", "")
+        if not (low.isdigit() and high.isdigit()) or not 0 <= int(high) - int(low) < MAX_NAMED_PORTS:
+            return ()
+        return tuple(range(int(low), int(high) + 1))
+
+    @property
     def mooncake_rpc_port(self) -> int | None:
         """The fixed Mooncake RPC port (MC_MIN_RPC_PORT == MC_MAX_RPC_PORT), if the pod has one."""
-        low, high = self.env.get("MC_MIN_RPC_PORT", ""), self.env.get("MC_MAX_RPC_PORT", "")
-        return int(low) if low.isdigit() and low == high else None
+        ports = self.mooncake_ports
+        return ports[0] if len(ports) == 1 else None
 
 
 @dataclass(frozen=True)
@@ -196,7 +205,7 @@ def stale_mooncake_keys(members: Iterable[PodFacts], default_cluster_id: str) ->
 
     The cluster id is the pod's own ``MC_METADATA_CLUSTER_ID`` (users may override it), else the default. A
     hostNetwork pod shares its IP with every other hostNetwork pod of the node, so only its own ``<ip>:<port>``
-    entries (its fixed Mooncake RPC port) are removed, never the bare IP or a prefix.
+    entries (its Mooncake ports) are removed, never the bare IP or a prefix.
     """
     keys: set[str] = set()
     prefixes: set[str] = set()
@@ -206,8 +215,7 @@ def stale_mooncake_keys(members: Iterable[PodFacts], default_cluster_id: str) ->
         root = mooncake_prefix(member.env.get("MC_METADATA_CLUSTER_ID", default_cluster_id))
         for kind in ("rpc_meta", "ram"):
             if member.host_network:
-                if member.mooncake_rpc_port is not None:
-                    keys.add(f"{root}{kind}/{member.ip}:{member.mooncake_rpc_port}")
+                keys.update(f"{root}{kind}/{member.ip}:{port}" for port in member.mooncake_ports)
                 continue
             keys.add(f"{root}{kind}/{member.ip}")
             prefixes.add(f"{root}{kind}/{member.ip}:")

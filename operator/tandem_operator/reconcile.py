@@ -32,7 +32,16 @@ from tandem_operator.k8s.apply import INITIAL_SIZE_MANAGER, object_path
 from tandem_operator.k8s.events import Reason
 from tandem_operator.metrics import RECOVERY_SECONDS
 from tandem_operator.planner import DeleteGroup, DeleteReason, plan
-from tandem_operator.recovery import apply_fences, group_epochs, recovered, service_epochs, stamp_epoch
+from tandem_operator.recovery import (
+    FenceRecord,
+    apply_fences,
+    group_epochs,
+    recovered,
+    resumed_fences,
+    service_epochs,
+    service_fences,
+    stamp_epoch,
+)
 from tandem_operator.registration import desired_endpoints, next_epoch, registry_changes
 from tandem_operator.status import (
     GroupState,
@@ -105,6 +114,8 @@ async def reconcile_once(rt: ClusterRuntime) -> None:
     services = await rt.kube.list("v1", "Service", ns, selector)
     rt.pods = {p["metadata"]["name"]: p for p in pods}
     svc_epochs, pod_epochs = service_epochs(services), group_epochs(pods)
+    for key, (epoch, reason) in resumed_fences(service_fences(services), rt.fenced, pod_epochs).items():
+        rt.fenced[key] = FenceRecord(epoch, reason, time.monotonic())  # fenced before this operator started
     lost = frozenset(rt.lost_nodes())
     desired: dict[GroupKey, Endpoint] = {}
     roles = {}

@@ -3,6 +3,9 @@
 A group's epoch is stamped on its Service and on every pod (``tandem.dev/epoch``). Before the operator deletes a
 group to recreate it (a member died, or a rollout), it bumps the Service's epoch; the replacement pods are created
 with the Service's epoch. So the epoch survives an operator restart, and a router can tell incarnations apart.
+
+A fence is recorded on the group's Service too (``tandem.dev/fenced: "<epoch>/<reason>"``): a group fenced while
+NotReady looks merely "starting" to a fresh operator, so without the record a restart would leave it half-dead.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tandem.registry import Role
-from tandem_operator.desired.naming import ANNOTATION_EPOCH, LABEL_GROUP, LABEL_ROLE
+from tandem_operator.desired.naming import ANNOTATION_EPOCH, ANNOTATION_FENCED, LABEL_GROUP, LABEL_ROLE
 from tandem_operator.fencing import GroupKey, Pod, pod_facts
 from tandem_operator.status import GroupState, GroupView
 
@@ -36,20 +39,47 @@ def group_epochs(pods: Iterable[Pod]) -> dict[GroupKey, int]:
     return epochs
 
 
-def service_epochs(services: Iterable[Mapping[str, Any]]) -> dict[GroupKey, int]:
-    """The epoch recorded on each group's Service (Services without the annotation are left out)."""
-    epochs: dict[GroupKey, int] = {}
+def _service_annotations(services: Iterable[Mapping[str, Any]], name: str) -> dict[GroupKey, str]:
+    found: dict[GroupKey, str] = {}
     for service in services:
         metadata = service.get("metadata") or {}
         labels, annotations = metadata.get("labels") or {}, metadata.get("annotations") or {}
-        raw_role, raw_group, raw_epoch = (
-            labels.get(LABEL_ROLE),
-            labels.get(LABEL_GROUP, ""),
-            annotations.get(ANNOTATION_EPOCH, ""),
-        )
-        if raw_role in {r.value for r in Role} and raw_group.isdigit() and raw_epoch.isdigit():
-            epochs[GroupKey(Role(raw_role), int(raw_group))] = int(raw_epoch)
-    return epochs
+        raw_role, raw_group = labels.get(LABEL_ROLE), labels.get(LABEL_GROUP, "")
+        if raw_role in {r.value for r in Role} and raw_group.isdigit() and name in annotations:
+            found[GroupKey(Role(raw_role), int(raw_group))] = str(annotations[name])
+    return found
+
+
+def service_epochs(services: Iterable[Mapping[str, Any]]) -> dict[GroupKey, int]:
+    """The epoch recorded on each group's Service (Services without the annotation are left out)."""
+    raw = _service_annotations(services, ANNOTATION_EPOCH)
+    return {key: int(value) for key, value in raw.items() if value.isdigit()}
+
+
+def fence_annotation(epoch: int, reason: str) -> dict[str, Any]:
+    """The merge patch that records a fence on the group's Service."""
+    return {"metadata": {"annotations": {ANNOTATION_FENCED: f"{epoch}/{reason}"}}}
+
+
+def service_fences(services: Iterable[Mapping[str, Any]]) -> dict[GroupKey, tuple[int, str]]:
+    """(epoch, reason) of the last fenced incarnation of each group, as recorded on its Service."""
+    fences: dict[GroupKey, tuple[int, str]] = {}
+    for key, value in _service_annotations(services, ANNOTATION_FENCED).items():
+        epoch, _, reason = value.partition("/")
+        if epoch.isdigit():
+            fences[key] = (int(epoch), reason)
+    return fences
+
+
+def resumed_fences(
+    recorded: Mapping[GroupKey, tuple[int, str]], known: Mapping[GroupKey, object], pod_epochs: Mapping[GroupKey, int]
+) -> dict[GroupKey, tuple[int, str]]:
+    """Recorded fences a fresh runtime does not know yet whose incarnation still has pods: recreate those."""
+    return {
+        key: (epoch, reason)
+        for key, (epoch, reason) in recorded.items()
+        if key not in known and pod_epochs.get(key) == epoch
+    }
 
 
 def apply_fences(

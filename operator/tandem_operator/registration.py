@@ -2,9 +2,9 @@
 
 Every READY group (``status.group_views``) is advertised by one ``tandem.registry.Endpoint`` built from its rank-0
 pod: the SGLang URL ``http://<pod ip>:<http port>``, the prefill bootstrap port, the Mooncake session
-``<pod ip>:<fixed rpc port>`` (from the pod's env, so it is what the worker really uses), the RDMA devices, the
-pod's compatibility revision and its epoch (the group's incarnation). A group fenced at its current epoch is not
-advertised again until it is recreated with a higher epoch.
+``<pod ip>:<rpc port>`` when the pod's env fixes one port (rdma; tcp's two-port range leaves it out), the RDMA
+devices, the pod's compatibility revision and its epoch (the group's incarnation). A group fenced at its current
+epoch is not advertised again until it is recreated with a higher epoch.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ def leader_endpoint(spec: PDClusterSpec, role: Role, leader: Pod) -> Endpoint | 
         return None
     ports = spec.role(role).ports
     host = facts.ip
-    rpc_port = facts.mooncake_rpc_port or ports.mooncake_rpc
+    rpc_port = facts.mooncake_rpc_port  # None with a range (tcp): the session is one of its ports
     labels = (leader.get("metadata") or {}).get("labels") or {}
     return Endpoint(
         role=role,
         group=facts.group.name,
         url=f"http://{host}:{ports.http}",
         bootstrap_port=ports.bootstrap if role is Role.PREFILL else None,
-        mooncake_session=f"{facts.ip}:{rpc_port}",
+        mooncake_session=f"{facts.ip}:{rpc_port}" if rpc_port is not None else None,
         ib_devices=tuple(spec.transfer.ib_devices) if spec.transfer.protocol is TransferProtocol.RDMA else (),
         attn_dp_size=spec.role(role).attn_dp_size,
         model=spec.model.served_name,

@@ -21,12 +21,12 @@ from typing import Any
 from tandem.registry import Endpoint, Role
 from tandem_operator.api.common import API_VERSION
 from tandem_operator.api.pdcluster import PDClusterSpec
-from tandem_operator.desired.naming import ClusterRef, mooncake_cluster_id
+from tandem_operator.desired.naming import ClusterRef, group_name, mooncake_cluster_id
 from tandem_operator.fencing import Fence, GroupKey, Pod, fence_decision, pod_facts, stale_mooncake_keys
 from tandem_operator.k8s.events import EventType, Reason, Regarding, event_manifest
 from tandem_operator.k8s.kube import Kube
 from tandem_operator.metrics import FENCE_SECONDS, FENCES
-from tandem_operator.recovery import FenceRecord
+from tandem_operator.recovery import FenceRecord, fence_annotation
 from tandem_operator.registrar import Registrar
 
 log = logging.getLogger("tandem.operator")
@@ -142,6 +142,7 @@ class ClusterRuntime:
             self.adopted.pop(decision.group, None)
             await self.registrar.fence(self.ref.namespace, self.ref.name, decision.group)
         fenced_s = time.monotonic() - received
+        self._background_task(self._record_fence(decision))
         members = [p for p in self.pods.values() if _group_of(p) == decision.group] + list(extra)
         stale = await self._clean(members)
         timing = FenceTiming(
@@ -167,6 +168,22 @@ class ClusterRuntime:
         self.emit(Reason.FENCED, f"endpoint removed from the registry: {note}", "Fence", EventType.WARNING)
         self.emit(Reason.STALE_METADATA_REMOVED, f"{stale} stale Mooncake metadata keys removed: {note}", "Clean")
 
+    async def _record_fence(self, decision: Fence) -> None:
+        """Persist the fence on the group's Service, so a restarted operator still recreates the group."""
+        name = group_name(self.ref.name, decision.group.role, decision.group.index)
+        try:
+            await self.kube.merge_patch(
+                f"/api/v1/namespaces/{self.ref.namespace}/services/{name}",
+                fence_annotation(decision.epoch, decision.reason.value),
+            )
+        except Exception as err:
+            log.warning("fence not recorded on the Service", extra={"service": name, "error": repr(err)})
+
+    def _background_task(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def _clean(self, members: Collection[Pod]) -> int:
         facts = [f for f in (pod_facts(p) for p in members) if f is not None]
         if not facts:
@@ -190,9 +207,7 @@ class ClusterRuntime:
             instance=self.options.instance,
             type_=type_,
         )
-        task = asyncio.create_task(self._post_event(body))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._background_task(self._post_event(body))
 
     async def _post_event(self, body: dict[str, Any]) -> None:
         try:

@@ -5,13 +5,19 @@ and, for every Running pod that uses the SGLang image (or carries ``tandem.dev/s
 ``tandem sim`` with the pod's ``python3 -m sglang.launch_server`` arguments and env, bound to the pod IP; it
 stops that process when the pod is deleted, stops running, or changes. Deciding is pure
 (``desired_launches``); ``PodRunner`` only diffs that against what runs.
+
+The dev cluster has no DNS: a flag naming a Service (``--dist-init-addr <svc>.<ns>.svc:5000``, a multi-node
+group's leader) is rewritten to the IP of the Running pod the Service selects (``resolve_services``); a pod whose
+Service does not resolve yet waits for the next pod event.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import re
 import shlex
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -150,6 +156,51 @@ def desired_launches(pods: Sequence[Mapping[str, Any]], rule: SimulateRule) -> d
     return wanted
 
 
+SERVICE_HOST = re.compile(
+    r"^(?P<svc>[a-z0-9]([-a-z0-9]*[a-z0-9])?)\.(?P<ns>[a-z0-9]([-a-z0-9]*[a-z0-9])?)\.svc(\.cluster\.local)?$"
+)
+ADDRESS_FLAGS = ("--dist-init-addr",)
+
+
+def service_refs(launch: Launch) -> set[tuple[str, str]]:
+    """(namespace, service) of every Service DNS name the launch's address flags point at."""
+    refs = set()
+    for flag in ADDRESS_FLAGS:
+        value = _flag_value(launch.server_args, flag)
+        match = SERVICE_HOST.match((value or "").rpartition(":")[0])
+        if match:
+            refs.add((match["ns"], match["svc"]))
+    return refs
+
+
+def selected_pod_ip(pods: Sequence[Mapping[str, Any]], namespace: str, selector: Mapping[str, str]) -> str | None:
+    """The IP of a Running, not deleting pod in ``namespace`` whose labels contain ``selector``."""
+    for pod in pods:
+        meta, status = pod["metadata"], pod.get("status") or {}
+        labels = meta.get("labels") or {}
+        if meta.get("namespace") != namespace or meta.get("deletionTimestamp") or status.get("phase") != "Running":
+            continue
+        if selector and all(labels.get(k) == v for k, v in selector.items()) and status.get("podIP"):
+            return str(status["podIP"])
+    return None
+
+
+def resolve_services(launch: Launch, addresses: Mapping[tuple[str, str], str]) -> Launch | None:
+    """The launch with each Service name in its address flags replaced by ``addresses``; None if one is missing."""
+    args = list(launch.server_args)
+    for i, arg in enumerate(args[:-1]):
+        if arg not in ADDRESS_FLAGS:
+            continue
+        host, _, port = args[i + 1].rpartition(":")
+        match = SERVICE_HOST.match(host)
+        if match:
+            ip = addresses.get((match["ns"], match["svc"]))
+            if ip is None:
+                return None
+            args[i + 1] = f"{ip}:{port}"
+    return dataclasses.replace(launch, server_args=tuple(args))
+
+
 def tandem_sim_argv(launch: Launch) -> list[str]:
     """The default launcher: the simulated SGLang worker with the pod's server flags."""
     return [sys.executable, "-m", "tandem.cli", "sim", *launch.server_args]
@@ -173,6 +224,7 @@ class PodRunner:
         self.namespace = namespace
         self.pods: dict[str, dict[str, Any]] = {}  # uid -> pod, the watch's view
         self.running: dict[str, tuple[Launch, ManagedProcess]] = {}
+        self.selectors: dict[tuple[str, str], dict[str, str]] = {}  # Services named by pods' flags
 
     async def run(self) -> None:
         core = client.CoreV1Api(self.api)
@@ -208,7 +260,7 @@ class PodRunner:
                 await self.reconcile()
 
     async def reconcile(self) -> None:
-        wanted = desired_launches(list(self.pods.values()), self.rule)
+        wanted = await self._resolve(desired_launches(list(self.pods.values()), self.rule))
         for uid, (launch, proc) in list(self.running.items()):
             if wanted.get(uid) != launch or not proc.alive():
                 del self.running[uid]
@@ -217,6 +269,27 @@ class PodRunner:
         for uid, launch in wanted.items():
             if uid not in self.running:
                 self._start(launch)
+
+    async def _resolve(self, launches: dict[str, Launch]) -> dict[str, Launch]:
+        pods = list(self.pods.values())
+        addresses: dict[tuple[str, str], str] = {}
+        for ref in set().union(*(service_refs(launch) for launch in launches.values())):
+            selector = self.selectors.get(ref) or await self._selector(*ref)
+            ip = selected_pod_ip(pods, ref[0], selector) if selector else None
+            if ip is not None:
+                addresses[ref] = ip
+        resolved = {uid: resolve_services(launch, addresses) for uid, launch in launches.items()}
+        return {uid: launch for uid, launch in resolved.items() if launch is not None}
+
+    async def _selector(self, namespace: str, name: str) -> dict[str, str]:
+        try:
+            service = await client.CoreV1Api(self.api).read_namespaced_service(name, namespace)
+        except client.ApiException:
+            return {}
+        selector = dict(service.spec.selector or {})
+        if selector:
+            self.selectors[(namespace, name)] = selector
+        return selector
 
     def _start(self, launch: Launch) -> None:
         name = launch.pod.replace("/", "_")

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 from pydantic import ValidationError
 
 from tandem.registry import Role
-from tandem_operator.api.pdcluster import DeepEPMode, PDClusterSpec, TransferProtocol
+from tandem_operator.api.pdcluster import DeepEPMode, PDClusterSpec, RouterSpec, TransferProtocol
 from tandem_operator.api.pdpool import PDPoolSpec
+from tandem_router.policy.selection import Policy
 
 BASE: dict[str, Any] = {"transfer": {"protocol": "tcp"}, "etcd": {"endpoints": ["http://etcd:2379"]}}
 
@@ -96,3 +97,9 @@ def test_pdpool_spec() -> None:
     assert (pool.role, pool.replicas) == (Role.DECODE, 3)
     with pytest.raises(ValidationError, match="greater than or equal to 0"):
         PDPoolSpec.model_validate({"clusterName": "kimi", "role": "decode", "replicas": -1})
+
+
+def test_router_policies_are_the_routers_own() -> None:
+    field = RouterSpec.model_fields["policy"]
+    assert set(get_args(field.annotation)) == {p.value for p in Policy}
+    assert RouterSpec().policy == Policy.CACHE_AWARE.value

@@ -33,7 +33,7 @@ def test_pod_facts_of_a_worker_pod() -> None:
     facts = pod_facts(live_pod(SPEC, Role.DECODE, 0, 1, epoch=3, ip="10.1.2.3"))
     assert facts is not None
     assert (facts.cluster, facts.group, facts.rank, facts.epoch, facts.ip) == ("kimi", DECODE_0, 1, 3, "10.1.2.3")
-    assert facts.mooncake_rpc_port == 15001
+    assert (facts.mooncake_ports, facts.mooncake_rpc_port) == ((15002, 15003), None)  # tcp: rpc + data port
     assert facts.env["MC_METADATA_CLUSTER_ID"] == "serving.kimi"
 
 
@@ -129,7 +129,11 @@ def test_stale_keys_of_host_network_pods_name_only_their_own_port() -> None:
     facts = pod_facts(live_pod(spec, Role.PREFILL, 0, 0, ip="192.168.1.4"))
     assert facts is not None
     assert stale_mooncake_keys([facts], "x") == StaleKeys(
-        keys=("mooncake/serving.kimi/ram/192.168.1.4:15000", "mooncake/serving.kimi/rpc_meta/192.168.1.4:15000"),
+        keys=tuple(
+            f"mooncake/serving.kimi/{kind}/192.168.1.4:{port}"
+            for kind in ("ram", "rpc_meta")
+            for port in (15000, 15001)
+        ),
         prefixes=(),
     )
 

@@ -6,7 +6,17 @@ from dataclasses import replace
 
 from tandem.registry import Endpoint, Role
 from tandem_operator.fencing import GroupKey
-from tandem_operator.recovery import FenceRecord, apply_fences, group_epochs, recovered, service_epochs, stamp_epoch
+from tandem_operator.recovery import (
+    FenceRecord,
+    apply_fences,
+    fence_annotation,
+    group_epochs,
+    recovered,
+    resumed_fences,
+    service_epochs,
+    service_fences,
+    stamp_epoch,
+)
 from tandem_operator.registration import (
     RegistryChanges,
     desired_endpoints,
@@ -52,7 +62,11 @@ def test_leader_endpoint_of_a_decode_group_over_tcp() -> None:
     endpoint = leader_endpoint(spec, Role.DECODE, live_pod(spec, Role.DECODE, 3, 0, ip="10.2.0.5"))
     assert endpoint is not None
     assert (endpoint.group, endpoint.url, endpoint.bootstrap_port) == ("decode-3", "http://10.2.0.5:30001", None)
-    assert (endpoint.mooncake_session, endpoint.ib_devices, endpoint.attn_dp_size) == ("10.2.0.5:15001", (), 16)
+    assert (endpoint.mooncake_session, endpoint.ib_devices, endpoint.attn_dp_size) == (
+        None,
+        (),
+        16,
+    )  # tcp: 2-port range
 
 
 def test_no_endpoint_without_ip_or_for_a_follower() -> None:
@@ -89,6 +103,22 @@ def test_epochs() -> None:
     service = stamp_epoch({"metadata": {"labels": {"tandem.dev/role": "decode", "tandem.dev/group": "0"}}}, 7)
     assert service["metadata"]["annotations"] == {"tandem.dev/epoch": "7"}
     assert service_epochs([service, {"metadata": {"labels": {}}}]) == {D0: 7}
+
+
+def test_a_fence_recorded_on_the_service_is_resumed_while_its_incarnation_has_pods() -> None:
+    labels = {"tandem.dev/role": "decode", "tandem.dev/group": "0"}
+    patch = fence_annotation(4, "pod-not-ready")
+    assert patch == {"metadata": {"annotations": {"tandem.dev/fenced": "4/pod-not-ready"}}}
+    service = {
+        "metadata": {"labels": labels, "annotations": {"tandem.dev/epoch": "5", **patch["metadata"]["annotations"]}}
+    }
+    other = {"metadata": {"labels": {**labels, "tandem.dev/group": "1"}, "annotations": {"tandem.dev/fenced": "x/y"}}}
+    recorded = service_fences([service, other])
+    assert recorded == {D0: (4, "pod-not-ready")}
+    assert resumed_fences(recorded, {}, {D0: 4}) == {D0: (4, "pod-not-ready")}  # the fenced pods are still there
+    assert resumed_fences(recorded, {}, {D0: 5}) == {}  # already recreated
+    assert resumed_fences(recorded, {}, {}) == {}  # no pods left: the group is simply created again
+    assert resumed_fences(recorded, {D0: FenceRecord(4, "pod-not-ready", 0.0)}, {D0: 4}) == {}  # known already
 
 
 def test_a_fenced_incarnation_is_broken_even_if_its_pods_look_ready() -> None:

@@ -195,7 +195,7 @@ def _prefill_ports() -> PortSet:
 
 
 def _decode_ports() -> PortSet:
-    return PortSet(http=30001, bootstrap=8999, dist_init=5001, mooncake_rpc=15001)
+    return PortSet(http=30001, bootstrap=8999, dist_init=5001, mooncake_rpc=15002)
 
 
 class PrefillSpec(PoolSpec):
@@ -292,7 +292,10 @@ class TransferSpec(CrdModel):
 class RouterSpec(CrdModel):
     """Settings for the Tandem routers that serve this cluster."""
 
-    policy: Literal["random", "round_robin", "least_load"] = "least_load"
+    # The router's selection policies (tandem_router.policy.selection.Policy; a test keeps them equal).
+    policy: Literal["round_robin", "power_of_two", "cache_aware", "random"] = Field(
+        default="cache_aware", description="How the router picks a prefill/decode pair (cache_aware: prefix affinity)."
+    )
     max_attempts: int = Field(default=5, ge=1, le=10, description="Tries per request before its first byte.")
     pair_same_revision: bool = Field(default=True, description="Pair only prefill and decode of one revision.")
 
@@ -317,8 +320,9 @@ class PDClusterSpec(CrdModel):
     cel_rules = (
         Rule(
             cel="!self.transfer.hostNetwork || [self.prefill.ports.http, self.prefill.ports.bootstrap, "
-            "self.prefill.ports.distInit, self.prefill.ports.mooncakeRpc].all(p, !(p in [self.decode.ports.http, "
-            "self.decode.ports.bootstrap, self.decode.ports.distInit, self.decode.ports.mooncakeRpc]))",
+            "self.prefill.ports.distInit, self.prefill.ports.mooncakeRpc, self.prefill.ports.mooncakeRpc + 1]"
+            ".all(p, !(p in [self.decode.ports.http, self.decode.ports.bootstrap, self.decode.ports.distInit, "
+            "self.decode.ports.mooncakeRpc, self.decode.ports.mooncakeRpc + 1]))",
             message="with transfer.hostNetwork, prefill.ports and decode.ports must not share a port",
             check=lambda s: not s.transfer.host_network or not set(s.prefill.ports.all()) & set(s.decode.ports.all()),
             field_path=".decode.ports",

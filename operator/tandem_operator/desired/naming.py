@@ -22,6 +22,7 @@ LABEL_TEMPLATE_HASH = f"{GROUP}/template-hash"
 ANNOTATION_BOOTSTRAP_PORT = "sglang.ai/bootstrap-port"
 # Incarnation of a group: bumped each time the group is recreated after a member died (pods and Service carry it).
 ANNOTATION_EPOCH = f"{GROUP}/epoch"
+ANNOTATION_FENCED = f"{GROUP}/fenced"  # on a group's Service: "<epoch>/<reason>" of the last fenced incarnation
 COMMON_LABELS = {"app.kubernetes.io/name": "tandem-worker", "app.kubernetes.io/managed-by": FIELD_MANAGER}
 
 

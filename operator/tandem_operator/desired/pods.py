@@ -93,15 +93,27 @@ def group_service(ctx: RoleContext, group: int) -> dict[str, Any]:
     }
 
 
+def mooncake_port_range(ctx: RoleContext) -> tuple[int, int]:
+    """``MC_MIN_RPC_PORT``, ``MC_MAX_RPC_PORT`` of the role's pods.
+
+    Mooncake (0.3.13) takes its RPC port from this range, and with the TCP transport also its data port (the
+    same search, ``findAvailableTcpPort``): one fixed port makes ``initialize`` fail with "unable to find
+    available tcp port". RDMA needs no data port, so its range is one port and the session id ``ip:port`` is
+    exact; TCP gets two adjacent ports, one for each (measured: the RPC port is either one).
+    """
+    rpc = ctx.spec.role(ctx.role).ports.mooncake_rpc
+    return (rpc, rpc + 1) if ctx.spec.transfer.protocol is TransferProtocol.TCP else (rpc, rpc)
+
+
 def _env(ctx: RoleContext) -> list[dict[str, Any]]:
     spec, role = ctx.spec, ctx.spec.role(ctx.role)
     transfer = spec.transfer
+    low, high = mooncake_port_range(ctx)
     env: dict[str, dict[str, Any]] = {
         "POD_IP": {"valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         "POD_NAME": {"valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        # One fixed RPC port: the Mooncake session id "ip:port" is known before the pod starts.
-        "MC_MIN_RPC_PORT": {"value": str(role.ports.mooncake_rpc)},
-        "MC_MAX_RPC_PORT": {"value": str(role.ports.mooncake_rpc)},
+        "MC_MIN_RPC_PORT": {"value": str(low)},
+        "MC_MAX_RPC_PORT": {"value": str(high)},
         "MC_TE_METRIC": {"value": "true"},
         "MC_METADATA_CLUSTER_ID": {"value": mooncake_cluster_id(ctx.cluster)},
         # Peers re-read metadata this often, so they reach a restarted pod that kept its name.
@@ -111,6 +123,8 @@ def _env(ctx: RoleContext) -> list[dict[str, Any]]:
         env["MC_DISABLE_METACACHE"] = {"value": "true"}
     if transfer.protocol is TransferProtocol.TCP:
         env["MC_FORCE_TCP"] = {"value": "true"}
+        # Mooncake binds all interfaces unless told; peers must reach the pod's own address.
+        env["MC_TCP_BIND_ADDRESS"] = {"valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     if isinstance(role, DecodeSpec) and role.kv_offload.enabled and role.kv_offload.mooncake_store is not None:
         store = role.kv_offload.mooncake_store
         etcd_hosts = ";".join(e.split("://", 1)[1] for e in spec.etcd.endpoints)
@@ -140,6 +154,9 @@ def _container_ports(ctx: RoleContext) -> list[dict[str, Any]]:
     named = [("http", ports.http), ("dist-init", ports.dist_init), ("mooncake-rpc", ports.mooncake_rpc)]
     if ctx.role is Role.PREFILL:
         named.append(("bootstrap", ports.bootstrap))
+    low, high = mooncake_port_range(ctx)
+    if high > low:
+        named.append(("mooncake-data", high))
     host = ctx.spec.transfer.host_network
     # With hostNetwork the ports are node ports: declaring hostPort lets the scheduler keep clashing pods apart.
     return [

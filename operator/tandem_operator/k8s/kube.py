@@ -14,14 +14,17 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from tandem_operator.k8s.apply import Request, collection_path, create, send, server_side_apply
 
 JSON = "application/json"
+MERGE_PATCH = "application/merge-patch+json"
 
 
 class Kube:
     def __init__(self, api: Any) -> None:
         self.api = api
 
-    async def _call(self, method: str, path: str, query: Mapping[str, str] | None = None, body: Any = None) -> Any:
-        headers = {"Content-Type": JSON} if body is not None else {}
+    async def _call(
+        self, method: str, path: str, query: Mapping[str, str] | None = None, body: Any = None, content: str = JSON
+    ) -> Any:
+        headers = {"Content-Type": content} if body is not None else {}
         request = Request(method, path, tuple((query or {}).items()), headers, body)
         return await send(self.api, request)
 
@@ -58,6 +61,16 @@ class Kube:
 
     async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         result: dict[str, Any] = await self._call("POST", path, body=body)
+        return result
+
+    async def merge_patch(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        """A JSON merge patch (its fields belong to no apply manager, so later applies keep them); None on 404."""
+        try:
+            result: dict[str, Any] = await self._call("PATCH", path, body=body, content=MERGE_PATCH)
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
         return result
 
     async def apply(self, manifest: dict[str, Any], *, subresource: str | None = None) -> dict[str, Any]:
