@@ -17,12 +17,13 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kubernetes_asyncio import client
+from openai import AsyncOpenAI, OpenAIError
 
 from tandem.devcluster.cluster import DevCluster
 from tandem.devcluster.podrunner import PodRunner
@@ -46,7 +47,9 @@ async def tool(cluster: DevCluster, name: str, *args: str, check: bool = True, s
     async with asyncio.timeout(120):
         out, err = await proc.communicate(stdin)
     if check:
-        assert proc.returncode == 0, f"{name} {' '.join(args)} failed ({proc.returncode}):\n{err.decode()}{out.decode()}"
+        assert proc.returncode == 0, (
+            f"{name} {' '.join(args)} failed ({proc.returncode}):\n{err.decode()}{out.decode()}"
+        )
     return out.decode()
 
 
@@ -74,9 +77,7 @@ def _replace_flag(args: Sequence[str], flag: str, value: str) -> list[str]:
     return [f"{flag}={value}" if a.startswith(f"{flag}=") else a for a in args]
 
 
-async def service_account_kubeconfig(
-    cluster: DevCluster, api: client.ApiClient, namespace: str, account: str
-) -> Path:
+async def service_account_kubeconfig(cluster: DevCluster, api: client.ApiClient, namespace: str, account: str) -> Path:
     """A kubeconfig holding a TokenRequest token of ``namespace/account``: what the pod's projected token would be."""
     spec = client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600)
     request = client.AuthenticationV1TokenRequest(spec=spec)
@@ -134,6 +135,25 @@ async def pod_runner(api: client.ApiClient, namespace: str, log_dir: Path) -> As
         await runner.stop_all()
 
 
+TIME_WAIT_BUCKETS = Path("/proc/sys/net/ipv4/tcp_max_tw_buckets")
+
+
+@contextlib.contextmanager
+def no_time_wait() -> Iterator[None]:
+    """No TIME_WAIT sockets in this (test-only, loopback-only) network namespace while the block runs.
+
+    On a real node every pod has its own network namespace. Here all pods share one loopback and kwok hands a
+    dead pod's IP to its replacement, whose Mooncake ports are fixed: the dead process's TIME_WAIT sockets on
+    ``ip:port`` would make the new one's bind fail for 60 s. The sysctl is per network namespace.
+    """
+    before = TIME_WAIT_BUCKETS.read_text()
+    TIME_WAIT_BUCKETS.write_text("0")
+    try:
+        yield
+    finally:
+        TIME_WAIT_BUCKETS.write_text(before)
+
+
 def pdcluster_manifest(namespace: str, etcd: str) -> dict[str, Any]:
     """deploy/sim-small.yaml, moved to the test's namespace and registry etcd."""
     import yaml
@@ -159,7 +179,9 @@ async def namespace_objects(cluster: DevCluster, namespace: str) -> list[tuple[s
 
 async def cluster_objects_of_release(cluster: DevCluster, release: str) -> list[tuple[str, str]]:
     """(kind, name) of cluster-scoped objects labelled with the release (ClusterRole, ClusterRoleBinding, ...)."""
-    kinds = (await tool(cluster, "kubectl", "api-resources", "--verbs=list", "--namespaced=false", "-o", "name")).split()
+    kinds = (
+        await tool(cluster, "kubectl", "api-resources", "--verbs=list", "--namespaced=false", "-o", "name")
+    ).split()
     selector = f"app.kubernetes.io/instance={release}"
     listing = json.loads(await tool(cluster, "kubectl", "get", ",".join(kinds), "-l", selector, "-o", "json"))
     return sorted((item["kind"], item["metadata"]["name"]) for item in listing["items"])
@@ -168,33 +190,42 @@ async def cluster_objects_of_release(cluster: DevCluster, release: str) -> list[
 @dataclass
 class ServiceLoad:
     """A bounded request loop through a Service: each request goes to one of the Service's ready endpoints
-    (round robin, as kube-proxy spreads connections). ``endpoints`` is edited while it runs, as Endpoints are."""
+    (round robin, as kube-proxy spreads connections). ``endpoints`` is edited while it runs, as Endpoints are.
+    It runs until ``stop`` is set (or ``max_requests`` were sent); ``served`` counts successes per endpoint."""
 
     model: str
     endpoints: list[str]
-    requests: int
+    max_requests: int = 3000
     concurrency: int = 2
-    ok: int = 0
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    served: dict[str, int] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     _issued: int = 0
 
+    @property
+    def ok(self) -> int:
+        return sum(self.served.values())
+
     async def run(self) -> None:
-        await asyncio.gather(*(self._worker() for _ in range(self.concurrency)))
+        clients: dict[str, AsyncOpenAI] = {}
+        try:
+            await asyncio.gather(*(self._worker(clients) for _ in range(self.concurrency)))
+        finally:
+            for sdk in clients.values():
+                await sdk.close()
 
-    async def _worker(self) -> None:
-        from openai import AsyncOpenAI, OpenAIError
-
-        while self._issued < self.requests:
+    async def _worker(self, clients: dict[str, AsyncOpenAI]) -> None:
+        while self._issued < self.max_requests and not self.stop.is_set():
             base = self.endpoints[self._issued % len(self.endpoints)]
             self._issued += 1
             # No SDK retries: a failed request must show up here, not be hidden by a second try.
-            async with AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=30) as sdk:
-                try:
-                    out = await sdk.completions.create(model=self.model, prompt="upgrade probe", max_tokens=4)
-                except OpenAIError as err:
-                    self.failures.append(f"{base}: {type(err).__name__}: {err}")
-                    continue
+            sdk = clients.setdefault(base, AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0))
+            try:
+                out = await sdk.completions.create(model=self.model, prompt="upgrade probe", max_tokens=4, timeout=30)
+            except OpenAIError as err:
+                self.failures.append(f"{base}: {type(err).__name__}: {err}")
+                continue
             if out.usage is not None and out.usage.completion_tokens > 0:
-                self.ok += 1
+                self.served[base] = self.served.get(base, 0) + 1
             else:
                 self.failures.append(f"{base}: empty completion {out}")
