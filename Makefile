@@ -37,7 +37,7 @@ bench: bootstrap
 	scripts/in-netns.sh $(VENV)/bin/tandem bench
 
 ## generate: rewrite every generated file from its source (one line per generator).
-GENERATED := charts/tandem/crds charts/tandem/values.yaml charts/tandem/values.schema.json \
+GENERATED := charts/tandem/crds charts/tandem/values.yaml charts/tandem/values.schema.json charts/tandem/README.md \
 	charts/tandem/dashboards deploy/dashboards tandem/data
 generate: bootstrap
 	$(PY) -m tandem_operator.crdgen

@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 # etcd-server: the registry of the local stack and tests. wrk: the benchmarks' load generator.
 # iproute2 + util-linux: loopback-only network namespaces for the tests (Mooncake listens on all interfaces).
 # openssl: certificates of the test Kubernetes control plane (tandem/devcluster/pki.py).
-DEB_PACKAGES=(libibverbs1 librdmacm1 libnuma1 etcd-server wrk iproute2 util-linux openssl)
+# prometheus (+ promtool): the chart tests scrape the running stack and run every dashboard query and alert rule.
+DEB_PACKAGES=(libibverbs1 librdmacm1 libnuma1 etcd-server wrk iproute2 util-linux openssl prometheus)
 
 missing=()
 for pkg in "${DEB_PACKAGES[@]}"; do

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -116,6 +117,7 @@ async def run(args: argparse.Namespace) -> int:
 async def _run_operator(args: argparse.Namespace, configuration: k8s_client.Configuration, kube: Kube) -> int:
     stop = asyncio.Event()
     holder: asyncio.Task[None] | None = None
+    elector: LeaderElector | None = None
     if args.leader_election:
         elector = LeaderElector(
             kube, name=args.leader_election_name, namespace=args.leader_election_namespace, identity=args.identity
@@ -138,17 +140,22 @@ async def _run_operator(args: argparse.Namespace, configuration: k8s_client.Conf
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         operator_settings(settings)
 
-    await kopf.operator(
-        registry=registry,
-        standalone=True,
-        clusterwide=not args.namespace,
-        namespaces=args.namespace,
-        stop_flag=stop,
-    )
-    LEADER.set(0)
+    try:
+        await kopf.operator(
+            registry=registry,
+            standalone=True,
+            clusterwide=not args.namespace,
+            namespaces=args.namespace,
+            stop_flag=stop,
+        )
+    finally:
+        LEADER.set(0)
     lost = holder is not None and holder.done()
     if holder is not None:
         holder.cancel()
+    if elector is not None and not lost:
+        with contextlib.suppress(Exception):  # best effort: the Lease expires by itself otherwise
+            await elector.release()
     return 1 if lost else 0
 
 

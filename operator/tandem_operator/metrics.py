@@ -9,8 +9,14 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from tandem_operator.fencing import FenceReason
+
 REGISTRY = CollectorRegistry()
 FENCES = Counter("tandem_operator_fences", "Groups fenced", ["reason"], registry=REGISTRY)
+# Every reason exported at 0 from the start: a first fence is then an increase (1 - 0) that rate()/increase()
+# and the fencing alert see, instead of a new series whose first sample is already 1.
+for _reason in FenceReason:
+    FENCES.labels(_reason.value)
 FENCE_SECONDS = Histogram(
     "tandem_operator_fence_seconds",
     "From a pod event to its group's registry key deleted",

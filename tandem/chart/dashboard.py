@@ -55,6 +55,32 @@ PANELS: tuple[Panel, ...] = (
         "{{prefill}} -> {{decode}}",
         "short",
     ),
+    Panel(
+        "Operator: fencing events by reason",
+        "sum by (reason) (increase(tandem_operator_fences_total[5m]))",
+        "{{reason}}",
+        "short",
+    ),
+    Panel(
+        "Operator: group recoveries",
+        "sum(increase(tandem_operator_recovery_seconds_count[15m]))",
+        "recoveries",
+        "short",
+    ),
+    Panel(
+        "Operator: recovery duration p50 / p99 (death to re-registered)",
+        "histogram_quantile(0.99, sum by (le) (rate(tandem_operator_recovery_seconds_bucket[15m]))) or "
+        "histogram_quantile(0.5, sum by (le) (rate(tandem_operator_recovery_seconds_bucket[15m])))",
+        "recovery",
+        "s",
+    ),
+    Panel(
+        "Operator: fence latency p99 (pod event to registry key deleted)",
+        "histogram_quantile(0.99, sum by (le) (rate(tandem_operator_fence_seconds_bucket[15m])))",
+        "fence p99",
+        "s",
+    ),
+    Panel("Operator: leader", "sum(tandem_operator_leader)", "leaders", "short"),
 )
 
 

@@ -80,6 +80,13 @@ class Router(Values):
     )
     max_concurrent_requests: int = Field(default=4096, ge=1, description="Requests in flight per router before 429.")
     drain_timeout_seconds: int = Field(default=30, ge=0, description="Graceful drain bound on SIGTERM.")
+    pre_stop_sleep_seconds: int = Field(
+        default=5,
+        ge=0,
+        le=60,
+        description="Seconds a terminating router keeps accepting before SIGTERM (preStop sleep), so Service "
+        "endpoints drop it first and no new connection is refused during a rollout; 0 disables.",
+    )
     service: RouterService = Field(default_factory=RouterService, description="Router Service.")
     pdb: Pdb = Field(default_factory=Pdb, description="Router PodDisruptionBudget.")
     hpa: Hpa = Field(default_factory=Hpa, description="Router HorizontalPodAutoscaler.")

@@ -1,0 +1,136 @@
+"""The monitoring phase of the chart lifecycle test: a real Prometheus scrapes the running router and operator,
+traffic and one worker death produce every kind of sample, and every dashboard panel query returns data."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from kubernetes_asyncio import client
+from openai import AsyncOpenAI, OpenAIError
+
+from tandem.chart.dashboard import PANELS
+from tandem.devcluster.podrunner import PodRunner
+from tandem.procs import ManagedProcess
+from tests.chart.prom import Prometheus, binary, rules_file
+from tests.devcluster_fixtures import eventually
+
+DECODE_LEADER = "sim-decode-0-0"
+# Panels whose value must be positive after this phase, not just present.
+POSITIVE = {
+    "sum by (status) (rate(tandem_router_requests_total[1m]))",
+    "sum by (reason) (increase(tandem_operator_fences_total[5m]))",
+    "sum(increase(tandem_operator_recovery_seconds_count[15m]))",
+}
+
+
+def check_alert_rules(tmp_path: Path) -> str:
+    """``promtool check rules`` on the chart's alerts (as templates/monitoring.yaml embeds them)."""
+    out = subprocess.run(
+        [binary("promtool"), "check", "rules", str(rules_file(tmp_path / "rules-check.yaml"))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+async def _traffic(router_url: str, model: str, requests: int) -> None:
+    """Plain and streamed completions (streaming feeds the inter-token histogram)."""
+    async with AsyncOpenAI(base_url=f"{router_url}/v1", api_key="none", max_retries=0, timeout=30) as sdk:
+        for i in range(requests):
+            if i % 2:
+                stream = await sdk.completions.create(model=model, prompt=f"stream {i}", max_tokens=8, stream=True)
+                chunks = [chunk async for chunk in stream]
+                assert chunks
+            else:
+                await sdk.completions.create(model=model, prompt=f"plain {i}", max_tokens=8)
+
+
+async def _failing_requests(router_url: str, model: str, attempts: int) -> int:
+    failed = 0
+    async with AsyncOpenAI(base_url=f"{router_url}/v1", api_key="none", max_retries=0, timeout=30) as sdk:
+        for _ in range(attempts):
+            try:
+                await sdk.completions.create(model=model, prompt="after the crash", max_tokens=4)
+            except OpenAIError:
+                failed += 1
+    return failed
+
+
+async def _recoveries(api: client.ApiClient, namespace: str) -> int | None:
+    obj = await client.CustomObjectsApi(api).get_namespaced_custom_object(
+        "tandem.dev", "v1alpha1", namespace, "pdclusters", "sim"
+    )
+    count = int((obj.get("status") or {}).get("recoveries") or 0)
+    return count or None
+
+
+async def exercise_and_query(
+    tmp_path: Path,
+    procs: list[ManagedProcess],
+    api: client.ApiClient,
+    namespace: str,
+    runner: PodRunner,
+    router_url: str,
+    operator_url: str,
+    model: str,
+    serves: Callable[[], Coroutine[Any, Any, bool]],
+) -> dict[str, float]:
+    """Returns measured times. Fails if any panel query returns no data."""
+    times: dict[str, float] = {}
+    print(check_alert_rules(tmp_path))
+    targets = {"router": urlsplit(router_url).netloc, "operator": urlsplit(operator_url).netloc}
+    prom = await asyncio.to_thread(Prometheus.start, tmp_path / "prometheus", targets, procs)
+    await eventually(lambda: _all_up(prom), "both scrape targets up", within=30)
+    await _traffic(router_url, model, 20)
+
+    # A decode leader crashes (its process dies, the pod is still there): the router's attempts on that pair fail.
+    (crashed,) = [proc for launch, proc in runner.running.values() if launch.pod.endswith(f"/{DECODE_LEADER}")]
+    crashed.signal(signal.SIGKILL)
+    assert await _failing_requests(router_url, model, 3) > 0
+    # Then its pod goes: the operator fences the group, recreates it, registers it again.
+    began = time.monotonic()
+    await client.CoreV1Api(api).delete_namespaced_pod(DECODE_LEADER, namespace, grace_period_seconds=0)
+    await eventually(lambda: _recoveries(api, namespace), "the operator's recovery of the decode group", within=90)
+    await eventually(serves, "completions after the recovery", within=60)
+    times["pod deleted to serving again"] = time.monotonic() - began
+    await _traffic(router_url, model, 10)
+
+    async def every_panel_has_data() -> dict[str, list[dict[str, Any]]] | None:
+        results = {panel.expr: await prom.query(panel.expr) for panel in PANELS}
+        return None if any(not r for r in results.values()) else results
+
+    began = time.monotonic()
+    try:
+        results = await eventually(every_panel_has_data, "every panel query to return data", within=30)
+    except AssertionError:
+        empty = [panel.title for panel in PANELS if not await prom.query(panel.expr)]
+        raise AssertionError(f"panels without data: {empty}") from None
+    times["last scrape to every panel with data"] = time.monotonic() - began
+    for panel in PANELS:
+        values = [float(sample["value"][1]) for sample in results[panel.expr]]
+        print(f"panel {panel.title!r}: {values}")
+        if panel.expr in POSITIVE:
+            assert max(values) > 0, (panel.title, values)
+    alerts = await eventually(lambda: _alerts_with(prom, "TandemFencingEvents"), "the fencing alert", within=15)
+    print(f"alerts: {alerts}")
+    return times
+
+
+async def _all_up(prom: Prometheus) -> bool:
+    health = await prom.targets_up()
+    return set(health) == {"router", "operator"} and set(health.values()) == {"up"}
+
+
+async def _alerts_with(prom: Prometheus, name: str) -> dict[str, str] | None:
+    alerts = await prom.alerts()
+    return alerts if name in alerts else None
