@@ -21,11 +21,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from tandem.registry import Role
 from tandem_router.canary import CanaryConfig, CanaryProber
-from tandem_router.config import RouterSettings
+from tandem_router.config import DiscoveryMode, RouterSettings
 from tandem_router.discovery import Discovery, make_discovery
 from tandem_router.health import HealthChecker
 from tandem_router.integrity.monitor import IntegrityConfig, IntegrityMonitor
 from tandem_router.integrity.quarantine import QuarantinePolicy
+from tandem_router.integrity_publisher import IntegrityPublisher
 from tandem_router.metrics import RouterMetrics
 from tandem_router.openapi import document
 from tandem_router.policy.breaker import BreakerConfig
@@ -171,6 +172,11 @@ async def _startup(app: web.Application) -> None:
     s.health.start()
     if s.canary is not None:
         s.background.append(asyncio.create_task(s.canary.run(s.stop)))
+    if s.integrity is not None and s.settings.discovery is DiscoveryMode.ETCD:
+        publisher = IntegrityPublisher(
+            s.integrity, s.settings.etcd_endpoints, s.settings.cluster_namespace, s.settings.cluster_name
+        )
+        s.background.append(asyncio.create_task(publisher.run(s.stop)))
 
 
 async def _shutdown(app: web.Application) -> None:
