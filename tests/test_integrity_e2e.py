@@ -23,7 +23,9 @@ from tandem.procs import ManagedProcess, free_port
 from tandem_sim.testing import SimWorker, start_decode, start_prefill, start_worker
 from tests.simhelpers import bounded, prompts
 
-DECODE_POOL = ["--max-total-tokens", "2048", "--page-size", "4"]
+# A small decode pool (pages reused constantly) with 16-token pages, so a reused page holds a run of another
+# prompt's words long enough for the prompt-leak detector (8 words).
+DECODE_POOL = ["--max-total-tokens", "2048", "--page-size", "16"]
 OFFLOAD = ["--disaggregation-decode-enable-offload-kvcache", "--hicache-storage-backend", "file"]
 SPEED = ["--sim-inter-token-ms", "1"]
 
@@ -123,7 +125,10 @@ async def test_garbling_decode_is_quarantined_within_10s_and_clean_pairs_keep_se
     tmp_path: Path, proc_factory: list[ManagedProcess]
 ) -> None:
     stack = _start_stack(
-        tmp_path, proc_factory, race=[False, True], router_flags=["--quarantine-probe-initial-s", "600"]
+        tmp_path,
+        proc_factory,
+        race=[False, True],
+        router_flags=["--quarantine-probe-initial-s", "600", "--canary-interval-s", "3"],
     )
     bad = stack.decodes[1].url
     bodies = prompts(3000, seed=11)
@@ -169,15 +174,21 @@ async def test_garbling_decode_is_quarantined_within_10s_and_clean_pairs_keep_se
 
 
 @pytest.mark.netns
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 async def test_clean_run_of_10000_requests_has_no_false_positive(
     tmp_path: Path, proc_factory: list[ManagedProcess]
 ) -> None:
     stack = _start_stack(tmp_path, proc_factory, race=[False, False], router_flags=["--canary-interval-s", "2"])
-    unique = prompts(500, seed=23)
+    # Short outputs keep 10,000 requests to about a minute on 2 cores; the prompts still cycle the small decode pool
+    # (and its offload) many times over. Each of the 500 distinct bodies is sent 20 times.
+    unique = [{**b, "sampling_params": {**b["sampling_params"], "max_new_tokens": 4 + i % 9}} for i, b in
+              enumerate(prompts(500, seed=23))]  # fmt: skip
     bodies = [unique[i % len(unique)] for i in range(10_000)]
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as sess:
+        started = time.monotonic()
         results = await _load(sess, stack.router_url, bodies, concurrency=64, until=asyncio.Event())
+        elapsed = time.monotonic() - started
+        print(f"\nclean run: {len(results)} requests in {elapsed:.1f} s ({len(results) / elapsed:.0f} req/s)")
         wanted = dict(
             zip((orjson.dumps(b) for b in unique), await _references(sess, stack.reference, unique), strict=True)
         )

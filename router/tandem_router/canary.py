@@ -94,9 +94,11 @@ class CanaryProber:
             "canary round",
             extra={"pairs": len(pairs), "answered": len(by_pair), "failed": sorted(verdict.failed)},
         )
-        for key in verdict.passed:
+        # Quarantined pairs' answers count towards the consensus but not for their release: that is the job of
+        # the scheduled burst re-probes (one quiet clean answer proves little against a load-dependent race).
+        for key in verdict.passed - self.monitor.quarantined_keys():
             self.monitor.canary_result(key, True)
-        for key in verdict.failed:
+        for key in verdict.failed - self.monitor.quarantined_keys():
             self.monitor.canary_result(key, False, f"canary answer differs from the pool's: {by_pair[key][:80]!r}")
 
     async def reprobe_due(self) -> None:

@@ -175,6 +175,9 @@ class IntegrityMonitor:
     def quarantined(self) -> list[QuarantineView]:
         return self.book.quarantined()
 
+    def quarantined_keys(self) -> frozenset[PairKey]:
+        return frozenset((q.prefill, q.decode) for q in self.book.quarantined())
+
     def quarantined_workers(self) -> set[str]:
         return self.book.quarantined_workers(self._known_pairs)
 
