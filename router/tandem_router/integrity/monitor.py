@@ -147,9 +147,12 @@ class IntegrityMonitor:
 
     # -- canaries and quarantine ------------------------------------------------------------------------------
     def failure(self, pair: PairKey, reason: str) -> None:
-        if self.book.record_failure(pair, reason, self.clock()) is Transition.QUARANTINED:
+        now = self.clock()
+        newly = [pair] if self.book.record_failure(pair, reason, now) is Transition.QUARANTINED else []
+        newly += self.book.spread_to_workers(pair, self._known_pairs, reason, now)
+        for p in newly:
             self.metrics.quarantines.inc()
-            log.error("pair quarantined", extra={"prefill": pair[0], "decode": pair[1], "reason": reason})
+            log.error("pair quarantined", extra={"prefill": p[0], "decode": p[1], "reason": reason})
         self._update_gauge()
 
     def canary_result(self, pair: PairKey, clean: bool, reason: str = "") -> None:
