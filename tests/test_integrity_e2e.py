@@ -21,7 +21,7 @@ import pytest
 
 from tandem.procs import ManagedProcess, free_port
 from tandem_sim.testing import SimWorker, start_decode, start_prefill, start_worker
-from tests.simhelpers import bounded, prompts
+from tests.simhelpers import bounded, metric_sum, prompts
 
 # A small decode pool (pages reused constantly) with 16-token pages, so a reused page holds a run of another
 # prompt's words long enough for the prompt-leak detector (8 words).
@@ -113,12 +113,6 @@ async def _integrity(sess: aiohttp.ClientSession, url: str) -> dict[str, Any]:
         return doc
 
 
-async def _metric(sess: aiohttp.ClientSession, url: str, name: str) -> float:
-    async with sess.get(f"{url}/metrics") as resp:
-        text = await resp.text()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.split("{")[0].split(" ")[0] == name)
-
-
 @pytest.mark.netns
 @pytest.mark.timeout(240)
 async def test_garbling_decode_is_quarantined_within_10s_and_clean_pairs_keep_serving(
@@ -153,7 +147,7 @@ async def test_garbling_decode_is_quarantined_within_10s_and_clean_pairs_keep_se
         await watcher
         wanted = await _references(sess, stack.reference, [r.body for r in results])
         doc = await _integrity(sess, stack.router_url)
-        quarantines = await _metric(sess, stack.router_url, "tandem_integrity_quarantines_total")
+        quarantines = await metric_sum(stack.router_url, "tandem_integrity_quarantines_total")
 
     assert all(r.status == 200 for r in results), [r.text for r in results if r.status != 200][:3]
     garbled = [r for r, want in zip(results, wanted, strict=True) if r.text != want]
@@ -193,9 +187,9 @@ async def test_clean_run_of_10000_requests_has_no_false_positive(
             zip((orjson.dumps(b) for b in unique), await _references(sess, stack.reference, unique), strict=True)
         )
         doc = await _integrity(sess, stack.router_url)
-        detections = await _metric(sess, stack.router_url, "tandem_integrity_detections_total")
-        checked = await _metric(sess, stack.router_url, "tandem_integrity_checked_responses_total")
-        canaries = await _metric(sess, stack.router_url, "tandem_integrity_canaries_total")
+        detections = await metric_sum(stack.router_url, "tandem_integrity_detections_total")
+        checked = await metric_sum(stack.router_url, "tandem_integrity_checked_responses_total")
+        canaries = await metric_sum(stack.router_url, "tandem_integrity_canaries_total")
     assert len(results) == 10_000
     assert all(r.status == 200 for r in results)
     garbled = [r for r in results if r.text != wanted[orjson.dumps(r.body)]]
