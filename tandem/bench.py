@@ -14,7 +14,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 # section name -> module that defines run(BenchArgs) -> list[Table]
-SECTIONS: dict[str, str] = {"sim": "tandem_sim.bench"}
+SECTIONS: dict[str, str] = {
+    "sim": "tandem_sim.bench",
+    "router": "tandem_router.bench",
+}
 
 
 @dataclass(frozen=True)

@@ -65,3 +65,36 @@ def encode(endpoint: Endpoint) -> bytes:
 def decode(value: bytes) -> Endpoint:
     """Parse a registry value; raises ``pydantic.ValidationError`` on a malformed one."""
     return Endpoint.model_validate_json(value)
+
+
+class QuarantinedPair(BaseModel):
+    """One (prefill, decode) pair a router stopped sending traffic to because its output was garbled."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    prefill: str = Field(description="Prefill worker URL.")
+    decode: str = Field(description="Decode worker URL.")
+    reason: str = Field(description="What the integrity checks found (detector finding or failed canary).")
+    since_s: float = Field(ge=0, description="Seconds the pair has been quarantined when the report was written.")
+
+
+class IntegrityReport(BaseModel):
+    """A router's integrity state for one PD cluster, written under the router's lease (gone when it dies).
+
+    The operator turns the union of all routers' reports into the PDCluster's ``IntegrityDegraded`` condition
+    and one Event per pair that enters or leaves quarantine."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    router: str = Field(min_length=1, description="The reporting router instance (host:pid).")
+    quarantined: tuple[QuarantinedPair, ...] = ()
+    quarantined_workers: tuple[str, ...] = Field(default=(), description="Workers all of whose pairs are out.")
+
+
+def integrity_prefix(namespace: str, cluster: str) -> str:
+    """Prefix of the routers' integrity reports of one PD cluster (ends with '/')."""
+    return f"{ROOT}/{namespace}/{cluster}/integrity/"
+
+
+def integrity_key(namespace: str, cluster: str, router: str) -> str:
+    return f"{integrity_prefix(namespace, cluster)}{router}"

@@ -62,6 +62,12 @@ async def k8s_namespace(k8s_api: client.ApiClient) -> AsyncIterator[str]:
     await core.delete_namespace(name)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run ``k8s`` tests last, so the control plane starts late and its idle CPU use never overlaps the
+    timing-sensitive tests of the rest of the suite (it stops at session end, right after them)."""
+    items.sort(key=lambda item: item.get_closest_marker("k8s") is not None)
+
+
 def _log_tails(cluster: DevCluster, lines: int = 15) -> str:
     parts = [f"component logs: {cluster.layout.logs}"]
     for name, path in cluster.logs().items():

@@ -15,12 +15,28 @@ from tandem_sim.testing import SimWorker, pd_fields
 WORDS = model.vocabulary()[model.COMMON_WORDS_END :]
 
 
+def real_words(n: int, seed: int = 0) -> list[str]:
+    """``n`` distinct non-vocabulary words (the tokenizer hashes them to ids; their surface lives in the KV)."""
+    rng = random.Random(seed)
+    vocab = set(model.vocabulary())
+    out: set[str] = set()
+    while len(out) < n:
+        word = "".join(rng.choice("aeioubcdfghjklmnprstvwxyz") for _ in range(rng.randint(3, 9)))
+        if word not in vocab:
+            out.add(word)
+    return sorted(out)
+
+
+REAL_WORDS = real_words(3000)
+
+
 def prompts(n: int, seed: int = 1) -> list[dict[str, Any]]:
-    """``n`` /generate bodies of mixed prompt and output lengths, prompts made of vocabulary words."""
+    """``n`` /generate bodies of mixed prompt and output lengths; prompts mix rare vocabulary words and real
+    (non-vocabulary) words."""
     rng = random.Random(seed)
     bodies = []
     for _ in range(n):
-        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 60)))
+        text = " ".join(rng.choice(REAL_WORDS if rng.random() < 0.7 else WORDS) for _ in range(rng.randint(6, 60)))
         params = {"max_new_tokens": rng.randint(8, 40), "temperature": rng.choice([0.0, 0.7, 1.0])}
         bodies.append({"text": text, "sampling_params": params})
     return bodies

@@ -65,7 +65,7 @@ def test_every_component_listens_on_loopback_only(tmp_path: Path) -> None:
             if "address=" in arg or "urls=" in arg:
                 assert "127.0.0.1" in arg, arg
     assert "--authorization-mode=RBAC" in argvs[1]
-    assert "--cidr=127.10.0.0/16" in argvs[4]
+    assert "--cidr=127.10.0.1/16" in argvs[4]
 
 
 def test_python_side_pins_the_version_the_go_module_builds() -> None:

@@ -113,6 +113,7 @@ async def test_deployment_schedules_onto_gpu_nodes_and_becomes_ready(
     for pod in pods:
         assert pod.status.phase == "Running"
         assert ipaddress.ip_address(pod.status.pod_ip) in pod_cidr
+        assert ipaddress.ip_address(pod.status.pod_ip) != pod_cidr.network_address
 
 
 async def test_statefulset_schedules_and_becomes_ready(k8s_api: client.ApiClient, k8s_namespace: str) -> None:

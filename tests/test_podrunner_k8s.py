@@ -1,40 +1,33 @@
-"""The pod runner on the real control plane: a process appears behind a simulated SGLang pod's IP and goes away
-with the pod.
-
-The simulated SGLang worker (`tandem sim`, issue 2) is not on this branch yet, so this test runs a stand-in
-process through the runner's ``launcher`` hook: Python's http.server bound to the pod IP and the pod's
-``--port``. Everything else (the watch, the command translation, the pod IPs from kwok, the stop on delete) is
-the real thing.
-"""
+"""The pod runner on the real control plane: `tandem sim` serves behind a simulated SGLang pod's IP, with the
+pod's own `python3 -m sglang.launch_server` flags, and goes away with the pod."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+import openai
 import pytest
 from kubernetes_asyncio import client
 
-from tandem.devcluster.podrunner import Launch, PodRunner
+from tandem.devcluster.podrunner import PodRunner
 from tests.devcluster_fixtures import create, eventually
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(240)]
 
 
-def http_server_stand_in(launch: Launch) -> list[str]:
-    """Stand-in for `tandem sim` (not merged yet): serves HTTP on the pod IP and the SGLang --port."""
-    return [sys.executable, "-m", "http.server", "--bind", launch.host, str(launch.port)]
+SERVER_ARGS = ["--model-path", "moonshotai/Kimi-K2.6", "--served-model-name", "kimi", "--trust-remote-code"]
 
 
-def sglang_pod(name: str, image: str) -> dict[str, object]:
+def sglang_pod(name: str, image: str) -> dict[str, Any]:
     container = {
         "name": "sglang",
         "image": image,
         "command": ["python3", "-m", "sglang.launch_server"],
-        "args": ["--model-path", "/models/kimi", "--host", "0.0.0.0", "--port", "30000"],
+        "args": [*SERVER_ARGS, "--host", "0.0.0.0", "--port", "30000"],
         "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
         "resources": {"limits": {"nvidia.com/gpu": "8"}},
     }
@@ -49,11 +42,11 @@ async def _http_status(url: str) -> int | None:
         return None
 
 
-async def test_pod_runner_serves_on_the_pod_ip_and_stops_with_the_pod(
+async def test_pod_runner_serves_tandem_sim_on_the_pod_ip_and_stops_it_with_the_pod(
     k8s_api: client.ApiClient, k8s_namespace: str, tmp_path: Path
 ) -> None:
     core = client.CoreV1Api(k8s_api)
-    runner = PodRunner(k8s_api, tmp_path, launcher=http_server_stand_in, namespace=k8s_namespace)
+    runner = PodRunner(k8s_api, tmp_path, namespace=k8s_namespace)
     task = asyncio.create_task(runner.run())
     try:
         await create(k8s_api, k8s_namespace, sglang_pod("decode-0", "lmsysorg/sglang:v0.5.23-cu129"))
@@ -64,20 +57,25 @@ async def test_pod_runner_serves_on_the_pod_ip_and_stops_with_the_pod(
             return pod.status.pod_ip if pod.status.phase == "Running" else None
 
         ip = await eventually(pod_ip, "decode-0 to run with an IP")
-        url = f"http://{ip}:30000/"
-        assert await eventually(lambda: _http_status(url), f"a server on {url}", within=30) == 200
+        base = f"http://{ip}:30000"
+        assert await eventually(lambda: _http_status(f"{base}/health"), f"tandem sim on {base}", within=90) == 200
         launches = [launch for launch, _ in runner.running.values()]
         assert [launch.pod for launch in launches] == [f"{k8s_namespace}/decode-0"]
-        assert launches[0].server_args == ("--model-path", "/models/kimi", "--port", "30000", "--host", ip)
+        assert launches[0].server_args[-2:] == ("--host", ip)
         assert dict(launches[0].env) == {"POD_NAME": "decode-0"}
-        (proc,) = [proc for _, proc in runner.running.values()]
 
+        async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused") as sdk:
+            assert [m.id for m in (await sdk.models.list()).data] == ["kimi"]
+            completion = await sdk.completions.create(model="kimi", prompt="The pod runner", max_tokens=4)
+            assert completion.choices[0].text
+
+        (proc,) = [proc for _, proc in runner.running.values()]
         await core.delete_namespaced_pod("decode-0", k8s_namespace)
 
         async def stopped() -> bool:
-            return not runner.running and not proc.alive() and await _http_status(url) is None
+            return not runner.running and not proc.alive() and await _http_status(f"{base}/health") is None
 
-        await eventually(stopped, "the process to stop with its pod", within=30)
+        await eventually(stopped, "tandem sim to stop with its pod", within=30)
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

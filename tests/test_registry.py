@@ -41,3 +41,17 @@ def test_endpoint_rejects_bad_fields(field: str, value: object) -> None:
 def test_unknown_field_rejected() -> None:
     with pytest.raises(pydantic.ValidationError):
         registry.decode(b'{"role":"decode","group":"d","url":"http://h:1","model":"m","surprise":1}')
+
+
+def test_integrity_report_round_trip_and_key() -> None:
+    report = registry.IntegrityReport(
+        router="host-a:123",
+        quarantined=(
+            registry.QuarantinedPair(prefill="http://p0:1", decode="http://d1:2", reason="prompt_leak", since_s=1.5),
+        ),
+        quarantined_workers=("http://d1:2",),
+    )
+    assert registry.IntegrityReport.model_validate_json(report.model_dump_json()) == report
+    key = registry.integrity_key("ns", "c1", report.router)
+    assert key == "/tandem/v1/clusters/ns/c1/integrity/host-a:123"
+    assert not key.startswith(registry.cluster_prefix("ns", "c1"))  # endpoint watchers never see reports

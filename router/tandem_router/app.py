@@ -17,16 +17,21 @@ from typing import Any
 import orjson
 import pydantic
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from tandem_router.config import RouterSettings
+from tandem.registry import Role
+from tandem_router.canary import CanaryConfig, CanaryProber
+from tandem_router.config import DiscoveryMode, RouterSettings
 from tandem_router.discovery import Discovery, make_discovery
 from tandem_router.health import HealthChecker
+from tandem_router.integrity.monitor import IntegrityConfig, IntegrityMonitor
+from tandem_router.integrity.quarantine import QuarantinePolicy
+from tandem_router.integrity_publisher import IntegrityPublisher
 from tandem_router.metrics import RouterMetrics
 from tandem_router.openapi import document
 from tandem_router.policy.breaker import BreakerConfig
 from tandem_router.policy.retry import RetryConfig
-from tandem_router.pool import PairGate, WorkerPool
+from tandem_router.pool import Pair, PairGate, WorkerPool
 from tandem_router.proxy import Proxy, ProxyRequest
 from tandem_router.schema import (
     REQUEST_MODELS,
@@ -44,6 +49,7 @@ log = logging.getLogger("tandem.router")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _PROXIED = frozenset(r.value for r in Route)
+PROMPT_CHARS_INSPECTED = 65536  # prompt text kept for the prompt-leak detector, per request
 
 
 @dataclass
@@ -55,6 +61,10 @@ class RouterState:
     proxy: Proxy
     health: HealthChecker
     discovery: Discovery
+    integrity: IntegrityMonitor | None = None
+    canary: CanaryProber | None = None
+    background: list[asyncio.Task[None]] = field(default_factory=list)
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
     in_flight: int = 0
     draining: bool = False
     openapi: bytes = field(default_factory=lambda: orjson.dumps(document()))
@@ -80,11 +90,35 @@ def error(
     )
 
 
-def build_app(settings: RouterSettings, gates: tuple[PairGate, ...] = ()) -> web.Application:
-    pool = WorkerPool(
-        settings.policy, BreakerConfig(settings.breaker_threshold, settings.breaker_cooldown_s), gates=gates
+def integrity_config(settings: RouterSettings) -> IntegrityConfig:
+    return IntegrityConfig(
+        enabled=settings.integrity,
+        leak_ngram=settings.leak_ngram_words,
+        policy=QuarantinePolicy(
+            threshold=settings.quarantine_threshold,
+            window_s=settings.quarantine_window_s,
+            probe_initial_s=settings.quarantine_probe_initial_s,
+            probe_max_s=max(settings.quarantine_probe_max_s, settings.quarantine_probe_initial_s),
+            probation_s=settings.quarantine_probation_s,
+        ),
     )
+
+
+def all_pairs(pool: WorkerPool) -> list[Pair]:
+    """Every (prefill, decode) pair the pool's members can form, quarantined or not."""
+    return [Pair(p.spec, d.spec) for p in pool.of_role(Role.PREFILL) for d in pool.of_role(Role.DECODE)]
+
+
+def build_app(settings: RouterSettings, gates: tuple[PairGate, ...] = ()) -> web.Application:
     transport = Transport(TransportConfig(settings.connect_timeout_s, settings.read_idle_timeout_s))
+    monitor: IntegrityMonitor | None = None
+    extra_gates: tuple[PairGate, ...] = gates
+    if settings.integrity:
+        monitor = IntegrityMonitor(integrity_config(settings), CollectorRegistry())
+        extra_gates = (*gates, monitor)
+    pool = WorkerPool(
+        settings.policy, BreakerConfig(settings.breaker_threshold, settings.breaker_cooldown_s), gates=extra_gates
+    )
     metrics = RouterMetrics(pool)
     retry_cfg = RetryConfig(settings.retry_max_attempts, settings.retry_initial_backoff_s)
     state = RouterState(
@@ -92,10 +126,15 @@ def build_app(settings: RouterSettings, gates: tuple[PairGate, ...] = ()) -> web
         pool,
         transport,
         metrics,
-        Proxy(pool, transport, metrics, retry_cfg),
+        Proxy(pool, transport, metrics, retry_cfg, observer=monitor),
         HealthChecker(pool, transport, settings.health_interval_s),
         make_discovery(pool, settings),
     )
+    if monitor is not None:
+        state.integrity = monitor
+        state.canary = CanaryProber(
+            monitor, transport, lambda: _pairs_for_canary(state), CanaryConfig(interval_s=settings.canary_interval_s)
+        )
     app = web.Application(
         client_max_size=settings.max_body_bytes, middlewares=[_errors_and_metrics, _auth], handler_args=None
     )
@@ -108,6 +147,7 @@ def build_app(settings: RouterSettings, gates: tuple[PairGate, ...] = ()) -> web
     app.router.add_get("/readiness", _readiness)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/openapi.json", _openapi)
+    app.router.add_get("/integrity", _integrity)
     app.on_startup.append(_startup)
     app.on_shutdown.append(_shutdown)
     app.on_cleanup.append(_cleanup)
@@ -118,11 +158,25 @@ def state_of(app: web.Application) -> RouterState:
     return app[_STATE]
 
 
+def _pairs_for_canary(state: RouterState) -> list[Pair]:
+    pairs = all_pairs(state.pool)
+    if state.integrity is not None:
+        state.integrity.set_pairs([p.key for p in pairs])
+    return pairs
+
+
 async def _startup(app: web.Application) -> None:
     s = app[_STATE]
     await s.discovery.start()
     await s.health.check_all()
     s.health.start()
+    if s.canary is not None:
+        s.background.append(asyncio.create_task(s.canary.run(s.stop)))
+    if s.integrity is not None and s.settings.discovery is DiscoveryMode.ETCD:
+        publisher = IntegrityPublisher(
+            s.integrity, s.settings.etcd_endpoints, s.settings.cluster_namespace, s.settings.cluster_name
+        )
+        s.background.append(asyncio.create_task(publisher.run(s.stop)))
 
 
 async def _shutdown(app: web.Application) -> None:
@@ -132,6 +186,8 @@ async def _shutdown(app: web.Application) -> None:
 
 async def _cleanup(app: web.Application) -> None:
     s = app[_STATE]
+    s.stop.set()
+    await asyncio.gather(*s.background, return_exceptions=True)
     await s.health.stop()
     await s.discovery.stop()
     await s.proxy.drain_background()
@@ -203,6 +259,7 @@ def _proxied(route: Route) -> Handler:
             stream=body.get("stream") is True,
             items=item_count(route, body),
             prefix=prompt_text(route, body),
+            prompt=prompt_text(route, body, limit=PROMPT_CHARS_INSPECTED) if s.integrity is not None else "",
             request_id=request.headers.get("X-Request-Id") or uuid.uuid4().hex,
             started=started,
         )
@@ -254,8 +311,35 @@ async def _readiness(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    data = generate_latest(request.app[_STATE].metrics.registry)
+    s = request.app[_STATE]
+    data = generate_latest(s.metrics.registry)
+    if s.integrity is not None:
+        data += generate_latest(s.integrity.metrics.registry)
     return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _integrity(request: web.Request) -> web.Response:
+    """Quarantined pairs and why, and workers all of whose pairs are quarantined."""
+    s = request.app[_STATE]
+    if s.integrity is None:
+        return web.Response(body=orjson.dumps({"enabled": False, "quarantined": []}), content_type="application/json")
+    now = time.monotonic()
+    doc = {
+        "enabled": True,
+        "quarantined": [
+            {
+                "prefill": q.prefill.split(":", 1)[1],
+                "decode": q.decode.split(":", 1)[1],
+                "since_s": round(now - q.since, 3),
+                "reason": q.reason,
+                "next_probe_in_s": round(max(0.0, q.next_probe_at - now), 3),
+                "clean_probes": q.clean_probes,
+            }
+            for q in s.integrity.quarantined()
+        ],
+        "quarantined_workers": sorted(w.split(":", 1)[1] for w in s.integrity.quarantined_workers()),
+    }
+    return web.Response(body=orjson.dumps(doc), content_type="application/json")
 
 
 async def _openapi(request: web.Request) -> web.Response:

@@ -87,8 +87,13 @@ class CanaryProber:
         by_pair: dict[PairKey, str] = {p.key: a for p, a in zip(pairs, answers, strict=True) if a is not None}
         verdict = judge(by_pair, self.references.get(prompt) if len(by_pair) < 3 else None)
         if verdict.reference is None:
+            log.warning("canary round without a majority answer", extra={"pairs": len(pairs), "answered": len(by_pair)})
             return
         self.references[prompt] = verdict.reference
+        log.info(
+            "canary round",
+            extra={"pairs": len(pairs), "answered": len(by_pair), "failed": sorted(verdict.failed)},
+        )
         for key in verdict.passed:
             self.monitor.canary_result(key, True)
         for key in verdict.failed:
@@ -118,7 +123,7 @@ class CanaryProber:
                 "sampling_params": {
                     "temperature": 0.0,
                     "max_new_tokens": self.cfg.max_new_tokens,
-                    "seed": self.cfg.seed,
+                    "sampling_seed": self.cfg.seed,  # SGLang 0.5.23 SamplingParams
                 },
             },
             host=bootstrap.bootstrap_host(pair.prefill.url),

@@ -59,6 +59,17 @@ class RouterSettings(BaseSettings):
     connect_timeout_s: float = Field(default=2.0, gt=0)
     read_idle_timeout_s: float = Field(default=300.0, gt=0)
     drain_timeout_s: float = Field(default=30.0, ge=0)
+
+    integrity: bool = Field(default=True, description="Run the output-integrity detectors, canaries and quarantine.")
+    canary_interval_s: float = Field(default=30.0, gt=0, description="Seconds between known-answer canary rounds.")
+    quarantine_threshold: int = Field(
+        default=2, ge=1, description="Integrity failures within the window that quarantine a pair."
+    )
+    quarantine_window_s: float = Field(default=60.0, gt=0)
+    quarantine_probe_initial_s: float = Field(default=5.0, gt=0, description="First re-probe of a quarantined pair.")
+    quarantine_probe_max_s: float = Field(default=300.0, gt=0)
+    quarantine_probation_s: float = Field(default=300.0, ge=0, description="After release, one failure re-quarantines.")
+    leak_ngram_words: int = Field(default=8, ge=3, le=64, description="Words of another prompt that count as a leak.")
     log_level: str = "info"
 
     @field_validator("decode")
@@ -102,6 +113,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--retry-max-attempts", type=int)
     p.add_argument("--health-interval-s", type=float)
     p.add_argument("--drain-timeout-s", type=float)
+    p.add_argument("--integrity", action=argparse.BooleanOptionalAction, help="output-integrity checks (default on)")
+    p.add_argument("--canary-interval-s", type=float)
+    p.add_argument("--quarantine-threshold", type=int)
+    p.add_argument("--quarantine-window-s", type=float)
+    p.add_argument("--quarantine-probe-initial-s", type=float)
+    p.add_argument("--quarantine-probe-max-s", type=float)
+    p.add_argument("--quarantine-probation-s", type=float)
+    p.add_argument("--leak-ngram-words", type=int)
     p.add_argument("--log-level")
     return p
 

@@ -1,7 +1,9 @@
 """Active health checks: probe every worker's ``/health``, scrape decode load from ``/metrics``, learn models.
 
-A failed probe opens the worker's breaker at once (no traffic until a probe or a half-open trial succeeds);
-a successful probe closes it. Load and model names feed the policies and the request validation.
+A refused connection opens the worker's breaker at once; a probe that times out or answers non-200 counts as
+one failure (a worker busy with hundreds of streams answers ``/health`` slowly but is not dead: its completed
+requests keep resetting the count). A successful probe closes the breaker. Load and model names feed the
+policies and the request validation.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import orjson
 from tandem.registry import Role
 from tandem_router.policy.load import parse_sglang_metrics
 from tandem_router.pool import WorkerPool, WorkerState
-from tandem_router.transport import Transport, WorkerError
+from tandem_router.transport import Transport, WorkerError, WorkerUnreachableError
 
 log = logging.getLogger("tandem.router.health")
 
@@ -42,17 +44,23 @@ class HealthChecker:
 
     async def check(self, worker: WorkerState) -> None:
         spec = worker.spec
+        hard = False
         try:
             status, _ = await self.transport.get(spec.url, "/health")
             ok = status == 200
+        except WorkerUnreachableError:
+            ok, hard = False, True
         except WorkerError as err:
-            ok = False
+            ok = False  # e.g. a probe timeout: a busy worker is slow, not dead
             log.debug("health probe failed", extra={"worker": spec.url, "error": str(err)})
         if spec.key not in self.pool.workers:
             return  # removed while we probed
-        self.pool.record_worker(spec, ok, time.monotonic(), hard=not ok)
+        self.pool.record_worker(spec, ok, time.monotonic(), hard=hard)
         if not ok:
-            log.warning("worker failed its health probe", extra={"worker": spec.url, "role": spec.role.value})
+            log.warning(
+                "worker failed its health probe",
+                extra={"worker": spec.url, "role": spec.role.value, "unreachable": hard},
+            )
             return
         if not worker.models:
             worker.models = await self._models(spec.url)

@@ -199,6 +199,24 @@ async def _models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "sglang"}]})
 
 
+async def _info(request: web.Request) -> web.Response:
+    """Enough of ``/server_info`` and ``/model_info`` for SGLang's own gateway to accept this worker."""
+    s = request.app[_STATE]
+    return web.json_response(
+        {
+            "model_path": MODEL,
+            "served_model_name": MODEL,
+            "disaggregation_mode": s.role,
+            "tp_size": 1,
+            "dp_size": 1,
+            "is_generation": True,
+            "max_total_num_tokens": 65536,
+            "version": "instant",
+            "internal_states": [{}],
+        }
+    )
+
+
 async def _metrics(request: web.Request) -> web.Response:
     s = request.app[_STATE]
     text = (
@@ -221,6 +239,9 @@ def build_app(role: str, *, chunks: int = CHUNKS, record: bool = True) -> web.Ap
     app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/metrics", _metrics)
+    for path in ("/server_info", "/get_server_info", "/model_info", "/get_model_info"):
+        app.router.add_get(path, _info)
+    app.router.add_get("/health_generate", _health)
     return app
 
 

@@ -109,7 +109,8 @@ class WorkerPool:
         self.workers: dict[str, WorkerState] = {}
         self.pair_breakers = PairBreakers(self.breaker_cfg)
         self.gates: list[PairGate] = [self.pair_breakers, *gates]
-        self._rr = {Role.PREFILL: 0, Role.DECODE: 0}
+        self._rr_k = -1
+        self._rr_prefills = 1
 
     # -- membership (discovery) --------------------------------------------------------------------------------
     def upsert(self, spec: WorkerSpec) -> None:
@@ -173,8 +174,13 @@ class WorkerPool:
     def _pick(self, role: Role, workers: Sequence[WorkerState], prefix: str) -> int:
         candidates = [w.candidate() for w in workers]
         if self.policy is sel.Policy.ROUND_ROBIN:
-            self._rr[role] += 1
-            return sel.round_robin(candidates, self._rr[role])
+            # Pair counter k: prefill k % P, decode (k + k // P) % D, so successive requests walk every
+            # (prefill, decode) combination while each worker still gets an equal share.
+            if role is Role.PREFILL:
+                self._rr_k += 1
+                self._rr_prefills = len(candidates)
+                return sel.round_robin(candidates, self._rr_k)
+            return sel.round_robin(candidates, self._rr_k + self._rr_k // max(self._rr_prefills, 1))
         if self.policy is sel.Policy.RANDOM:
             return self.rng.randrange(len(candidates))
         if self.policy is sel.Policy.POWER_OF_TWO:

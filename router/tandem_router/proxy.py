@@ -11,17 +11,19 @@ After that, a failure ends the stream with an OpenAI error event.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
 from aiohttp import web
 
+from tandem_router.integrity.textextract import StreamTexts, body_texts
 from tandem_router.metrics import RouterMetrics
 from tandem_router.policy import bootstrap, retry
 from tandem_router.pool import Pair, WorkerPool
@@ -42,6 +44,7 @@ class ProxyRequest:
     prefix: str  # prompt prefix, for cache-aware prefill choice
     request_id: str
     started: float  # monotonic time the request arrived
+    prompt: str = ""  # the whole prompt as text, when an observer inspects responses
 
 
 @dataclass
@@ -52,6 +55,16 @@ class _Failure:
     body: bytes | None = None  # the worker's own error body, relayed when not retryable
     content_type: str = "application/json"
     detail: str = ""
+
+
+class ResponseObserver(Protocol):
+    """Sees every request's prompt and the text the client received (the integrity monitor)."""
+
+    def started(self, request_id: str, prompt: str) -> None: ...
+
+    def finished(self, pair: tuple[str, str], request_id: str, prompt: str, outputs: list[str]) -> object: ...
+
+    def released(self, request_id: str) -> None: ...
 
 
 class _CommittedError(Exception):
@@ -70,15 +83,26 @@ class Proxy:
         metrics: RouterMetrics,
         retry_cfg: retry.RetryConfig | None = None,
         rng: random.Random | None = None,
+        observer: ResponseObserver | None = None,
     ) -> None:
         self.pool = pool
         self.transport = transport
         self.metrics = metrics
         self.retry_cfg = retry_cfg or retry.RetryConfig()
         self.rng = rng or random.Random()
+        self.observer = observer
         self._background: set[asyncio.Task[None]] = set()
 
     async def handle(self, req: ProxyRequest, http: web.Request) -> web.StreamResponse:
+        if self.observer is None:
+            return await self._handle(req, http)
+        self.observer.started(req.request_id, req.prompt)
+        try:
+            return await self._handle(req, http)
+        finally:
+            self.observer.released(req.request_id)
+
+    async def _handle(self, req: ProxyRequest, http: web.Request) -> web.StreamResponse:
         tried: set[tuple[str, str]] = set()
         attempt = 0
         failure: _Failure | None = None
@@ -245,9 +269,12 @@ class Proxy:
         route = req.route.value
         ok = False
         client_gone = False
+        texts = StreamTexts(route) if self.observer is not None and req.stream else None
         try:
             if not req.stream:
                 ok = True
+                if self.observer is not None:
+                    self.observer.finished(pair.key, req.request_id, req.prompt, body_texts(route, first))
                 self.metrics.ttft.labels(route).observe(time.monotonic() - req.started)
                 return web.Response(
                     body=first,
@@ -265,8 +292,14 @@ class Proxy:
                     "X-Request-Id": req.request_id,
                 },
             )
-            await out.prepare(http)
-            await out.write(first)
+            if texts is not None:
+                texts.feed(first)
+            try:
+                await out.prepare(http)
+                await out.write(first)
+            except ConnectionResetError:
+                client_gone = True
+                return out
             last = time.monotonic()
             self.metrics.ttft.labels(route).observe(last - req.started)
             itl = self.metrics.itl.labels(route)
@@ -276,6 +309,8 @@ class Proxy:
                     chunk = await upstream.__anext__()
                 except StopAsyncIteration:
                     ok = True
+                    if texts is not None and self.observer is not None:
+                        self.observer.finished(pair.key, req.request_id, req.prompt, texts.texts())
                     break
                 except (TimeoutError, aiohttp.ClientError) as err:
                     self.metrics.stream_errors.labels(route).inc()
@@ -284,8 +319,11 @@ class Proxy:
                         "decode stream broke after the first byte",
                         extra={"request_id": req.request_id, "decode": pair.decode.url, "error": repr(err)},
                     )
-                    await out.write(stream_error_event(f"decode worker stream failed: {type(err).__name__}", 502))
+                    with contextlib.suppress(ConnectionResetError):
+                        await out.write(stream_error_event(f"decode worker stream failed: {type(err).__name__}", 502))
                     break
+                if texts is not None:
+                    texts.feed(chunk)
                 try:
                     await out.write(chunk)
                 except ConnectionResetError:
@@ -294,7 +332,8 @@ class Proxy:
                 now = time.monotonic()
                 itl.observe(now - last)
                 last = now
-            await out.write_eof()
+            with contextlib.suppress(ConnectionResetError):
+                await out.write_eof()
             return out
         finally:
             if ok:

@@ -30,7 +30,7 @@ class WorkerUnreachableError(WorkerError):
 class TransportConfig:
     connect_timeout: float = 2.0
     read_idle_timeout: float = 300.0  # longest silence between two bytes of a worker's response
-    probe_timeout: float = 2.0
+    probe_timeout: float = 5.0
     connections_per_worker: int = 0  # 0: unbounded
 
 
@@ -53,6 +53,7 @@ class Transport:
                 connector=connector,
                 timeout=self._timeout,
                 auto_decompress=False,
+                cookie_jar=aiohttp.DummyCookieJar(),
                 skip_auto_headers=("User-Agent", "Accept-Encoding"),
             )
             self._sessions[base_url] = s
@@ -63,7 +64,7 @@ class Transport:
     ) -> aiohttp.ClientResponse:
         """POST and return once the response head arrived; the caller reads the body and releases it."""
         try:
-            return await self.session(base_url).post(path, data=body, headers=headers)
+            return await self.session(base_url).post(path, data=body, headers=headers, allow_redirects=False)
         except aiohttp.ClientConnectorError as err:
             raise WorkerUnreachableError(f"{base_url}: {err.os_error or err}") from err
         except (TimeoutError, aiohttp.ClientError, OSError) as err:

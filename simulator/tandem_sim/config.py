@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.sglang_args import SGLANG_VERSION, add_sglang_flags
+from tandem_sim.model import MIN_KV_BYTES
 
 HICACHE_BACKENDS_SIMULATED = ("file", "mooncake")
 
@@ -79,6 +80,7 @@ class SimConfig:
     context_length: int
     offload: bool
     hicache_storage_backend: str | None
+    hicache_file_dir: str | None  # shared L3 pages (file backend): decode offload writes, prefill reads/writes
     enable_metrics: bool
     prefill_ms_per_token: float
     inter_token_ms: float
@@ -100,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim = parser.add_argument_group("simulator")
     sim.add_argument("--sim-prefill-ms-per-token", type=float, default=0.02, help="simulated prefill compute")
     sim.add_argument("--sim-inter-token-ms", type=float, default=2.0, help="simulated time per decoded token")
-    sim.add_argument("--sim-kv-bytes-per-token", type=int, default=256, help="KV bytes per token (>= 16)")
+    sim.add_argument("--sim-kv-bytes-per-token", type=int, default=256, help=f"KV bytes per token (>= {MIN_KV_BYTES})")
     sim.add_argument("--sim-seed", type=int, default=0, help="simulated weights: changes KV bytes and text")
     sim.add_argument(
         "--sim-inject-offload-race",
@@ -149,8 +151,11 @@ def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> SimConfig:
         raise ConfigError(f"--node-rank {ns.node_rank} must be in [0, {nnodes})")
     if nnodes > 1 and not ns.dist_init_addr:
         raise ConfigError("--nnodes > 1 requires --dist-init-addr")
-    if ns.sim_kv_bytes_per_token < 16:
-        raise ConfigError("--sim-kv-bytes-per-token must be >= 16")
+    if ns.sim_kv_bytes_per_token < MIN_KV_BYTES:
+        raise ConfigError(
+            f"--sim-kv-bytes-per-token must be >= {MIN_KV_BYTES} (token id, position and the word's UTF-8 bytes "
+            f"live in each token's KV), got {ns.sim_kv_bytes_per_token}"
+        )
     page_size = _positive("--page-size", int(ns.page_size or 1))
     max_total = _positive("--max-total-tokens", int(ns.max_total_tokens or 65536))
     max_total -= max_total % page_size
@@ -160,6 +165,12 @@ def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> SimConfig:
         failure_prob = pd_env.test_failure_prob
     if not 0.0 <= failure_prob <= 1.0:
         raise ConfigError("--sim-transfer-failure-prob must be in [0, 1]")
+    file_dir = None
+    uses_l3 = bool(ns.disaggregation_decode_enable_offload_kvcache) or (
+        mode == "prefill" and bool(ns.enable_hierarchical_cache)
+    )
+    if ns.hicache_storage_backend == "file" and uses_l3:
+        file_dir = env.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR") or "/tmp/hicache"
     server_args = {k: v for k, v in vars(ns).items() if not k.startswith("sim_")}
     server_args.update(attn_dp_size=attn_dp, page_size=page_size, max_total_tokens=max_total)
     server_args["context_length"] = context_length
@@ -181,6 +192,7 @@ def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> SimConfig:
         context_length=context_length,
         offload=bool(ns.disaggregation_decode_enable_offload_kvcache),
         hicache_storage_backend=ns.hicache_storage_backend,
+        hicache_file_dir=file_dir,
         enable_metrics=bool(ns.enable_metrics),
         prefill_ms_per_token=float(ns.sim_prefill_ms_per_token),
         inter_token_ms=float(ns.sim_inter_token_ms),

@@ -2,7 +2,9 @@
 
 For a request with bootstrap fields: fetch the prefill's layout and the target rank from its bootstrap server
 (``GET /route``), register this process's Mooncake session and KV pool with that rank once, hand over the
-room's destination pages, and wait for the KV (``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``). A heartbeat polls
+room's destination pages, and wait for the KV (``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``). Hand-overs and their
+outcomes travel as small messages over one websocket per prefill rank (SGLang pushes them over one ZMQ socket),
+so a room costs no HTTP request of its own. A heartbeat polls
 every known prefill's bootstrap ``/health``; after ``SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE`` misses the
 prefill is dropped and its in-flight rooms fail with SGLang's "Lost connection with prefill instance" reason.
 A transport error on the hand-over itself does not fail the room (SGLang's ZMQ push does not notice either);
@@ -18,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 import aiohttp
+import orjson
 
 from tandem_sim.config import SimConfig
 from tandem_sim.kvpool import PagedPool
@@ -26,6 +29,7 @@ from tandem_sim.transfer import MooncakeTransfer
 
 log = logging.getLogger("tandem_sim.decode")
 PD_PATH = "/tandem/pd"
+MAX_MESSAGE = 64 * 1024 * 1024  # a hand-over lists the room's destination pages
 
 
 class KVTransferError(RuntimeError):
@@ -62,20 +66,29 @@ class DecodeSide:
         self._sessions: dict[str, aiohttp.ClientSession] = {}
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._handovers: dict[int, asyncio.Task[None]] = {}
+        self._channels: dict[str, aiohttp.ClientWebSocketResponse] = {}
+        self._channel_locks: dict[str, asyncio.Lock] = {}
+        self._outcomes: dict[int, asyncio.Future[None]] = {}  # room -> KV arrived (or the failure)
+        self._settled: dict[int, tuple[str, asyncio.Future[None]]] = {}  # room -> (rank url, prefill answered)
         self.waiting = 0
 
     def session(self, base: str) -> aiohttp.ClientSession:
         """One pooled HTTP client per peer (bootstrap server or prefill rank)."""
         sess = self._sessions.get(base)
         if sess is None or sess.closed:
-            sess = aiohttp.ClientSession(base, timeout=aiohttp.ClientTimeout(total=None, sock_connect=2))
+            sess = aiohttp.ClientSession(
+                base,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=2),
+                connector=aiohttp.TCPConnector(limit=0),
+            )
             self._sessions[base] = sess
         return sess
 
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
+        for ws in list(self._channels.values()):
+            await ws.close()
         for sess in self._sessions.values():
             await sess.close()
 
@@ -136,19 +149,20 @@ class DecodeSide:
                 peer = await self._peer(addr)
                 url = await self._rank_url(peer, room % peer.dp_size)
             except KVTransferError as err:
-                self.metrics.num_bootstrap_failed_reqs.labels(self.metrics.model_name).inc()
+                self.metrics.num_bootstrap_failed_reqs.inc()
                 raise KVTransferError(room, err.reason) from None
             except (aiohttp.ClientError, ConnectionError, TimeoutError) as err:
-                self.metrics.num_bootstrap_failed_reqs.labels(self.metrics.model_name).inc()
+                self.metrics.num_bootstrap_failed_reqs.inc()
                 raise KVTransferError(room, f"Failed to bootstrap with prefill {addr}: {err}") from None
-            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            done: asyncio.Future[None] = loop.create_future()
             peer.rooms[room] = done
-            task = asyncio.create_task(self._hand_over(url, room, pages, done))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-            self._handovers[room] = task
+            self._outcomes[room] = done
+            self._settled[room] = (url, loop.create_future())
+            await self._hand_over(url, room, pages)
             try:
                 await asyncio.wait_for(asyncio.shield(done), timeout=self.cfg.pd.waiting_timeout_s)
+                self._settled.pop(room, None)  # the KV is in: nothing left to quiesce
             except TimeoutError:
                 elapsed = time.monotonic() - started
                 raise KVTransferError(
@@ -156,36 +170,72 @@ class DecodeSide:
                 ) from None
             finally:
                 peer.rooms.pop(room, None)
+                self._outcomes.pop(room, None)
         finally:
             self.waiting -= 1
             self._gauge()
 
-    async def _hand_over(self, url: str, room: int, pages: list[int], done: asyncio.Future[None]) -> None:
+    async def _channel(self, url: str) -> aiohttp.ClientWebSocketResponse:
+        lock = self._channel_locks.setdefault(url, asyncio.Lock())
+        async with lock:
+            ws = self._channels.get(url)
+            if ws is None or ws.closed:
+                ws = await self.session(url).ws_connect(f"{PD_PATH}/ws", max_msg_size=MAX_MESSAGE, heartbeat=None)
+                self._channels[url] = ws
+                task = asyncio.get_running_loop().create_task(self._read_outcomes(url, ws))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            return ws
+
+    async def _hand_over(self, url: str, room: int, pages: list[int]) -> None:
         body = {"room": room, "session_id": self.transfer.session_id, "dst_pages": pages}
         try:
-            async with self.session(url).post(f"{PD_PATH}/transfer", json=body) as resp:
-                reply = await resp.json()
-        except (aiohttp.ClientError, ValueError) as err:
+            ws = await self._channel(url)
+            await ws.send_bytes(orjson.dumps(body))
+        except (aiohttp.ClientError, ConnectionError, RuntimeError) as err:
             log.info("hand-over to prefill broke; waiting for heartbeat", extra={"room": room, "err": str(err)})
-            return
-        if done.done():
-            return
-        if reply.get("status") == "success":
-            done.set_result(None)
-        else:
-            self.metrics.num_transfer_failed_reqs.labels(self.metrics.model_name).inc()
-            done.set_exception(KVTransferError(room, str(reply.get("reason", "unknown"))))
+            self._settle(room)
+
+    async def _read_outcomes(self, url: str, ws: aiohttp.ClientWebSocketResponse) -> None:
+        """Outcomes of this rank's rooms; when the channel breaks, its rooms wait for the heartbeat or timeout."""
+        try:
+            async for msg in ws:
+                if msg.type != aiohttp.WSMsgType.BINARY:
+                    continue
+                reply = orjson.loads(msg.data)
+                room = int(reply["room"])
+                self._settle(room)
+                done = self._outcomes.get(room)
+                if done is None or done.done():
+                    continue
+                if reply.get("status") == "success":
+                    done.set_result(None)
+                elif reply.get("status") == "expired":
+                    continue  # the prefill dropped the room; the waiting timeout fails it
+                else:
+                    self.metrics.num_transfer_failed_reqs.inc()
+                    done.set_exception(KVTransferError(room, str(reply.get("reason", "unknown"))))
+        finally:
+            if self._channels.get(url) is ws:
+                del self._channels[url]
+            for room, (room_url, _) in list(self._settled.items()):
+                if room_url == url:
+                    self._settle(room)
+
+    def _settle(self, room: int) -> None:
+        entry = self._settled.get(room)
+        if entry is not None and not entry[1].done():
+            entry[1].set_result(None)
 
     async def quiesce(self, room: int, limit_s: float = 30.0) -> None:
         """Before the room's pages are reused: wait until the prefill stopped writing into them (SGLang's deferred
         decode KV release, SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT = 30 s)."""
-        task = self._handovers.pop(room, None)
-        if task is not None and not task.done():
-            await asyncio.wait({task}, timeout=limit_s)
-            task.cancel()
+        entry = self._settled.pop(room, None)
+        if entry is not None and not entry[1].done():
+            await asyncio.wait({entry[1]}, timeout=limit_s)
 
     def _gauge(self) -> None:
-        self.metrics.num_decode_transfer_queue_reqs.labels(self.metrics.model_name).set(self.waiting)
+        self.metrics.num_decode_transfer_queue_reqs.set(self.waiting)
 
     async def heartbeat_loop(self) -> None:
         interval = self.cfg.pd.heartbeat_interval_s
@@ -220,7 +270,7 @@ class DecodeSide:
             if not fut.done():
                 fut.set_exception(KVTransferError(room, reason))
                 affected += 1
-        self.metrics.num_transfer_failed_reqs.labels(self.metrics.model_name).inc(affected)
+        self.metrics.num_transfer_failed_reqs.inc(affected)
         log.error(f"{reason}, {affected} requests affected")
         for url in peer.rank_urls.values():
             sess = self._sessions.pop(url, None)
@@ -231,5 +281,6 @@ class DecodeSide:
         return {
             "session_id": self.transfer.session_id,
             "prefill_peers": sorted(self.peers),
+            "prefill_dp_ranks": sorted({rank for peer in self.peers.values() for rank in peer.rank_urls}),
             "num_decode_transfer_queue_reqs": self.waiting,
         }

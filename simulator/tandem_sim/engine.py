@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from tandem_sim import model
+from tandem_sim import hicache, model
 from tandem_sim.config import SimConfig
+from tandem_sim.hicache import FileStore
 from tandem_sim.kvpool import PagedPool
 from tandem_sim.metrics import Metrics
 
@@ -33,19 +35,29 @@ OFFLOAD_COPY_S = 0.05
 @dataclass(eq=False)  # identity semantics: offload state is keyed by the request object, never by its id
 class RunningRequest:
     rid: str
-    input_ids: list[int]
+    prompt: model.Tokens
     params: model.SamplingParams
     pages: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
+    output_words: list[str] = field(default_factory=list)
     inflight_offloads: int = 0
-    offloaded_tokens: int = 0
+    next_offload_pos: int = -1  # first position of the next page to copy device->host (-1: not started)
+    l3_chain: tuple[int, bytes] | None = None  # (end position, key) of the last page put in the L3 store
     prompt_pages_released: int = 0  # race 1: how many leading pages were handed back early
     finished: bool = False
     released: bool = False
 
     @property
     def prompt_len(self) -> int:
-        return len(self.input_ids)
+        return len(self.prompt.ids)
+
+
+def _tokens_at(req: RunningRequest, start: int, end: int) -> model.Tokens:
+    """The request's tokens (prompt, then decoded) at positions ``start..end``."""
+    n = req.prompt_len
+    a, b = max(start - n, 0), max(end - n, 0)
+    ids = req.prompt.ids[start : min(end, n)] + req.output_ids[a:b]
+    return model.Tokens(ids, req.prompt.words[start : min(end, n)] + req.output_words[a:b])
 
 
 class Engine:
@@ -57,12 +69,16 @@ class Engine:
         host_pages = max(1, cfg.host_pool_tokens // cfg.page_size)
         self.host = PagedPool(host_pages, cfg.page_size, cfg.kv_bytes_per_token)
         self._host_cursor = 0
+        self.l3 = (
+            FileStore(cfg.hicache_file_dir, cfg.kv_bytes_per_token, cfg.page_size) if cfg.hicache_file_dir else None
+        )
         self._pages_changed = asyncio.Condition()
         self._running = 0
         self._queued = 0
         self.offloaded_pages = 0
+        self._frees: set[asyncio.Task[None]] = set()
         self.poisoned_pages = 0
-        self._tokens_window: list[float] = []
+        self._token_seconds: deque[list[int]] = deque(maxlen=11)
 
     # -- admission -------------------------------------------------------------------------------------------
     async def admit(self, req: RunningRequest) -> None:
@@ -106,7 +122,7 @@ class Engine:
 
     # -- KV ----------------------------------------------------------------------------------------------------
     def write_prompt_kv_locally(self, req: RunningRequest) -> None:
-        self.pool.write(req.pages, 0, model.compute_kv(self.weights, req.input_ids, 0))
+        self.pool.write(req.pages, 0, model.compute_kv(self.weights, req.prompt, 0))
 
     def _read_rows(self, req: RunningRequest) -> Callable[[int, int], np.ndarray]:
         def read(start: int, count: int) -> np.ndarray:
@@ -115,75 +131,86 @@ class Engine:
         return read
 
     # -- decoding ----------------------------------------------------------------------------------------------
-    async def decode(self, req: RunningRequest, on_token: Callable[[int], Awaitable[bool]] | None = None) -> str:
+    async def decode(self, req: RunningRequest, on_token: Callable[[int, str], Awaitable[bool]] | None = None) -> str:
         """Generate until EOS/stop/length. Returns the finish reason type ("stop" or "length").
 
-        ``on_token`` is awaited after each token; returning False stops generation (a stop string matched).
+        ``on_token(token, word)`` is awaited after each token; returning False stops generation (a stop string
+        matched).
         """
         decoder = model.Decoder(self.weights, req.prompt_len, req.params, self._read_rows(req))
         interval = self.cfg.inter_token_ms / 1000.0
         last = time.monotonic()
         for _ in range(req.params.max_new_tokens):
-            token = decoder.next_token()
+            token, word = decoder.next_token()
             position = req.prompt_len + len(req.output_ids)
             if token == model.EOS_ID:
                 return "stop"
-            self.pool.write(req.pages, position, model.compute_kv(self.weights, [token], position))
+            self.pool.write(
+                req.pages, position, model.compute_kv(self.weights, model.Tokens([token], [word]), position)
+            )
             req.output_ids.append(token)
+            req.output_words.append(word)
             self._maybe_offload(req)
-            self.metrics.generation_tokens.labels(self.metrics.model_name).inc()
+            self.metrics.generation_tokens.inc()
             self._note_token()
-            if on_token is not None and not await on_token(token):
+            if on_token is not None and not await on_token(token, word):
                 return "stop"
             await asyncio.sleep(interval)
             now = time.monotonic()
-            self.metrics.inter_token_latency.labels(self.metrics.model_name).observe(now - last)
+            self.metrics.inter_token_latency.observe(now - last)
             last = now
         return "length"
 
     def _note_token(self) -> None:
-        now = time.monotonic()
-        self._tokens_window.append(now)
-        if len(self._tokens_window) > 4096 or self._tokens_window[0] < now - 10:
-            self._tokens_window = [t for t in self._tokens_window if t >= now - 10][-4096:]
+        second = int(time.monotonic())
+        if self._token_seconds and self._token_seconds[-1][0] == second:
+            self._token_seconds[-1][1] += 1
+        else:
+            self._token_seconds.append([second, 1])  # bounded: one entry per second of the last 10
 
     def gen_throughput(self) -> float:
-        now = time.monotonic()
-        recent = [t for t in self._tokens_window if t >= now - 10]
-        return len(recent) / 10.0
+        """Tokens per second over the last 10 s (SGLang's ``gen_throughput`` gauge)."""
+        now = int(time.monotonic())
+        return sum(count for second, count in self._token_seconds if second > now - 10) / 10.0
 
     # -- offload -----------------------------------------------------------------------------------------------
     def _maybe_offload(self, req: RunningRequest) -> None:
+        """Copy each page device->host once all its slots are written (pages are aligned on positions, so the
+        first one may end with prompt tokens)."""
         if not self.cfg.offload:
             return
-        decoded = len(req.output_ids)
-        if decoded - req.offloaded_tokens < self.cfg.page_size:
+        ps = self.cfg.page_size
+        if req.next_offload_pos < 0:
+            req.next_offload_pos = req.prompt_len - req.prompt_len % ps
+        start = req.next_offload_pos
+        if req.prompt_len + len(req.output_ids) < start + ps:
             return
-        start = req.prompt_len + req.offloaded_tokens
-        req.offloaded_tokens += self.cfg.page_size
+        req.next_offload_pos += ps
         if self.cfg.inject_offload_race and req.prompt_pages_released == 0:
             # Race 1 (upstream bug): prompt slots handed back on the first offload, still attended to.
-            full_prompt_pages = req.prompt_len // self.cfg.page_size
+            full_prompt_pages = req.prompt_len // ps
             if full_prompt_pages:
                 self.pool.free(req.pages[:full_prompt_pages])
                 req.prompt_pages_released = full_prompt_pages
-        req.inflight_offloads += 1
-        expected = model.compute_kv(self.weights, req.output_ids[start - req.prompt_len :][: self.cfg.page_size], start)
-        asyncio.get_running_loop().call_later(OFFLOAD_COPY_S, self._finish_copy, req, start, expected)
+        self._copy(req, start, ps)
 
     def _offload_tail(self, req: RunningRequest) -> None:
-        """At finish, the decoded tokens not yet offloaded (a partial page) are copied too."""
-        tail = len(req.output_ids) - req.offloaded_tokens
-        if tail <= 0:
-            return
-        start = req.prompt_len + req.offloaded_tokens
-        req.offloaded_tokens += tail
+        """At finish, the written slots not yet copied (a partial page) are copied too."""
+        if req.next_offload_pos < 0:
+            req.next_offload_pos = req.prompt_len - req.prompt_len % self.cfg.page_size
+        tail = req.prompt_len + len(req.output_ids) - req.next_offload_pos
+        if tail > 0:
+            start = req.next_offload_pos
+            req.next_offload_pos += tail
+            self._copy(req, start, tail)
+
+    def _copy(self, req: RunningRequest, start: int, count: int) -> None:
         req.inflight_offloads += 1
-        expected = model.compute_kv(self.weights, req.output_ids[-tail:], start)
+        expected = model.compute_kv(self.weights, _tokens_at(req, start, start + count), start)
         asyncio.get_running_loop().call_later(OFFLOAD_COPY_S, self._finish_copy, req, start, expected)
 
     def _finish_copy(self, req: RunningRequest, start: int, expected: np.ndarray) -> None:
-        """The device->host copy lands: it reads the device slots *now*."""
+        """The device->host copy lands: it reads the device slots *now*. Full pages also go to the L3 store."""
         copied = self.pool.read(req.pages, start, len(expected))
         host_page = self._host_cursor % self.host.num_pages
         self._host_cursor += 1
@@ -191,19 +218,38 @@ class Engine:
         self.offloaded_pages += 1
         if not np.array_equal(copied, expected):
             self.poisoned_pages += 1
-            self.metrics.offload_poisoned_pages.labels(self.metrics.model_name).inc()
+            self.metrics.offload_poisoned_pages.inc()
+        if self.l3 is not None and len(copied) == self.cfg.page_size and start % self.cfg.page_size == 0:
+            self.l3.put(self._l3_key(req, start), copied)
         req.inflight_offloads -= 1
         if req.finished and req.inflight_offloads == 0 and not req.released:
-            asyncio.get_running_loop().create_task(self._free(req))
+            task = asyncio.get_running_loop().create_task(self._free(req))
+            self._frees.add(task)
+            task.add_done_callback(self._frees.discard)
+
+    def _l3_key(self, req: RunningRequest, start: int) -> str:
+        """Key of the page at ``start``: the prefix chain is extended page by page, computed once from scratch."""
+        ps = self.cfg.page_size
+        if req.l3_chain is not None and req.l3_chain[0] == start:
+            chain = req.l3_chain[1]
+        else:
+            chain = hicache.chain_start(ps, self.cfg.seed)
+            for page in range(0, start, ps):
+                before = _tokens_at(req, page, page + ps)
+                chain = hicache.chain_extend(chain, before.ids, before.words)
+        page_tokens = _tokens_at(req, start, start + ps)
+        chain = hicache.chain_extend(chain, page_tokens.ids, page_tokens.words)
+        req.l3_chain = (start + ps, chain)
+        return chain.hex()
 
     # -- state -------------------------------------------------------------------------------------------------
     def _gauges(self) -> None:
-        m, name = self.metrics, self.metrics.model_name
-        m.num_running_reqs.labels(name).set(self._running)
-        m.num_queue_reqs.labels(name).set(self._queued)
-        m.kv_used_tokens.labels(name).set(self.pool.used_tokens)
-        m.kv_available_tokens.labels(name).set(self.pool.free_pages * self.pool.page_size)
-        m.token_usage.labels(name).set(self.pool.used_tokens / max(1, len(self.pool.data)))
+        m = self.metrics
+        m.num_running_reqs.set(self._running)
+        m.num_queue_reqs.set(self._queued)
+        m.kv_used_tokens.set(self.pool.used_tokens)
+        m.kv_available_tokens.set(self.pool.free_pages * self.pool.page_size)
+        m.token_usage.set(self.pool.used_tokens / max(1, len(self.pool.data)))
 
     def internal_state(self) -> dict[str, object]:
         return {

@@ -53,10 +53,11 @@ class PagedPool:
             return None
         taken = self._free[-need:]
         del self._free[-need:]
-        return taken[::-1]
+        taken.sort()  # ascending: adjacent pages form one contiguous run (one Mooncake transfer segment)
+        return taken
 
     def free(self, pages: Sequence[int]) -> None:
-        self._free.extend(pages)  # the request's last page ends up on top: reused first
+        self._free.extend(reversed(pages))  # LIFO: the freed pages are reused first, by the next admission
 
     def slots(self, pages: Sequence[int], start: int, count: int) -> npt.NDArray[np.int64]:
         positions = np.arange(start, start + count, dtype=np.int64)
@@ -64,7 +65,14 @@ class PagedPool:
         return page_arr[positions // self.page_size] * self.page_size + positions % self.page_size
 
     def read(self, pages: Sequence[int], start: int, count: int) -> npt.NDArray[np.uint8]:
+        if count == 1:  # the decode loop's per-token path: no index arrays
+            slot = pages[start // self.page_size] * self.page_size + start % self.page_size
+            return self.data[slot : slot + 1].copy()
         return self.data[self.slots(pages, start, count)]
 
     def write(self, pages: Sequence[int], start: int, kv: npt.NDArray[np.uint8]) -> None:
+        if len(kv) == 1:
+            slot = pages[start // self.page_size] * self.page_size + start % self.page_size
+            self.data[slot] = kv[0]
+            return
         self.data[self.slots(pages, start, len(kv))] = kv

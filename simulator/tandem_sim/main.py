@@ -43,9 +43,9 @@ async def _site(app: web.Application, host: str, port: int) -> web.AppRunner:
 
 async def _register_prefill_ranks(cfg: SimConfig, host: str) -> None:
     """``PUT /route`` for every attention-DP rank this process simulates (one TP rank per DP group)."""
-    # The bootstrap server listens where serve() bound it: the given --host (a pod IP), or every address.
-    bound = "127.0.0.1" if cfg.host in {"0.0.0.0", "::", ""} else cfg.host
-    url = f"http://{bound}:{cfg.bootstrap_port}/route"
+    # The bootstrap server listens on --host (all interfaces for a wildcard): register where it listens.
+    bootstrap_host = "127.0.0.1" if cfg.host in {"0.0.0.0", "::", ""} else cfg.host
+    url = f"http://{bootstrap_host}:{cfg.bootstrap_port}/route"
     async with aiohttp.ClientSession() as sess:
         for dp_rank in range(cfg.attn_dp_size):
             body = {

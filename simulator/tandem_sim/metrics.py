@@ -1,7 +1,9 @@
 """Prometheus metrics with SGLang 0.5.23's names, types and buckets (``observability/metrics_collector.py``).
 
-Every metric carries SGLang's ``model_name`` label. ``sglang:kv_transfer_total_mb`` is a histogram of the MB
-really written by Mooncake per request (its ``_sum`` is the total moved).
+Every metric carries SGLang's ``model_name`` label; the attributes are the children bound to this worker's model
+name (bound once, which keeps ``labels()`` lookups off the per-token path, and exports every metric at zero).
+``sglang:kv_transfer_total_mb`` is a histogram of the MB really written by Mooncake per request (its ``_sum`` is
+the total moved).
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ class Metrics:
         r = self.registry
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, LABELS, registry=r)
+            return Gauge(name, doc, LABELS, registry=r).labels(model_name)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, LABELS, registry=r)
+            return Counter(name, doc, LABELS, registry=r).labels(model_name)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, LABELS, registry=r, buckets=buckets)
+            return Histogram(name, doc, LABELS, registry=r, buckets=buckets).labels(model_name)
 
         self.num_running_reqs = gauge("sglang:num_running_reqs", "The number of running requests.")
         self.num_queue_reqs = gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.")
@@ -80,35 +82,14 @@ class Metrics:
         self.failed_session_recoveries = counter(
             "sglang:failed_session_recoveries_total", "Blacklisted Mooncake sessions recovered by the probe."
         )
+        self.hicache_hit_tokens = counter(
+            "tandem_sim:hicache_storage_hit_tokens_total",
+            "Simulator only: prompt tokens whose KV a prefill read back from the HiCache L3 store (prefix hits).",
+        )
         self.offload_poisoned_pages = counter(
             "tandem_sim:offload_poisoned_pages_total",
             "Simulator only: offloaded pages whose host copy differs from the request's KV (slot reuse race).",
         )
-        for metric in (
-            self.num_running_reqs,
-            self.num_queue_reqs,
-            self.kv_used_tokens,
-            self.kv_available_tokens,
-            self.token_usage,
-            self.gen_throughput,
-            self.num_prefill_bootstrap_queue_reqs,
-            self.num_decode_transfer_queue_reqs,
-            self.prompt_tokens,
-            self.generation_tokens,
-            self.num_requests,
-            self.num_aborted_requests,
-            self.ttft,
-            self.inter_token_latency,
-            self.e2e_latency,
-            self.kv_transfer_speed_gb_s,
-            self.kv_transfer_latency_ms,
-            self.kv_transfer_total_mb,
-            self.num_bootstrap_failed_reqs,
-            self.num_transfer_failed_reqs,
-            self.failed_session_recoveries,
-            self.offload_poisoned_pages,
-        ):
-            metric.labels(model_name)  # exported from the start, at zero
         self.model_name = model_name
 
     def render(self) -> bytes:

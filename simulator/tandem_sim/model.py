@@ -1,25 +1,29 @@
 """The simulated model: word tokenizer, chat template, per-token KV bytes and a decoder that reads its KV.
 
-Pure computation, no I/O. Three properties make the simulator useful for integrity testing:
+Pure computation, no I/O. Four properties make the simulator useful for integrity testing:
 
-* KV bytes are a deterministic function of (seed, token id, position): prefill and decode agree only when they
-  run the same ``--sim-seed`` ("weights"). The token id is recoverable from a slot's bytes, whatever its
-  position, so the model can copy tokens out of its context (induction heads do that in real models). Words it
-  makes up itself come from a "common" part of the vocabulary; a rarer word in the output was copied.
+* KV bytes are a deterministic function of (seed, token id, surface word, position): prefill and decode agree
+  only when they run the same ``--sim-seed`` ("weights"). A slot's bytes hold the token id, the position it was
+  computed for, and the token's surface form (the prompt's real word, UTF-8, XORed with a keystream of seed and
+  position), so whatever a slot holds can be read back as a word. Copying out of the context (induction heads do
+  that in real models) reproduces the actual words of whatever prompt wrote the slot.
 * The decoder's output depends on the KV bytes it reads back from the decode's own memory: it digests the whole
-  prompt KV once, then every step reads one or two context slots chosen by a hash of the running state and
-  either copies the token stored there or emits a vocabulary word. A slot that was overwritten by another
-  request (slot reuse) therefore makes the output carry words of the *foreign prompt*, like the upstream
-  offload race did.
+  prompt KV once, then every step reads a context slot chosen by a hash of the running state and copies the
+  word there (sometimes a short run of following words) or emits a common vocabulary word. A slot overwritten by
+  another request (slot reuse) holds a foreign position: the model then collapses into a loop over those slots,
+  which repeats the *foreign prompt's words*, as the upstream offload race did.
+* Clean output never loops: a word that would make the output's tail one phrase repeated three times is
+  replaced by a common word (the router's detectors flag loops; a clean model must not trip them).
 * Aggregated mode computes the same KV locally, so it is the reference text for PD mode.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from functools import cache
+from dataclasses import dataclass, field
+from functools import cache, lru_cache
 
 import numpy as np
 import numpy.typing as npt
@@ -32,6 +36,12 @@ COMMON_WORDS_END = 1024  # the decoder's own words come from [FIRST_WORD_ID, COM
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
 _SYLLABLES = [c + v for c in _CONSONANTS for v in _VOWELS]  # 70 syllables; CV pairs decode uniquely
+
+# KV row layout: [0:4] token id ^ mask, [4:8] position ^ mask, [8] surface length, [9:9+cap] surface UTF-8 (both
+# XORed with the token's embedding and the position pattern), the rest the embedding XOR the position pattern.
+_SURFACE_AT = 8
+MIN_KV_BYTES = 64  # room for words of up to 55 UTF-8 bytes; longer words are carried as their vocabulary id
+MAX_LOOP_PERIOD = 16  # clean output never has a phrase of <= this many words three times in a row at its end
 
 KV = npt.NDArray[np.uint8]
 
@@ -49,22 +59,37 @@ def _word_ids() -> dict[str, int]:
     return {word: i for i, word in enumerate(vocabulary())}
 
 
+@dataclass(frozen=True)
+class Tokens:
+    """A tokenized text: vocabulary ids and the surface word of each token."""
+
+    ids: list[int]
+    words: list[str]
+
+
+@lru_cache(maxsize=1 << 16)
+def _hashed_id(word: str) -> int:
+    digest = hashlib.blake2b(word.encode(), digest_size=4).digest()
+    return FIRST_WORD_ID + int.from_bytes(digest, "little") % (VOCAB_SIZE - FIRST_WORD_ID)
+
+
+def tokenize(text: str) -> Tokens:
+    """Whitespace word tokenizer: vocabulary words map to their id, any other word to a hashed word id; every
+    token keeps its surface word."""
+    known = _word_ids()
+    words = text.split()
+    ids = [known.get(w, -1) for w in words]
+    return Tokens([i if i >= 0 else _hashed_id(w) for i, w in zip(ids, words, strict=True)], words)
+
+
 def encode(text: str) -> list[int]:
-    """Whitespace word tokenizer: vocabulary words map to their id, any other word to a hashed word id."""
-    ids = _word_ids()
-    out = []
-    for word in text.split():
-        known = ids.get(word)
-        if known is None:
-            digest = hashlib.blake2b(word.encode(), digest_size=4).digest()
-            known = FIRST_WORD_ID + int.from_bytes(digest, "little") % (VOCAB_SIZE - FIRST_WORD_ID)
-        out.append(known)
-    return out
+    return tokenize(text).ids
 
 
-def decode_tokens(token_ids: Sequence[int]) -> str:
+def from_ids(token_ids: Sequence[int]) -> Tokens:
+    """Token ids given directly (``input_ids``): their surface is the vocabulary word."""
     vocab = vocabulary()
-    return " ".join(vocab[t] for t in token_ids if t != EOS_ID)
+    return Tokens(list(token_ids), [vocab[t] for t in token_ids])
 
 
 def apply_chat_template(messages: Sequence[tuple[str, str]]) -> str:
@@ -86,36 +111,153 @@ class Weights:
     embedding: npt.NDArray[np.uint8]  # (VOCAB_SIZE, kv_bytes)
     token_mask: int
     position_mask: int
+    embedding_rows: tuple[bytes, ...] = field(repr=False)  # the embedding as bytes, for reading single slots
+
+    @property
+    def surface_capacity(self) -> int:
+        return min(self.kv_bytes - _SURFACE_AT - 1, 255)
 
 
 @cache
 def weights(seed: int, kv_bytes: int) -> Weights:
+    if kv_bytes < MIN_KV_BYTES:
+        raise ValueError(f"kv_bytes must be >= {MIN_KV_BYTES}, got {kv_bytes}")
     rng = np.random.default_rng(seed)
     embedding = rng.integers(0, 256, size=(VOCAB_SIZE, kv_bytes), dtype=np.uint8)
     masks = hashlib.blake2b(f"masks:{seed}".encode(), digest_size=8).digest()
-    return Weights(seed, kv_bytes, embedding, int.from_bytes(masks[:4], "little"), int.from_bytes(masks[4:], "little"))
+    return Weights(
+        seed,
+        kv_bytes,
+        embedding,
+        int.from_bytes(masks[:4], "little"),
+        int.from_bytes(masks[4:], "little"),
+        tuple(row.tobytes() for row in embedding),
+    )
 
 
-def compute_kv(w: Weights, token_ids: Sequence[int], start_pos: int = 0) -> KV:
-    """KV bytes of ``token_ids`` at positions ``start_pos..``: shape (n, kv_bytes).
+_PATTERN_TABLE_POSITIONS = 32768  # positions whose pattern is precomputed (the default context length)
 
-    Bytes 0..3 hold the token id (xor a seed mask), 4..7 the position (xor another), the rest the token's
-    embedding mixed with a position pattern.
+
+def _compute_pattern(positions: npt.NDArray[np.uint32], kv_bytes: int) -> KV:
+    lanes = np.arange(kv_bytes, dtype=np.uint32)
+    mix = (positions[:, None] * np.uint32(2654435761) + lanes[None, :] * np.uint32(40503)) >> np.uint32(13)
+    return (mix & np.uint32(0xFF)).astype(np.uint8)
+
+
+@cache
+def _pattern_table(kv_bytes: int) -> KV:
+    return _compute_pattern(np.arange(_PATTERN_TABLE_POSITIONS, dtype=np.uint32), kv_bytes)
+
+
+def _position_pattern(kv_bytes: int, positions: npt.NDArray[np.uint32]) -> KV:
+    """A per-(position, lane) byte pattern (uint32 arithmetic: any claimed position has one)."""
+    if len(positions) and int(positions[-1]) < _PATTERN_TABLE_POSITIONS:
+        first = int(positions[0])
+        return _pattern_table(kv_bytes)[first : first + len(positions)]  # positions are consecutive
+    return _compute_pattern(positions, kv_bytes)
+
+
+def _pattern_bytes(kv_bytes: int, position: int) -> bytes:
+    if position < _PATTERN_TABLE_POSITIONS:
+        return bytes(_pattern_table(kv_bytes)[position])
+    return bytes(_compute_pattern(np.asarray([position], dtype=np.uint32), kv_bytes)[0])
+
+
+def _pack_surfaces(tokens: Tokens, capacity: int) -> KV:
+    """(n, 1 + longest): length byte then UTF-8 bytes, zero padded. Length 0 means "the vocabulary word of the
+    token id": used for vocabulary words themselves (nothing to store) and words longer than ``capacity``."""
+    vocab = vocabulary()
+    raws = [b"" if vocab[i] == word else word.encode() for i, word in zip(tokens.ids, tokens.words, strict=True)]
+    fitting = [len(raw) if len(raw) <= capacity else 0 for raw in raws]
+    lengths = np.asarray(fitting, dtype=np.int64)
+    width = max(fitting, default=0) + 1
+    packed = np.zeros((len(raws), width), dtype=np.uint8)
+    packed[:, 0] = lengths
+    total = sum(fitting)
+    if total:
+        data = np.frombuffer(b"".join(raw for raw, n in zip(raws, fitting, strict=True) if n), dtype=np.uint8)
+        rows = np.repeat(np.arange(len(raws)), lengths)
+        starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+        packed[rows, 1 + np.arange(total) - starts] = data
+    return packed
+
+
+def compute_kv(w: Weights, tokens: Tokens, start_pos: int = 0) -> KV:
+    """KV bytes of ``tokens`` at positions ``start_pos..``: shape (n, kv_bytes).
+
+    Every byte is the token's embedding XOR a position pattern; bytes 0..3 are then replaced by the token id and
+    4..7 by the position (each XOR a seed mask), and the surface word is XORed into bytes 8.. (so reading it back
+    needs the seed's embedding of the token and the position the slot claims).
     """
-    tokens = np.asarray(token_ids, dtype=np.uint32)
-    positions = np.arange(start_pos, start_pos + len(tokens), dtype=np.uint32)
-    lanes = np.arange(w.kv_bytes, dtype=np.uint32)
-    mix = ((positions[:, None] * np.uint32(2654435761) + lanes[None, :] * np.uint32(40503)) >> np.uint32(13)) & 0xFF
-    kv = w.embedding[tokens] ^ mix.astype(np.uint8)
-    kv[:, 0:4] = (tokens ^ np.uint32(w.token_mask)).astype("<u4").view(np.uint8).reshape(-1, 4)
+    if len(tokens.ids) == 1:
+        return _one_token_kv(w, tokens.ids[0], tokens.words[0], start_pos)
+    ids = np.asarray(tokens.ids, dtype=np.uint32)
+    positions = np.arange(start_pos, start_pos + len(ids), dtype=np.uint32)
+    kv = w.embedding[ids] ^ _position_pattern(w.kv_bytes, positions)
+    kv[:, 0:4] = (ids ^ np.uint32(w.token_mask)).astype("<u4").view(np.uint8).reshape(-1, 4)
     kv[:, 4:8] = (positions ^ np.uint32(w.position_mask)).astype("<u4").view(np.uint8).reshape(-1, 4)
+    packed = _pack_surfaces(tokens, w.surface_capacity)
+    kv[:, _SURFACE_AT : _SURFACE_AT + packed.shape[1]] ^= packed
     return kv
+
+
+def _xor(a: bytes, b: bytes) -> bytes:
+    return (int.from_bytes(a, "big") ^ int.from_bytes(b, "big")).to_bytes(len(a), "big")
+
+
+def _one_token_kv(w: Weights, token: int, word: str, position: int) -> KV:
+    """``compute_kv`` of one token (the decode loop's per-token path), with bytes instead of array operations."""
+    row = bytearray(_xor(w.embedding_rows[token], _pattern_bytes(w.kv_bytes, position)))
+    row[0:4] = (token ^ w.token_mask).to_bytes(4, "little")
+    row[4:8] = ((position ^ w.position_mask) & 0xFFFFFFFF).to_bytes(4, "little")
+    raw = b"" if vocabulary()[token] == word else word.encode()
+    packed = bytes([len(raw)]) + raw if len(raw) <= w.surface_capacity else b"\0"
+    end = _SURFACE_AT + len(packed)
+    row[_SURFACE_AT:end] = _xor(bytes(row[_SURFACE_AT:end]), packed)
+    return np.frombuffer(bytes(row), dtype=np.uint8).reshape(1, w.kv_bytes)
+
+
+@dataclass(frozen=True)
+class SlotReading:
+    """What one KV slot says: token id, the position it was computed for, and its surface word."""
+
+    token: int
+    position: int
+    word: str
+
+
+def _clean_word(raw: bytes) -> str:
+    """Bytes of a slot as one output word: garbage shows as U+FFFD, never as whitespace or control characters."""
+    text = raw.decode("utf-8", errors="replace")
+    if text.isprintable() and not any(c.isspace() for c in text):
+        return text
+    return "".join(c if c.isprintable() and not c.isspace() else "\ufffd" for c in text)
+
+
+def read_slot(w: Weights, raw: bytes) -> SlotReading:
+    """Read one slot's bytes (any position, garbage too): garbage still gives a token id and a word."""
+    token = (int.from_bytes(raw[0:4], "little") ^ w.token_mask) % VOCAB_SIZE
+    position = int.from_bytes(raw[4:8], "little") ^ w.position_mask
+    if token < FIRST_WORD_ID:
+        return SlotReading(token, position, vocabulary()[token])
+    key = w.embedding_rows[token]
+    pattern = _pattern_bytes(w.kv_bytes, position)
+    length = raw[_SURFACE_AT] ^ key[_SURFACE_AT] ^ pattern[_SURFACE_AT]
+    if length == 0:
+        return SlotReading(token, position, vocabulary()[token])
+    a, b = _SURFACE_AT + 1, _SURFACE_AT + 1 + min(length, w.surface_capacity)
+    plain = int.from_bytes(raw[a:b], "big") ^ int.from_bytes(key[a:b], "big") ^ int.from_bytes(pattern[a:b], "big")
+    return SlotReading(token, position, _clean_word(plain.to_bytes(b - a, "big")) or "\ufffd")
 
 
 def token_from_kv(w: Weights, row: KV) -> int:
     """The token a KV slot holds (any slot, any position); garbage bytes still give a valid id."""
-    raw = int.from_bytes(bytes(row[0:4]), "little") ^ w.token_mask
-    return raw % VOCAB_SIZE
+    return read_slot(w, row.tobytes()).token
+
+
+def decode_tokens(token_ids: Sequence[int]) -> str:
+    vocab = vocabulary()
+    return " ".join(vocab[t] for t in token_ids if t != EOS_ID)
 
 
 @dataclass(frozen=True)
@@ -128,49 +270,116 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
     sampling_seed: int | None = None
+    sample_index: int = 0  # which of ``n`` parallel samples (they differ unless greedy)
 
     def key(self) -> bytes:
         """What the text depends on (besides KV): the sampling knobs, not the length limits."""
-        return repr((self.temperature, self.top_p, self.top_k, self.sampling_seed)).encode()
+        knobs: tuple[object, ...] = (self.temperature, self.top_p, self.top_k, self.sampling_seed)
+        if self.sample_index and self.temperature > 0:
+            knobs += (self.sample_index,)
+        return repr(knobs).encode()
+
+
+def replace_sample(params: SamplingParams, index: int) -> SamplingParams:
+    return dataclasses.replace(params, sample_index=index)
+
+
+def closes_loop(words: Sequence[str], max_period: int = MAX_LOOP_PERIOD) -> bool:
+    """True if the last word makes the tail one phrase of <= ``max_period`` words repeated three times."""
+    n = len(words)
+    last = words[-1] if n else None
+    for period in range(1, max_period + 1):
+        if n < 3 * period:
+            return False
+        if words[n - 1 - period] != last or words[n - 1 - 2 * period] != last:
+            continue
+        tail = words[n - period :]
+        if words[n - 2 * period : n - period] == tail and words[n - 3 * period : n - 2 * period] == tail:
+            return True
+    return False
 
 
 class Decoder:
-    """Generates tokens from KV read through ``read_row(position) -> KV row`` (the decode's own memory)."""
+    """Generates tokens from KV read through ``read_rows(start, count)`` (the decode's own memory)."""
 
     def __init__(self, w: Weights, prompt_len: int, params: SamplingParams, read_rows: Callable[[int, int], KV]):
         self.w = w
         self.params = params
-        self.read_rows = read_rows  # (start, count) -> rows of positions start..start+count
+        self.read_rows = read_rows
+        self.prompt_len = prompt_len
         self.length = prompt_len
         self.step_index = 0
         prompt_kv = read_rows(0, prompt_len)
         digest = hashlib.blake2b(prompt_kv.tobytes(), digest_size=16, key=b"prompt")
         digest.update(params.key())
         self.state = digest.digest()
+        self.words: list[str] = []
+        self._run_next = 0  # next position of a copy run
+        self._run_left = 0
+        self._loop: tuple[int, int] | None = None  # collapsed: (first position, period) of the slots it repeats
 
-    def next_token(self) -> int:
-        """One decode step: read context slots, pick a token. The caller writes its KV at ``self.length``."""
+    def _read(self, pos: int) -> tuple[SlotReading, bytes]:
+        raw = self.read_rows(pos, 1)[0].tobytes()
+        return read_slot(self.w, raw), raw
+
+    def _common(self, h: bytes, offset: int, read_token: int) -> int:
+        common = COMMON_WORDS_END - FIRST_WORD_ID
+        return FIRST_WORD_ID + (int.from_bytes(h[offset : offset + 4], "little") ^ read_token) % common
+
+    def _collapse(self, pos: int, h: bytes) -> None:
+        """The slot at ``pos`` holds KV computed for another position: attention collapses onto those slots."""
+        period = min(8 + h[11] % 5, self.prompt_len)
+        start = min(pos, self.prompt_len - period) if pos < self.prompt_len else max(0, pos - period + 1)
+        self._loop = (start, period)
+
+    def next_token(self) -> tuple[int, str]:
+        """One decode step: read a context slot, pick a token and its word. The caller writes its KV at
+        ``self.length``."""
         h = hashlib.blake2b(self.state + self.step_index.to_bytes(4, "little"), digest_size=16).digest()
-        pos = int.from_bytes(h[0:4], "little") % self.length
-        rows = self.read_rows(pos, min(2, self.length - pos))
-        read_token = token_from_kv(self.w, rows[0])
-        if h[4] % 8 < 5 and len(rows) == 2:
-            token = token_from_kv(self.w, rows[1])  # induction: copy what followed the token seen there
-        elif h[4] % 8 < 6:
-            token = read_token
+        if self._loop is None:
+            if self._run_left > 0 and self._run_next < self.length:
+                pos = self._run_next
+                mode = 1
+            else:
+                pos = int.from_bytes(h[0:4], "little") % self.length
+                mode = h[4] % 8
+                if mode < 5:  # induction: copy what followed the slot seen there, for a few words
+                    pos = min(pos + 1, self.length - 1)
+                    self._run_left = 1 + h[10] % 5
+            self._run_next, self._run_left = pos + 1, self._run_left - 1
+            slot, raw = self._read(pos)
+            if slot.position != pos:
+                self._collapse(pos, h)
+        if self._loop is not None:
+            start, period = self._loop
+            pos = start + self.step_index % period
+            slot, raw = self._read(pos)
+            token, word = slot.token, slot.word
+        elif mode < 6:
+            token, word = slot.token, slot.word
         else:
-            common = COMMON_WORDS_END - FIRST_WORD_ID
-            token = FIRST_WORD_ID + (int.from_bytes(h[5:9], "little") ^ read_token) % common
+            token = self._common(h, 5, slot.token)
+            word = vocabulary()[token]
         if token < FIRST_WORD_ID:
             token = FIRST_WORD_ID + token  # never emit template markers
-        if (
-            not self.params.ignore_eos
-            and self.step_index >= self.params.min_new_tokens
-            and self.step_index > 0
-            and h[9] < 3
-        ):
-            token = EOS_ID
-        self.state = hashlib.blake2b(self.state + rows.tobytes() + token.to_bytes(4, "little"), digest_size=16).digest()
+            word = vocabulary()[token]
+        if self._loop is None:
+            attempt = 0
+            while attempt < 64 and closes_loop([*self.words[-3 * MAX_LOOP_PERIOD :], word]):
+                token = self._common(h, 5 + attempt % 8, attempt)
+                word = vocabulary()[token]
+                self._run_left = 0
+                attempt += 1
+            if (
+                not self.params.ignore_eos
+                and self.step_index >= self.params.min_new_tokens
+                and self.step_index > 0
+                and h[9] < 3
+            ):
+                token, word = EOS_ID, ""
+        self.state = hashlib.blake2b(self.state + raw + token.to_bytes(4, "little"), digest_size=16).digest()
         self.step_index += 1
-        self.length += 1
-        return token
+        if token != EOS_ID:
+            self.length += 1
+            self.words.append(word)
+        return token, word

@@ -16,8 +16,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from tandem_sim import model
 from tandem_sim.config import SimConfig
+from tandem_sim.hicache import FileStore, page_keys
 from tandem_sim.kvpool import PagedPool
 from tandem_sim.metrics import Metrics
 from tandem_sim.transfer import MooncakeTransfer
@@ -27,6 +31,10 @@ log = logging.getLogger("tandem_sim.prefill")
 
 class TransferFailedError(RuntimeError):
     """The KV of a room could not be delivered; the message is SGLang's failure reason."""
+
+
+class RoomExpiredError(RuntimeError):
+    """The decode's hand-over for a room waited the bootstrap timeout without a prefill request."""
 
 
 @dataclass
@@ -53,6 +61,11 @@ class FailedSessionProbe:
     interval: float
 
 
+def _slots(pages: list[int], page_size: int, tokens: int) -> npt.NDArray[np.int64]:
+    positions = np.arange(tokens, dtype=np.int64)
+    return np.asarray(pages, dtype=np.int64)[positions // page_size] * page_size + positions % page_size
+
+
 def transfer_segments(
     src_base: int,
     src_pages: list[int],
@@ -63,20 +76,21 @@ def transfer_segments(
     tokens: int,
     row: int,
 ) -> tuple[list[int], list[int], list[int]]:
-    """Contiguous (src address, dst address, length) runs moving ``tokens`` KV rows between two paged pools."""
-    src: list[int] = []
-    dst: list[int] = []
-    lengths: list[int] = []
-    t = 0
-    while t < tokens:
-        end = min(tokens, (t // src_page_size + 1) * src_page_size, (t // dst_page_size + 1) * dst_page_size)
-        s_slot = src_pages[t // src_page_size] * src_page_size + t % src_page_size
-        d_slot = dst_pages[t // dst_page_size] * dst_page_size + t % dst_page_size
-        src.append(src_base + s_slot * row)
-        dst.append(dst_base + d_slot * row)
-        lengths.append((end - t) * row)
-        t = end
-    return src, dst, lengths
+    """Contiguous (src address, dst address, length) runs moving ``tokens`` KV rows between two paged pools.
+
+    A run ends only where the source or the destination slots stop being adjacent: Mooncake's TCP transport
+    pays per segment (about 0.2 ms each on loopback), so a 200-token prompt in adjacent pages is one segment.
+    """
+    if tokens <= 0:
+        return [], [], []
+    src_slots = _slots(src_pages, src_page_size, tokens)
+    dst_slots = _slots(dst_pages, dst_page_size, tokens)
+    breaks = np.flatnonzero((np.diff(src_slots) != 1) | (np.diff(dst_slots) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    counts = np.diff(np.concatenate((starts, [tokens])))
+    src = (src_base + src_slots[starts] * row).tolist()
+    dst = (dst_base + dst_slots[starts] * row).tolist()
+    return src, dst, (counts * row).tolist()
 
 
 class PrefillSide:
@@ -94,6 +108,9 @@ class PrefillSide:
         self._staging_free = asyncio.Condition()
         self._rng = random.Random(cfg.seed ^ 0x5EED)
         self.failure_prob = cfg.transfer_failure_prob
+        self.l3 = (
+            FileStore(cfg.hicache_file_dir, cfg.kv_bytes_per_token, cfg.page_size) if cfg.hicache_file_dir else None
+        )
         self.bootstrap_waiting = 0
 
     def _room(self, room: int) -> RoomState:
@@ -118,18 +135,21 @@ class PrefillSide:
         try:
             return await asyncio.wait_for(asyncio.shield(state.result), timeout=self.cfg.pd.bootstrap_timeout_s)
         except TimeoutError:
-            elapsed = time.monotonic() - state.created
-            return f"Request {room} timed out after {elapsed:.1f}s in KVPoll.Bootstrapping (no prefill request)"
+            # No prefill request came for the room: drop it without failing the decode, which gives up on its
+            # own waiting timeout (KVPoll.WaitingForInput), as SGLang's decode does.
+            if self.rooms.get(room) is state and not state.result.done():
+                self.rooms.pop(room, None)
+            raise RoomExpiredError(room) from None
         finally:
             if state.result.done():
                 self.rooms.pop(room, None)
 
     # -- client-facing ------------------------------------------------------------------------------------------
-    async def prefill(self, room: int, input_ids: list[int]) -> None:
-        """Compute and send the KV of ``input_ids`` for ``room``; raises TransferFailedError on failure."""
+    async def prefill(self, room: int, prompt: model.Tokens) -> None:
+        """Compute and send the KV of ``prompt`` for ``room``; raises TransferFailedError on failure."""
         state = self._room(room)
         try:
-            await self._prefill(room, input_ids, state)
+            await self._prefill(room, prompt, state)
         except TransferFailedError as err:
             if not state.result.done():
                 state.result.set_result(str(err))
@@ -145,23 +165,23 @@ class PrefillSide:
             if not state.dst.done() or state.result.done():
                 self.rooms.pop(room, None)
 
-    async def _prefill(self, room: int, input_ids: list[int], state: RoomState) -> None:
+    async def _prefill(self, room: int, prompt: model.Tokens, state: RoomState) -> None:
         self.bootstrap_waiting += 1
-        self.metrics.num_prefill_bootstrap_queue_reqs.labels(self.metrics.model_name).set(self.bootstrap_waiting)
+        self.metrics.num_prefill_bootstrap_queue_reqs.set(self.bootstrap_waiting)
         started = time.monotonic()
         try:
             session_id, dst_pages = await asyncio.wait_for(
                 asyncio.shield(state.dst), timeout=self.cfg.pd.bootstrap_timeout_s
             )
         except TimeoutError:
-            self.metrics.num_bootstrap_failed_reqs.labels(self.metrics.model_name).inc()
+            self.metrics.num_bootstrap_failed_reqs.inc()
             elapsed = time.monotonic() - started
             raise TransferFailedError(
                 f"Request {room} timed out after {elapsed:.1f}s in KVPoll.Bootstrapping"
             ) from None
         finally:
             self.bootstrap_waiting -= 1
-            self.metrics.num_prefill_bootstrap_queue_reqs.labels(self.metrics.model_name).set(self.bootstrap_waiting)
+            self.metrics.num_prefill_bootstrap_queue_reqs.set(self.bootstrap_waiting)
         if session_id in self.failed_sessions:
             probe = self.probes.get(session_id)
             if probe is not None:
@@ -174,16 +194,33 @@ class PrefillSide:
         if reg is None:
             self._transfer_failed()
             raise TransferFailedError(f"Decode session {session_id} is not registered with this prefill")
-        pages = await self._alloc_staging(len(input_ids))
+        n = len(prompt.ids)
+        pages = await self._alloc_staging(n)
         try:
-            await asyncio.sleep(self.cfg.prefill_ms_per_token * len(input_ids) / 1000.0)
-            self.staging.write(pages, 0, model.compute_kv(self.weights, input_ids, 0))
-            self.metrics.prompt_tokens.labels(self.metrics.model_name).inc(len(input_ids))
-            await self._send(room, reg, pages, dst_pages, len(input_ids))
+            await asyncio.sleep(self.cfg.prefill_ms_per_token * n / 1000.0)
+            self.staging.write(pages, 0, self._prompt_kv(prompt))
+            self.metrics.prompt_tokens.inc(n)
+            await self._send(room, reg, pages, dst_pages, n)
         finally:
             self.staging.free(pages)
             async with self._staging_free:
                 self._staging_free.notify_all()
+
+    def _prompt_kv(self, prompt: model.Tokens) -> npt.NDArray[np.uint8]:
+        """The prompt's KV: the longest prefix of pages found in the L3 store is read back (a prefix hit), the rest
+        computed and written through to the store."""
+        kv = model.compute_kv(self.weights, prompt, 0)
+        if self.l3 is None:
+            return kv
+        ps = self.cfg.page_size
+        keys = page_keys(prompt, ps, self.cfg.seed)
+        cached = self.l3.longest_prefix(keys)
+        if cached:
+            kv[: len(cached) * ps] = np.concatenate(cached)
+            self.metrics.hicache_hit_tokens.inc(len(cached) * ps)
+        for j in range(len(cached), len(keys)):
+            self.l3.put(keys[j], kv[j * ps : (j + 1) * ps])
+        return kv
 
     async def _alloc_staging(self, tokens: int) -> list[int]:
         async with self._staging_free:
@@ -212,13 +249,12 @@ class PrefillSide:
             raise TransferFailedError(f"Failed to send kv chunk of {room} to {reg.session_id} (rc={rc})")
         elapsed = max(time.monotonic() - started, 1e-9)
         total = sum(lengths)
-        name = self.metrics.model_name
-        self.metrics.kv_transfer_total_mb.labels(name).observe(total / 1e6)
-        self.metrics.kv_transfer_latency_ms.labels(name).observe(elapsed * 1000)
-        self.metrics.kv_transfer_speed_gb_s.labels(name).observe(total / elapsed / 1e9)
+        self.metrics.kv_transfer_total_mb.observe(total / 1e6)
+        self.metrics.kv_transfer_latency_ms.observe(elapsed * 1000)
+        self.metrics.kv_transfer_speed_gb_s.observe(total / elapsed / 1e9)
 
     def _transfer_failed(self) -> None:
-        self.metrics.num_transfer_failed_reqs.labels(self.metrics.model_name).inc()
+        self.metrics.num_transfer_failed_reqs.inc()
 
     # -- blacklist and probe ------------------------------------------------------------------------------------
     def _blacklist(self, session_id: str) -> None:
@@ -257,7 +293,7 @@ class PrefillSide:
             rc = await self.transfer.probe(session_id)
             if rc == 0 and session_id in self.failed_sessions:
                 self._unblacklist(session_id)
-                self.metrics.failed_session_recoveries.labels(self.metrics.model_name).inc()
+                self.metrics.failed_session_recoveries.inc()
                 log.info("session recovered via probe; un-blacklisted", extra={"session": session_id})
             elif rc != 0 and (failing := self.probes.get(session_id)) is not None:
                 failing.interval = min(2 * failing.interval, pd.probe_max_interval_s)

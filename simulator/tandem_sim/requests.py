@@ -1,4 +1,4 @@
-"""Parse and validate request bodies of ``/generate``, ``/v1/completions`` and ``/v1/chat/completions``.
+"""Parse and validate ``/generate`` bodies (single and batch); shared parts of the OpenAI parsing.
 
 Pure functions: body dict in, ``GenerateInput`` out, or ``BadRequestError`` with SGLang's message. Messages
 follow SGLang 0.5.23 (``tokenizer_manager._validate_one_request``, OpenAI serving classes).
@@ -106,10 +106,14 @@ class Bootstrap:
 @dataclass(frozen=True)
 class GenerateInput:
     rid: str
-    input_ids: list[int]
+    prompt: model.Tokens
     params: model.SamplingParams
     stream: bool
     bootstrap: Bootstrap | None
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.prompt.ids
 
 
 def _number(value: Any, name: str, kind: type, lo: float | None = None) -> Any:
@@ -189,7 +193,7 @@ def bootstrap_fields(body: dict[str, Any], mode: str) -> Bootstrap | None:
     return Bootstrap(host, port, room)
 
 
-def prompt_ids(text: Any, input_ids: Any) -> list[int]:
+def prompt_tokens(text: Any, input_ids: Any) -> model.Tokens:
     if text is not None and input_ids is not None:
         raise BadRequestError("Either text or input_ids should be provided, not both.")
     if input_ids is not None:
@@ -199,85 +203,100 @@ def prompt_ids(text: Any, input_ids: Any) -> list[int]:
             or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < model.VOCAB_SIZE for t in input_ids)
         ):
             raise BadRequestError(f"input_ids must be a non-empty list of token ids in [0, {model.VOCAB_SIZE})")
-        return list(input_ids)
+        return model.from_ids(input_ids)
     if not isinstance(text, str):
         raise BadRequestError("Either text or input_ids should be provided.")
-    ids = model.encode(text)
-    if not ids:
+    tokens = model.tokenize(text)
+    if not tokens.ids:
         raise BadRequestError("The input is empty.")
-    return ids
+    return tokens
 
 
-def parse_generate(body: Any, *, mode: str, context_length: int) -> GenerateInput:
+@dataclass(frozen=True)
+class ParsedRequest:
+    """One HTTP request: one item per prompt and sample (``n``), each with its own bootstrap room in PD mode."""
+
+    items: list[GenerateInput]
+    batch: bool  # /generate answers a list
+    stream: bool
+
+
+def _per_item(value: Any, count: int, name: str) -> list[Any]:
+    if isinstance(value, list):
+        if len(value) != count:
+            raise BadRequestError(f"{name} has {len(value)} entries; the batch has {count} items")
+        return value
+    return [value] * count
+
+
+def bootstrap_list(body: dict[str, Any], mode: str, count: int) -> list[Bootstrap | None]:
+    """Bootstrap fields per item: a batch (or ``n`` > 1) carries a list of rooms, one per item."""
+    if mode == "null":
+        return [None] * count
+    room = body.get("bootstrap_room")
+    if count > 1 and not isinstance(room, list):
+        raise BadRequestError(f"bootstrap_room must be a list of {count} rooms for a batch of {count} items")
+    rooms = _per_item(room, count, "bootstrap_room")
+    hosts = _per_item(body.get("bootstrap_host"), count, "bootstrap_host")
+    ports = _per_item(body.get("bootstrap_port"), count, "bootstrap_port")
+    items = [
+        bootstrap_fields({"bootstrap_host": h, "bootstrap_port": p, "bootstrap_room": r}, mode)
+        for h, p, r in zip(hosts, ports, rooms, strict=True)
+    ]
+    if len({b.room for b in items if b is not None}) != count:
+        raise BadRequestError("bootstrap_room entries must be distinct, one per item")
+    return items
+
+
+def item_rids(rid: Any, count: int) -> list[str]:
+    if isinstance(rid, list):
+        return [str(r) for r in _per_item(rid, count, "rid")]
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(count)]
+    return [str(rid)] if count == 1 else [f"{rid}-{i}" for i in range(count)]
+
+
+def _samples(params: model.SamplingParams, n: Any) -> list[model.SamplingParams]:
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 128:
+        raise BadRequestError(f"n must be an integer in [1, 128], got {n!r}")
+    return [model.replace_sample(params, i) for i in range(n)]
+
+
+def _nested(input_ids: Any) -> bool:
+    return isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
+
+
+def parse_generate(body: Any, *, mode: str, context_length: int) -> ParsedRequest:
     if not isinstance(body, dict):
         raise BadRequestError("Request body must be a JSON object")
     unknown = sorted(set(body) - GENERATE_FIELDS)
     if unknown:
         raise BadRequestError(f"Unknown field(s) in /generate request: {', '.join(unknown)}")
-    if isinstance(body.get("text"), list) or (
-        isinstance(body.get("input_ids"), list) and body["input_ids"] and isinstance(body["input_ids"][0], list)
-    ):
-        raise BadRequestError("Batch requests are not supported by the simulator; send one prompt per request.")
-    ids = prompt_ids(body.get("text"), body.get("input_ids"))
-    params = sampling_params(
-        body.get("sampling_params"), context_length=context_length, prompt_len=len(ids), default_max=128
+    text, input_ids = body.get("text"), body.get("input_ids")
+    batch = isinstance(text, list) or (
+        isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
     )
-    rid = body.get("rid") or uuid.uuid4().hex
-    return GenerateInput(str(rid), ids, params, bool(body.get("stream", False)), bootstrap_fields(body, mode))
-
-
-def _openai_sampling(body: dict[str, Any]) -> dict[str, Any]:
-    raw: dict[str, Any] = {}
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None:
-        raw["max_new_tokens"] = max_tokens
-    for src, dst in (
-        ("temperature", "temperature"),
-        ("top_p", "top_p"),
-        ("top_k", "top_k"),
-        ("stop", "stop"),
-        ("ignore_eos", "ignore_eos"),
-        ("min_tokens", "min_new_tokens"),
-        ("seed", "sampling_seed"),
-    ):
-        if body.get(src) is not None:
-            raw[dst] = body[src]
-    n = body.get("n", 1)
-    if n != 1:
-        raise BadRequestError("n > 1 is not supported by the simulator")
-    return raw
-
-
-def parse_openai(body: Any, *, chat: bool, mode: str, context_length: int) -> GenerateInput:
-    if not isinstance(body, dict):
-        raise BadRequestError("Request body must be a JSON object")
-    if not isinstance(body.get("model"), str):
-        raise BadRequestError("model: Field required")
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequestError("messages: Field required (a non-empty list)")
-        turns = []
-        for i, msg in enumerate(messages):
-            if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-                raise BadRequestError(f"messages[{i}]: must be an object with a role")
-            content = msg.get("content")
-            if isinstance(content, list):
-                content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-            turns.append((msg["role"], "" if content is None else str(content)))
-        ids = model.encode(model.apply_chat_template(turns))
+    if batch:
+        if text is not None and input_ids is not None:
+            raise BadRequestError("Either text or input_ids should be provided, not both.")
+        prompts_raw = text if text is not None else input_ids
+        if not prompts_raw:
+            raise BadRequestError("The batch is empty.")
+        prompts = [prompt_tokens(t, None) if text is not None else prompt_tokens(None, t) for t in prompts_raw]
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            ids = prompt_ids(None, prompt)
-        elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            ids = prompt_ids(prompt[0], None)
-        elif isinstance(prompt, str):
-            ids = prompt_ids(prompt, None)
-        else:
-            raise BadRequestError("prompt: must be a string, a list of one string or a list of token ids")
-    params = sampling_params(
-        _openai_sampling(body), context_length=context_length, prompt_len=len(ids), default_max=context_length
-    )
-    rid = body.get("rid") or uuid.uuid4().hex
-    return GenerateInput(str(rid), ids, params, bool(body.get("stream", False)), bootstrap_fields(body, mode))
+        prompts = [prompt_tokens(text, input_ids)]
+    raw_params = _per_item(body.get("sampling_params"), len(prompts), "sampling_params")
+    expanded: list[tuple[model.Tokens, model.SamplingParams]] = []
+    for prompt, raw in zip(prompts, raw_params, strict=True):
+        params = sampling_params(raw, context_length=context_length, prompt_len=len(prompt.ids), default_max=128)
+        n = raw.get("n", 1) if isinstance(raw, dict) else 1
+        expanded += [(prompt, p) for p in _samples(params, n)]
+    count = len(expanded)
+    rooms = bootstrap_list(body, mode, count)
+    rids = item_rids(body.get("rid"), count)
+    stream = bool(body.get("stream", False))
+    items = [
+        GenerateInput(rid, prompt, params, stream, room)
+        for rid, (prompt, params), room in zip(rids, expanded, rooms, strict=True)
+    ]
+    return ParsedRequest(items, batch or count > 1, stream)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,8 +42,11 @@ def meta_info(out: Outcome) -> dict[str, Any]:
     }
 
 
-def generate_body(out: Outcome) -> dict[str, Any]:
-    return {"text": out.text, "output_ids": list(out.output_ids), "meta_info": meta_info(out)}
+def generate_body(out: Outcome, index: int | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"text": out.text, "output_ids": list(out.output_ids), "meta_info": meta_info(out)}
+    if index is not None:
+        body["index"] = index  # a streamed batch item
+    return body
 
 
 def generate_error(message: str, status: int) -> dict[str, Any]:
@@ -69,45 +74,73 @@ def openai_finish(out: Outcome) -> tuple[str | None, Any]:
     return ("stop" if kind == "stop" else "length"), fr.get("matched")
 
 
-def usage(out: Outcome) -> dict[str, Any]:
+def usage(outs: Sequence[Outcome]) -> dict[str, Any]:
+    """Usage of one prompt's choices: the prompt counted once, every choice's completion tokens."""
+    prompt = outs[0].prompt_tokens if outs else 0
+    completion = sum(len(o.output_ids) for o in outs)
     return {
-        "prompt_tokens": out.prompt_tokens,
-        "completion_tokens": len(out.output_ids),
-        "total_tokens": out.prompt_tokens + len(out.output_ids),
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
         "prompt_tokens_details": None,
         "reasoning_tokens": 0,
     }
 
 
-def completion_body(out: Outcome, model_name: str, created: int) -> dict[str, Any]:
-    reason, matched = openai_finish(out)
+def tool_calls(out: Outcome, name: str) -> list[dict[str, Any]]:
+    """The call a choice makes when the tool choice forces one (arguments: the generated text, as JSON)."""
+    call_id = "call_" + hashlib.blake2b(f"{out.rid}:{name}".encode(), digest_size=12).hexdigest()
+    arguments = orjson.dumps({"text": out.text}).decode()
+    return [{"id": call_id, "index": 0, "type": "function", "function": {"name": name, "arguments": arguments}}]
+
+
+def completion_body(outs: Sequence[Outcome], model_name: str, created: int) -> dict[str, Any]:
+    choices = []
+    for index, out in enumerate(outs):
+        reason, matched = openai_finish(out)
+        choices.append(
+            {"index": index, "text": out.text, "logprobs": None, "finish_reason": reason, "matched_stop": matched}
+        )
     return {
-        "id": out.rid,
+        "id": outs[0].rid,
         "object": "text_completion",
         "created": created,
         "model": model_name,
-        "choices": [{"index": 0, "text": out.text, "logprobs": None, "finish_reason": reason, "matched_stop": matched}],
-        "usage": usage(out),
+        "choices": choices,
+        "usage": usage(outs),
     }
 
 
-def chat_body(out: Outcome, model_name: str, created: int) -> dict[str, Any]:
+def chat_message(out: Outcome, tool_call: str | None) -> tuple[dict[str, Any], str | None, Any]:
+    """(message, finish_reason, matched_stop) of one chat choice."""
     reason, matched = openai_finish(out)
-    message = {"role": "assistant", "content": out.text, "reasoning_content": None, "tool_calls": None}
+    message: dict[str, Any]
+    if tool_call is not None and reason is not None:
+        message = {"role": "assistant", "content": None, "reasoning_content": None, "tool_calls": None}
+        message["tool_calls"] = tool_calls(out, tool_call)
+        return message, "tool_calls", None
+    return {"role": "assistant", "content": out.text, "reasoning_content": None, "tool_calls": None}, reason, matched
+
+
+def chat_body(outs: Sequence[Outcome], model_name: str, created: int, tool_call: str | None) -> dict[str, Any]:
+    choices = []
+    for index, out in enumerate(outs):
+        message, reason, matched = chat_message(out, tool_call)
+        choices.append(
+            {"index": index, "message": message, "logprobs": None, "finish_reason": reason, "matched_stop": matched}
+        )
     return {
-        "id": out.rid,
+        "id": outs[0].rid,
         "object": "chat.completion",
         "created": created,
         "model": model_name,
-        "choices": [
-            {"index": 0, "message": message, "logprobs": None, "finish_reason": reason, "matched_stop": matched}
-        ],
-        "usage": usage(out),
+        "choices": choices,
+        "usage": usage(outs),
     }
 
 
 def completion_chunk(
-    out: Outcome, model_name: str, created: int, text: str, final: bool, with_usage: bool
+    out: Outcome, index: int, model_name: str, created: int, text: str, final: bool, with_usage: bool
 ) -> dict[str, Any]:
     reason, matched = openai_finish(out) if final else (None, None)
     return {
@@ -115,31 +148,39 @@ def completion_chunk(
         "object": "text_completion",
         "created": created,
         "model": model_name,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "matched_stop": matched}],
-        "usage": usage(out) if with_usage else None,
+        "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason, "matched_stop": matched}],
+        "usage": usage([out]) if with_usage else None,
     }
 
 
 def chat_chunk(
-    out: Outcome, model_name: str, created: int, delta: dict[str, Any], final: bool, with_usage: bool
+    out: Outcome,
+    index: int,
+    model_name: str,
+    created: int,
+    delta: dict[str, Any],
+    finish: tuple[str | None, Any],
+    with_usage: bool,
 ) -> dict[str, Any]:
-    reason, matched = openai_finish(out) if final else (None, None)
+    reason, matched = finish
     return {
         "id": out.rid,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model_name,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason, "matched_stop": matched}],
-        "usage": usage(out) if with_usage else None,
+        "choices": [
+            {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason, "matched_stop": matched}
+        ],
+        "usage": usage([out]) if with_usage else None,
     }
 
 
-def usage_chunk(out: Outcome, model_name: str, created: int, chat: bool) -> dict[str, Any]:
+def usage_chunk(outs: Sequence[Outcome], model_name: str, created: int, chat: bool) -> dict[str, Any]:
     return {
-        "id": out.rid,
+        "id": outs[0].rid,
         "object": "chat.completion.chunk" if chat else "text_completion",
         "created": created,
         "model": model_name,
         "choices": [],
-        "usage": usage(out),
+        "usage": usage(outs),
     }

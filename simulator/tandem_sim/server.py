@@ -12,19 +12,23 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+import aiohttp
 import orjson
 from aiohttp import web
 
 from tandem.sglang_args import SGLANG_VERSION
 from tandem_sim import responses
 from tandem_sim.config import SimConfig
-from tandem_sim.decode import PD_PATH
-from tandem_sim.prefill import DecodeRegistration
-from tandem_sim.requests import BadRequestError, GenerateInput, parse_generate, parse_openai
-from tandem_sim.worker import GenerationError, Worker
+from tandem_sim.decode import MAX_MESSAGE, PD_PATH
+from tandem_sim.openai_requests import parse_openai
+from tandem_sim.prefill import DecodeRegistration, RoomExpiredError
+from tandem_sim.requests import BadRequestError, GenerateInput, parse_generate
+from tandem_sim.responses import Outcome
+from tandem_sim.streaming import OpenAIStream
+from tandem_sim.worker import GenerationError, OnProgress, Worker
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -39,6 +43,7 @@ class Server:
         self.worker = worker
         self.ready = ready
         self.created = int(time.time())
+        self._channels: set[web.WebSocketResponse] = set()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -58,9 +63,15 @@ class Server:
         r.add_post("/abort_request", self.abort_request)
         r.add_get("/metrics", self.metrics)
         r.add_post(f"{PD_PATH}/register", self.pd_register)
-        r.add_post(f"{PD_PATH}/transfer", self.pd_transfer)
+        r.add_get(f"{PD_PATH}/ws", self.pd_channel)
         r.add_post("/tandem/sim/faults", self.faults)
+        app.on_shutdown.append(self._close_channels)
         return app
+
+    async def _close_channels(self, app: web.Application) -> None:
+        """Hand-over channels stay open for the decode's life: close them so shutdown does not wait on them."""
+        for ws in list(self._channels):
+            await ws.close(code=aiohttp.WSCloseCode.GOING_AWAY, message=b"prefill shutting down")
 
     # -- generation -------------------------------------------------------------------------------------------
     async def _body(self, request: web.Request) -> Any:
@@ -81,33 +92,56 @@ class Server:
         finally:
             self.worker.tasks.pop(inp.rid, None)
 
+    async def _run_all(self, items: list[GenerateInput], progress: list[OnProgress] | None = None) -> list[Outcome]:
+        """Run every item (batch entry or choice) concurrently; the first failure fails the request."""
+        jobs = [
+            self._track(inp, self.worker.run(inp, None if progress is None else progress[i]))
+            for i, inp in enumerate(items)
+        ]
+        if len(jobs) == 1:
+            return [await jobs[0]]
+        tasks = [asyncio.ensure_future(job) for job in jobs]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
             if (not_ready := self._not_ready()) is not None:
                 raise not_ready
-            inp = parse_generate(await self._body(request), mode=self.cfg.mode, context_length=self.cfg.context_length)
+            parsed = parse_generate(
+                await self._body(request), mode=self.cfg.mode, context_length=self.cfg.context_length
+            )
         except BadRequestError as err:
             return _json({"error": str(err)}, err.status)
         except GenerationError as err:
             return _json(responses.generate_error(str(err), err.status), err.status)
-        if not inp.stream:
+        if not parsed.stream:
             try:
-                out = await self._track(inp, self.worker.run(inp))
+                outs = await self._run_all(parsed.items)
             except GenerationError as err:
                 return _json(responses.generate_error(str(err), err.status), err.status)
             except asyncio.CancelledError:
                 if request.transport is None or request.transport.is_closing():
                     raise
                 return _json(responses.generate_error("Request aborted", 500), 500)
-            return _json(responses.generate_body(out))
+            bodies = [responses.generate_body(out) for out in outs]
+            return _json(bodies if parsed.batch else bodies[0])
         resp = await self._start_stream(request)
 
-        async def progress(out: responses.Outcome) -> None:
-            await resp.write(responses.sse(responses.generate_body(out)))
+        def item_progress(index: int | None) -> OnProgress:
+            async def progress(out: Outcome) -> None:
+                await resp.write(responses.sse(responses.generate_body(out, index)))
 
+            return progress
+
+        indexes: list[int | None] = list(range(len(parsed.items))) if parsed.batch else [None]
         try:
-            out = await self._track(inp, self.worker.run(inp, progress))
-            await resp.write(responses.sse(responses.generate_body(out)))
+            outs = await self._run_all(parsed.items, [item_progress(i) for i in indexes])
+            for index, out in zip(indexes, outs, strict=True):
+                await resp.write(responses.sse(responses.generate_body(out, index)))
         except GenerationError as err:
             await resp.write(responses.sse(responses.generate_stream_error(str(err), err.status)))
         await resp.write(responses.SSE_DONE)
@@ -130,49 +164,28 @@ class Server:
             if (not_ready := self._not_ready()) is not None:
                 raise not_ready
             body = await self._body(request)
-            inp = parse_openai(body, chat=chat, mode=self.cfg.mode, context_length=self.cfg.context_length)
-        except BadRequestError as err:
-            return _json(responses.openai_error(str(err), err.status), err.status)
-        except GenerationError as err:
+            req = parse_openai(body, chat=chat, mode=self.cfg.mode, context_length=self.cfg.context_length)
+        except (BadRequestError, GenerationError) as err:
             return _json(responses.openai_error(str(err), err.status), err.status)
         name = self.cfg.served_model_name
-        if not inp.stream:
+        if not req.stream:
             try:
-                out = await self._track(inp, self.worker.run(inp))
+                outs = await self._run_all(req.items)
             except GenerationError as err:
                 return _json(responses.openai_error(str(err), err.status), err.status)
             return _json(
-                responses.chat_body(out, name, self.created)
+                responses.chat_body(outs, name, self.created, req.tool_call)
                 if chat
-                else responses.completion_body(out, name, self.created)
+                else responses.completion_body(outs, name, self.created)
             )
-        options = body.get("stream_options") or {}
-        include_usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
-        continuous_usage = bool(options.get("continuous_usage_stats")) if isinstance(options, dict) else False
         resp = await self._start_stream(request)
-        sent = {"chars": 0, "role": False}
-
-        async def emit(out: responses.Outcome, final: bool) -> None:
-            delta_text = out.text[sent["chars"] :]
-            sent["chars"] = len(out.text)
-            if chat:
-                delta: dict[str, Any] = {"content": delta_text, "reasoning_content": None, "tool_calls": None}
-                if not sent["role"]:
-                    delta["role"] = "assistant"
-                    sent["role"] = True
-                chunk = responses.chat_chunk(out, name, self.created, delta, final, continuous_usage)
-            else:
-                chunk = responses.completion_chunk(out, name, self.created, delta_text, final, continuous_usage)
-            await resp.write(responses.sse(chunk))
-
-        async def progress(out: responses.Outcome) -> None:
-            await emit(out, final=False)
-
+        stream = OpenAIStream(resp, name, self.created, chat, req)
         try:
-            out = await self._track(inp, self.worker.run(inp, progress))
-            await emit(out, final=True)
-            if include_usage:
-                await resp.write(responses.sse(responses.usage_chunk(out, name, self.created, chat)))
+            outs = await self._run_all(req.items, [stream.progress(i) for i in range(len(req.items))])
+            for index, out in enumerate(outs):
+                await stream.emit(index, out, final=True)
+            if req.include_usage:
+                await resp.write(responses.sse(responses.usage_chunk(outs, name, self.created, chat)))
         except GenerationError as err:
             await resp.write(responses.sse({"error": responses.openai_error(str(err), err.status)}))
         await resp.write(responses.SSE_DONE)
@@ -251,15 +264,13 @@ class Server:
             task = self.worker.tasks.get(rid)
             if task is not None:
                 task.cancel()
-                self.worker.metrics.num_aborted_requests.labels(self.worker.metrics.model_name).inc()
+                self.worker.metrics.num_aborted_requests.inc()
         return web.Response(status=200)
 
     async def metrics(self, request: web.Request) -> web.Response:
         if not self.cfg.enable_metrics:
             return web.Response(status=404, text="Metrics are disabled; start with --enable-metrics")
-        self.worker.metrics.gen_throughput.labels(self.worker.metrics.model_name).set(
-            self.worker.engine.gen_throughput()
-        )
+        self.worker.metrics.gen_throughput.set(self.worker.engine.gen_throughput())
         return web.Response(body=self.worker.metrics.render(), content_type="text/plain", charset="utf-8")
 
     # -- PD hand-over (prefill ranks) -------------------------------------------------------------------------
@@ -276,16 +287,52 @@ class Server:
         self.worker.prefill.register_decode(reg)
         return _json({"status": "ok"})
 
-    async def pd_transfer(self, request: web.Request) -> web.Response:
-        if self.worker.prefill is None:
-            return _json({"error": "not a prefill worker"}, 400)
+    async def pd_channel(self, request: web.Request) -> web.WebSocketResponse:
+        """One decode's hand-over channel: ``{room, session_id, dst_pages}`` in, ``{room, status[, reason]}`` out."""
+        ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE, heartbeat=None)
+        await ws.prepare(request)
+        prefill = self.worker.prefill
+        if prefill is None:
+            await ws.close(code=aiohttp.WSCloseCode.POLICY_VIOLATION, message=b"not a prefill worker")
+            return ws
+        tasks: set[asyncio.Task[None]] = set()
+        self._channels.add(ws)
+
+        async def answer(room: int, session: str, pages: list[int]) -> None:
+            reply: dict[str, Any] = {"room": room}
+            try:
+                reason = await prefill.await_transfer(room, session, pages)
+            except RoomExpiredError:
+                reply["status"] = "expired"  # settles the room; the decode fails it on its own timeout
+            else:
+                reply.update({"status": "success"} if reason is None else {"status": "failed", "reason": reason})
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await ws.send_bytes(orjson.dumps(reply))
+
         try:
-            body = await request.json()
-            room, session, pages = int(body["room"]), str(body["session_id"]), [int(p) for p in body["dst_pages"]]
-        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as err:
-            return _json({"error": f"bad transfer request: {err!r}"}, 400)
-        reason = await self.worker.prefill.await_transfer(room, session, pages)
-        return _json({"status": "success"} if reason is None else {"status": "failed", "reason": reason})
+            await self._serve_channel(ws, answer, tasks)
+        finally:
+            self._channels.discard(ws)
+        return ws
+
+    async def _serve_channel(
+        self,
+        ws: web.WebSocketResponse,
+        answer: Callable[[int, str, list[int]], Coroutine[Any, Any, None]],
+        tasks: set[asyncio.Task[None]],
+    ) -> None:
+        async for msg in ws:
+            if msg.type != aiohttp.WSMsgType.BINARY:
+                continue
+            try:
+                body = orjson.loads(msg.data)
+                room, session, pages = int(body["room"]), str(body["session_id"]), [int(p) for p in body["dst_pages"]]
+            except (ValueError, KeyError, TypeError, orjson.JSONDecodeError) as err:
+                await ws.close(code=aiohttp.WSCloseCode.UNSUPPORTED_DATA, message=f"bad hand-over: {err!r}".encode())
+                break
+            task = asyncio.get_running_loop().create_task(answer(room, session, pages))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
 
     async def faults(self, request: web.Request) -> web.Response:
         try:

@@ -59,9 +59,8 @@ class Worker:
             await self._run_prefill(inp, out)
         else:
             await self._run_decode(inp, out, on_progress)
-        name = self.metrics.model_name
-        self.metrics.num_requests.labels(name).inc()
-        self.metrics.e2e_latency.labels(name).observe(time.monotonic() - started)
+        self.metrics.num_requests.inc()
+        self.metrics.e2e_latency.observe(time.monotonic() - started)
         return out
 
     async def _run_prefill(self, inp: GenerateInput, out: Outcome) -> None:
@@ -69,7 +68,7 @@ class Worker:
             raise GenerationError("prefill mode requires bootstrap fields", 400)
         room = inp.bootstrap.room
         try:
-            await self.prefill.prefill(room, inp.input_ids)
+            await self.prefill.prefill(room, inp.prompt)
         except TransferFailedError as err:
             raise GenerationError(
                 f"Prefill transfer failed for request rank=0 req.rid={inp.rid!r} req.bootstrap_room={room} "
@@ -79,7 +78,7 @@ class Worker:
         out.finish_reason = {"type": "length", "length": 0}
 
     async def _run_decode(self, inp: GenerateInput, out: Outcome, on_progress: OnProgress | None) -> None:
-        req = RunningRequest(inp.rid, inp.input_ids, inp.params)
+        req = RunningRequest(inp.rid, inp.prompt, inp.params)
         try:
             await self.engine.admit(req)
         except OutOfPagesError as err:
@@ -91,18 +90,19 @@ class Worker:
             else:
                 await asyncio.sleep(self.cfg.prefill_ms_per_token * len(inp.input_ids) / 1000.0)
                 self.engine.write_prompt_kv_locally(req)
-                self.metrics.prompt_tokens.labels(self.metrics.model_name).inc(len(inp.input_ids))
+                self.metrics.prompt_tokens.inc(len(inp.input_ids))
                 received = True
             first = time.monotonic()
             stops = inp.params.stop
 
-            async def on_token(token: int) -> bool:
+            async def on_token(token: int, word: str) -> bool:
                 out.output_ids.append(token)
                 if len(out.output_ids) == 1:
-                    self.metrics.ttft.labels(self.metrics.model_name).observe(first - out.started)
-                text = model.decode_tokens(out.output_ids)
+                    self.metrics.ttft.observe(first - out.started)
+                before = len(out.text)
+                text = f"{out.text} {word}" if out.text else word
                 for stop in stops:
-                    cut = text.find(stop)
+                    cut = text.find(stop, max(0, before - len(stop)))
                     if cut >= 0:
                         out.text = text[:cut].rstrip()
                         out.finish_reason = {"type": "stop", "matched": stop}
@@ -149,8 +149,8 @@ class Worker:
 
     async def health_generate(self) -> None:
         """SGLang's health check: a 1-token generation; PD modes run it without a peer (fake bootstrap)."""
-        ids = model.encode("health check")
-        req = RunningRequest("HEALTH_CHECK", ids, model.SamplingParams(max_new_tokens=1, ignore_eos=True))
+        prompt = model.tokenize("health check")
+        req = RunningRequest("HEALTH_CHECK", prompt, model.SamplingParams(max_new_tokens=1, ignore_eos=True))
         await self.engine.admit(req)
         try:
             self.engine.write_prompt_kv_locally(req)

@@ -6,6 +6,7 @@ cannot discover an address of its own (hence ``--advertise-address``) and nothin
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,6 +127,13 @@ def scheduler_argv(binary: Path, layout: Layout) -> list[str]:
     ]
 
 
+def first_pod_ip_cidr(pod_cidr: str) -> str:
+    """kwok hands out pod IPs counting up from the address in ``--cidr``: start at the first host, so no pod gets
+    the network address (127.10.0.0 is not connectable)."""
+    net = ipaddress.ip_network(pod_cidr)
+    return f"{net.network_address + 1}/{net.prefixlen}"
+
+
 def kwok_argv(binary: Path, layout: Layout, config: DevClusterConfig, stages: Path) -> list[str]:
     key, value = KWOK_ANNOTATION
     return [
@@ -133,7 +141,7 @@ def kwok_argv(binary: Path, layout: Layout, config: DevClusterConfig, stages: Pa
         f"--kubeconfig={layout.kubeconfig('kwok')}",
         f"--config={stages}",
         f"--manage-nodes-with-annotation-selector={key}={value}",
-        f"--cidr={config.pod_cidr}",
+        f"--cidr={first_pod_ip_cidr(config.pod_cidr)}",
         f"--node-ip={config.node_ip_base}",
         "--node-lease-duration-seconds=40",
     ]

@@ -260,6 +260,8 @@ class PodRunner:
                 await self.reconcile()
 
     async def reconcile(self) -> None:
+        """Stop processes whose pod is gone or changed, start missing ones. A process that exited on its own is
+        started again at the next pod event, as a kubelet restarts a container (kwok keeps the pod Ready)."""
         wanted = await self._resolve(desired_launches(list(self.pods.values()), self.rule))
         for uid, (launch, proc) in list(self.running.items()):
             if wanted.get(uid) != launch or not proc.alive():

@@ -79,6 +79,8 @@ async def stack(
         decode=[d.url for d in ds],
         policy=settings.pop("policy", Policy.ROUND_ROBIN),
         health_interval_s=settings.pop("health_interval_s", 60.0),
+        # Canaries would add requests the instant-worker tests count; the integrity tests turn them on.
+        integrity=settings.pop("integrity", False),
         retry_initial_backoff_s=settings.pop("retry_initial_backoff_s", 0.001),
         **settings,
     )

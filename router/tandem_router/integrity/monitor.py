@@ -52,6 +52,7 @@ class IntegrityConfig:
 
 class IntegrityMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
         self.detections = Counter(
             "tandem_integrity_detections",
             "Garbled responses found by the live detectors, by finding.",

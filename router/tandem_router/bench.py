@@ -1,0 +1,304 @@
+"""``tandem bench router``: the router's own cost, side by side in one run.
+
+The same *instant* PD workers (prefill answers at once, decode streams 16 SSE chunks) are reached directly,
+through Tandem's router and through SGLang's Rust gateway ``smg`` (installed from PyPI into its own venv under
+``~/.cache/tandem/``, pinned). Throughput comes from ``wrk`` (C, with a Lua body) at 32 connections; TTFT at
+concurrency 1 from a blocking socket client that timestamps the first body byte. Every process is started here
+and stopped by process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from tandem.bench import BenchArgs, Table
+from tandem.procs import ManagedProcess, ProcessFailedError, free_port
+
+SMG_VERSION = "1.13.0"
+CACHE = Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem"))
+BODY = {"model": "instant-model", "messages": [{"role": "user", "content": "Say hi"}], "stream": True, "max_tokens": 16}
+DIRECT_BODY = {**BODY, "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 12345}
+PATH = "/v1/chat/completions"
+
+
+@dataclass
+class Target:
+    name: str
+    url: str
+    body: dict[str, object]
+    proc: ManagedProcess | None = None  # the process group whose CPU time a request costs (None: direct)
+
+
+@dataclass
+class Result:
+    cpu_us: float  # router CPU time (user + system, whole process group) per request, from /proc
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+
+
+def smg_python() -> Path | None:
+    """The Python of a venv with ``smg`` pinned, created on first use; None if it cannot be installed here."""
+    venv = CACHE / f"smg-{SMG_VERSION}"
+    python = venv / "bin" / "python"
+    stamp = venv / ".installed"
+    if stamp.exists():
+        return python
+    try:
+        if not python.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", f"smg=={SMG_VERSION}"],
+            check=True,
+            capture_output=True,
+            timeout=600,
+        )
+    except (subprocess.SubprocessError, OSError):
+        return None
+    stamp.write_text(SMG_VERSION)
+    return python
+
+
+def wrk(
+    url: str, body: dict[str, object], connections: int, seconds: int, workdir: Path
+) -> tuple[float, float, float, int, int]:
+    """Requests/s, latency p50 and p99 (ms), non-2xx count, requests completed."""
+    script = workdir / "post.lua"
+    script.write_text(
+        'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+        f"wrk.body = [[{orjson.dumps(body).decode()}]]\n"
+    )
+    out = subprocess.run(
+        ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "-s", str(script), url + PATH],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=seconds + 30,
+    ).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    errors = int(m.group(1)) if (m := re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)) else 0
+    errors += sum(int(x) for x in re.findall(r"(?:connect|read|write|timeout) (\d+)", out))
+    total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
+    return rps, _wrk_pct(out, "50%"), _wrk_pct(out, "99%"), errors, total
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds of every live process in process group ``pgid`` (Linux /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # fields after "(comm)": state ppid pgrp ...; utime/stime are 12th/13th
+            total += int(fields[11]) + int(fields[12])
+    return total / ticks
+
+
+def _wrk_pct(out: str, pct: str) -> float:
+    m = re.search(rf"^\s+{re.escape(pct)}\s+([\d.]+)(us|ms|s)\s*$", out, re.M)
+    if m is None:
+        return float("nan")
+    return float(m.group(1)) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[m.group(2)]
+
+
+def ttft(url: str, body: dict[str, object], n: int) -> tuple[float, float]:
+    """Time to first response-body byte at concurrency 1 (p50, p99 in ms), over a kept-alive connection."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = orjson.dumps(body)
+    request = (
+        f"POST {PATH} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    ).encode() + payload
+    samples: list[float] = []
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(n):
+            started = time.perf_counter()
+            sock.sendall(request)
+            buf = b""
+            first = 0.0
+            while True:
+                data = sock.recv(65536)
+                if not data:
+                    raise ConnectionError(f"{url} closed the connection")
+                buf += data
+                head_end = buf.find(b"\r\n\r\n")
+                if not first and head_end >= 0 and len(buf) > head_end + 4:
+                    first = time.perf_counter()
+                if b"\r\n0\r\n\r\n" in buf or buf.endswith(b"data: [DONE]\n\n\r\n"):
+                    break
+            samples.append((first - started) * 1000)
+    samples.sort()
+    return statistics.median(samples), samples[min(len(samples) - 1, int(len(samples) * 0.99))]
+
+
+@contextlib.contextmanager
+def _processes(workdir: Path, quick: bool) -> Iterator[tuple[list[Target], list[ManagedProcess], list[str]]]:
+    procs: list[ManagedProcess] = []
+    notes: list[str] = []
+    py = sys.executable
+
+    def start(name: str, argv: list[str], ready: str, expect: int = 200) -> ManagedProcess:
+        proc = ManagedProcess(name, argv, workdir / f"{name}.log").start()
+        procs.append(proc)
+        proc.wait_http(ready, timeout=60, expect=expect)
+        return proc
+
+    try:
+        p_port, d_port = free_port(), free_port()
+        prefill, decode = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+        worker = [py, "-m", "tandem_router.instant_worker", "--no-record", "--port"]
+        start("prefill", [*worker, str(p_port), "--role", "prefill"], prefill + "/health")
+        start("decode", [*worker, str(d_port), "--role", "decode"], decode + "/health")
+        targets = [Target("direct to decode", decode, DIRECT_BODY)]
+        router_args = [
+            "--prefill",
+            prefill,
+            "8998",
+            "--decode",
+            decode,
+            "--log-level",
+            "warning",
+            "--policy",
+            "round_robin",
+        ]
+        t_port = free_port()
+        tandem = start(
+            "tandem",
+            [py, "-m", "tandem.cli", "router", "--port", str(t_port), *router_args],
+            f"http://127.0.0.1:{t_port}/readiness",
+        )
+        targets.append(Target("tandem router", f"http://127.0.0.1:{t_port}", BODY, tandem))
+        t2_port = free_port()
+        tandem2 = start(
+            "tandem2",
+            [py, "-m", "tandem.cli", "router", "--port", str(t2_port), "--workers", "2", *router_args],
+            f"http://127.0.0.1:{t2_port}/readiness",
+        )
+        targets.append(Target("tandem router --workers 2", f"http://127.0.0.1:{t2_port}", BODY, tandem2))
+        smg = smg_python()
+        if smg is None:
+            notes.append(f"smg {SMG_VERSION} could not be installed here (no PyPI?): its row is missing")
+        else:
+            s_port = free_port()
+            try:
+                smg_proc = start(
+                    "smg",
+                    [
+                        str(smg),
+                        "-m",
+                        "smg.launch_router",
+                        "--pd-disaggregation",
+                        "--prefill",
+                        prefill,
+                        "8998",
+                        "--decode",
+                        decode,
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(s_port),
+                        "--policy",
+                        "round_robin",
+                    ],
+                    f"http://127.0.0.1:{s_port}/health",
+                )
+                targets.append(Target(f"smg {SMG_VERSION}", f"http://127.0.0.1:{s_port}", BODY, smg_proc))
+            except ProcessFailedError as err:
+                notes.append(f"smg did not start: {str(err).splitlines()[0]}")
+        yield targets, procs, notes
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def run(args: BenchArgs) -> list[Table]:
+    """Both router tables: its own cost on instant workers, then end to end on simulated workers."""
+    from tandem_router import bench_e2e
+
+    tables = [router_cost(args)]
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-e2e-") as tmp:
+        tables.append(bench_e2e.run(args, Path(tmp)))
+    return tables
+
+
+def router_cost(args: BenchArgs) -> Table:
+    seconds = 2 if args.quick else 8
+    n_ttft = 50 if args.quick else 300
+    results: dict[str, Result] = {}
+    with (
+        tempfile.TemporaryDirectory(prefix="tandem-bench-router-") as tmp,
+        _processes(Path(tmp), args.quick) as (
+            targets,
+            _,
+            notes,
+        ),
+    ):
+        for t in targets:
+            wrk(t.url, t.body, 8, 1, Path(tmp))  # warm up connections and caches
+            cpu0 = group_cpu_seconds(t.proc.pid) if t.proc else 0.0
+            rps, p50, p99, errors, total = wrk(t.url, t.body, 32, seconds, Path(tmp))
+            cpu = (group_cpu_seconds(t.proc.pid) - cpu0) / max(total, 1) * 1e6 if t.proc else float("nan")
+            t50, t99 = ttft(t.url, t.body, n_ttft)
+            results[t.name] = Result(cpu, rps, p50, p99, errors, t50, t99)
+    direct = results["direct to decode"]
+    smg = next((r for name, r in results.items() if name.startswith("smg")), None)
+    table = Table(
+        "router cost: instant PD workers (prefill answers at once, decode streams 16 chunks), wrk -c32 / TTFT at c=1",
+        [
+            "target",
+            "CPU us/req",
+            "req/s @32",
+            "vs smg",
+            "lat p50 ms",
+            "lat p99 ms",
+            "errors",
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+            "TTFT p50 over direct ms",
+        ],
+    )
+    for name, r in results.items():
+        table.rows.append(
+            [
+                name,
+                "-" if r is direct else r.cpu_us,
+                r.rps,
+                f"{r.rps / smg.rps:.2f}x" if smg else "-",
+                r.p50_ms,
+                r.p99_ms,
+                r.errors,
+                r.ttft_p50_ms,
+                r.ttft_p99_ms,
+                "-" if r is direct else f"{r.ttft_p50_ms - direct.ttft_p50_ms:+.3f}",
+            ]
+        )
+    table.notes += notes
+    table.notes.append(
+        "CPU us/req: the router's own CPU time (all its processes) per request, from /proc; unlike req/s it hardly "
+        "depends on what else this shared machine runs"
+    )
+    table.notes.append(
+        f"{seconds}s per wrk run, {n_ttft} sequential requests for TTFT; all processes share this machine's cores"
+    )
+    return table

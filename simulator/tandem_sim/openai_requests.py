@@ -1,0 +1,146 @@
+"""Parse ``/v1/completions`` and ``/v1/chat/completions`` bodies (SGLang 0.5.23 OpenAI serving classes). Pure.
+
+``n`` > 1 gives one item per choice (sampled independently when temperature > 0; in PD mode ``bootstrap_room`` is
+a list, one room per choice, as a router sends it). Tool calling and reasoning fields are validated and passed
+through as SGLang does: ``tools``/``tool_choice`` with ``"required"`` or a named function make the answer a call
+of that function (SGLang constrains decoding to the tool's schema); ``separate_reasoning`` and
+``chat_template_kwargs`` are accepted (the simulated model emits no reasoning section).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tandem_sim import model
+from tandem_sim.requests import (
+    BadRequestError,
+    GenerateInput,
+    bootstrap_list,
+    item_rids,
+    prompt_tokens,
+    sampling_params,
+)
+
+_SAMPLING = (
+    ("temperature", "temperature"),
+    ("top_p", "top_p"),
+    ("top_k", "top_k"),
+    ("stop", "stop"),
+    ("ignore_eos", "ignore_eos"),
+    ("min_tokens", "min_new_tokens"),
+    ("seed", "sampling_seed"),
+)
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    items: list[GenerateInput]  # one per choice
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    tool_call: str | None  # the function every choice calls (tool_choice "required" or named), else None
+
+
+def _openai_sampling(body: dict[str, Any]) -> dict[str, Any]:
+    raw: dict[str, Any] = {}
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        raw["max_new_tokens"] = max_tokens
+    for src, dst in _SAMPLING:
+        if body.get(src) is not None:
+            raw[dst] = body[src]
+    return raw
+
+
+def _tool_call(body: dict[str, Any]) -> str | None:
+    """Validate ``tools``/``tool_choice`` like SGLang's request model; the forced function name, if any."""
+    tools = body.get("tools")
+    names: list[str] = []
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise BadRequestError("tools: Input should be a valid list")
+        for i, tool in enumerate(tools):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise BadRequestError(f"tools[{i}].function.name: Field required")
+            if tool.get("type", "function") != "function":
+                raise BadRequestError(f"tools[{i}].type: Input should be 'function'")
+            names.append(function["name"])
+    choice = body.get("tool_choice")
+    if choice is None or choice in ("none", "auto"):
+        return None
+    if not names:
+        raise BadRequestError("tool_choice requires tools to be specified")
+    if choice == "required":
+        return names[0]
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in names:
+            raise BadRequestError(f"Tool '{name}' not found in tools list.")
+        return str(name)
+    raise BadRequestError("tool_choice: must be 'none', 'auto', 'required' or {'type': 'function', 'function': {...}}")
+
+
+def _check_pass_through(body: dict[str, Any]) -> None:
+    for name in ("separate_reasoning", "stream_reasoning", "parallel_tool_calls", "logprobs", "echo"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise BadRequestError(f"{name}: Input should be a valid boolean")
+    for name in ("chat_template_kwargs", "stream_options", "response_format"):
+        if body.get(name) is not None and not isinstance(body[name], dict):
+            raise BadRequestError(f"{name}: Input should be a valid dictionary")
+
+
+def _chat_prompt(messages: Any) -> model.Tokens:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequestError("messages: Field required (a non-empty list)")
+    turns = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise BadRequestError(f"messages[{i}]: must be an object with a role")
+        content = msg.get("content")
+        if isinstance(content, list):
+            content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        turns.append((msg["role"], "" if content is None else str(content)))
+    return model.tokenize(model.apply_chat_template(turns))
+
+
+def _completion_prompt(prompt: Any) -> model.Tokens:
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return prompt_tokens(None, prompt)
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt_tokens(prompt[0], None)
+    if isinstance(prompt, str):
+        return prompt_tokens(prompt, None)
+    raise BadRequestError("prompt: must be a string, a list of one string or a list of token ids")
+
+
+def parse_openai(body: Any, *, chat: bool, mode: str, context_length: int) -> OpenAIRequest:
+    if not isinstance(body, dict):
+        raise BadRequestError("Request body must be a JSON object")
+    if not isinstance(body.get("model"), str):
+        raise BadRequestError("model: Field required")
+    _check_pass_through(body)
+    tool_call = _tool_call(body) if chat else None
+    prompt = _chat_prompt(body.get("messages")) if chat else _completion_prompt(body.get("prompt"))
+    params = sampling_params(
+        _openai_sampling(body), context_length=context_length, prompt_len=len(prompt.ids), default_max=context_length
+    )
+    n = body.get("n", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 128:
+        raise BadRequestError(f"n must be an integer in [1, 128], got {n!r}")
+    rooms = bootstrap_list(body, mode, n)
+    rids = item_rids(body.get("rid"), n)
+    stream = bool(body.get("stream", False))
+    items = [
+        GenerateInput(rid, prompt, model.replace_sample(params, i), stream, room)
+        for i, (rid, room) in enumerate(zip(rids, rooms, strict=True))
+    ]
+    options = body.get("stream_options") or {}
+    return OpenAIRequest(
+        items,
+        stream,
+        include_usage=bool(options.get("include_usage")),
+        continuous_usage=bool(options.get("continuous_usage_stats")),
+        tool_call=tool_call,
+    )

@@ -1,0 +1,289 @@
+"""``tandem up``: the embedded local stack. etcd, 2 prefill + 2 decode simulated workers registered in etcd the
+way the operator registers pods (``tandem.registry_etcd``, one lease), and the router on 127.0.0.1:8000.
+
+A supervisor restarts a worker that dies: its registry key is deleted at once (the router stops sending to it),
+and it is registered again, with a new epoch, once its ``/health`` answers. Ctrl-C (or SIGTERM) stops the router
+first, then the workers, then etcd, each by process group. ``LocalStack`` is also the tests' fixture.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tandem.procs import ManagedProcess, ProcessFailedError, free_port
+from tandem.registry import Endpoint, Role
+from tandem.registry_etcd import EndpointWriter
+
+HOST = "127.0.0.1"
+NAMESPACE = "local"
+CLUSTER = "tandem"
+MODEL = "tandem/sim-model"
+
+
+def start_etcd(workdir: Path, name: str = "etcd") -> tuple[ManagedProcess, str]:
+    """A single-member etcd on loopback with its data under ``workdir``; returns it and its ``host:port``."""
+    etcd = shutil.which("etcd")
+    if etcd is None:
+        raise ProcessFailedError("etcd is not installed (Debian package etcd-server; scripts/bootstrap.sh installs it)")
+    client, peer = free_port(), free_port()
+    argv = [
+        etcd, "--name", name, "--data-dir", str(workdir / f"{name}.data"),
+        "--listen-client-urls", f"http://{HOST}:{client}", "--advertise-client-urls", f"http://{HOST}:{client}",
+        "--listen-peer-urls", f"http://{HOST}:{peer}", "--initial-advertise-peer-urls", f"http://{HOST}:{peer}",
+        "--initial-cluster", f"{name}=http://{HOST}:{peer}", "--log-level", "warn",
+    ]  # fmt: skip
+    proc = ManagedProcess(name, argv, workdir / f"{name}.log").start()
+    proc.wait_http(f"http://{HOST}:{client}/health", timeout=30)
+    return proc, f"{HOST}:{client}"
+
+
+WorkerArgv = Callable[[Role, int, int | None], list[str]]
+
+
+def sim_worker_argv(role: Role, port: int, bootstrap_port: int | None) -> list[str]:
+    """``tandem sim`` in PD mode, as the operator would launch SGLang."""
+    argv = [
+        sys.executable,
+        "-m",
+        "tandem.cli",
+        "sim",
+        "--model-path",
+        MODEL,
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--disaggregation-mode",
+        role.value,
+        "--disaggregation-transfer-backend",
+        "mooncake",
+        "--enable-metrics",
+    ]
+    if bootstrap_port is not None:
+        argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+    return argv
+
+
+def instant_worker_argv(role: Role, port: int, bootstrap_port: int | None) -> list[str]:
+    """The router's instant PD worker (no KV transfer): for tests of discovery and supervision alone."""
+    return [
+        sys.executable,
+        "-m",
+        "tandem_router.instant_worker",
+        "--role",
+        role.value,
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+    ]
+
+
+@dataclass
+class Worker:
+    role: Role
+    group: str
+    port: int
+    bootstrap_port: int | None
+    proc: ManagedProcess
+    epoch: int = 0
+    registered: bool = False
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def endpoint(self, model: str) -> Endpoint:
+        return Endpoint(
+            role=self.role,
+            group=self.group,
+            url=self.url,
+            bootstrap_port=self.bootstrap_port,
+            model=model,
+            epoch=self.epoch,
+        )
+
+
+@dataclass
+class LocalStack:
+    workdir: Path
+    prefills: int = 2
+    decodes: int = 2
+    router_port: int = 8000  # 0: a free port
+    worker_argv: WorkerArgv = sim_worker_argv
+    model: str = MODEL
+    say: Callable[[str], None] = print
+    router_args: Sequence[str] = ()
+    restart: bool = True  # False: a dead worker is only deregistered (tests that check it stops getting traffic)
+    worker_env: dict[str, str] = field(default_factory=dict)
+    etcd: ManagedProcess | None = None
+    etcd_endpoint: str = ""
+    workers: list[Worker] = field(default_factory=list)
+    router: ManagedProcess | None = None
+    writer: EndpointWriter | None = None
+    restarts: int = 0
+
+    @property
+    def router_url(self) -> str:
+        return f"http://{HOST}:{self.router_port}"
+
+    async def start(self) -> None:
+        if self.router_port == 0:
+            self.router_port = free_port()
+        self.say("starting etcd ...")
+        self.etcd, self.etcd_endpoint = await asyncio.to_thread(start_etcd, self.workdir)
+        self.writer = EndpointWriter([self.etcd_endpoint], NAMESPACE, CLUSTER, ttl=5)
+        await self.writer.start()
+        for role, count in ((Role.PREFILL, self.prefills), (Role.DECODE, self.decodes)):
+            for i in range(count):
+                bootstrap = free_port() if role is Role.PREFILL else None
+                group = f"{role.value}-{i}"
+                port = free_port()
+                argv = self.worker_argv(role, port, bootstrap)
+                proc = ManagedProcess(group, argv, self.workdir / f"{group}.log", env=self.worker_env)
+                self.workers.append(Worker(role, group, port, bootstrap, proc))
+        self.say(f"starting {self.prefills} prefill + {self.decodes} decode workers ...")
+        for w in self.workers:
+            w.proc.start()
+        await asyncio.gather(*(self._register_when_healthy(w) for w in self.workers))
+        self.say(f"starting the router on {self.router_url} ...")
+        argv = [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "router",
+            "--host",
+            HOST,
+            "--port",
+            str(self.router_port),
+            "--discovery",
+            "etcd",
+            "--etcd-endpoint",
+            self.etcd_endpoint,
+            "--cluster-namespace",
+            NAMESPACE,
+            "--cluster-name",
+            CLUSTER,
+            "--health-interval-s",
+            "1",
+            *self.router_args,
+        ]
+        self.router = ManagedProcess("router", argv, self.workdir / "router.log").start()
+        await asyncio.to_thread(self.router.wait_http, f"{self.router_url}/readiness", 60.0)
+
+    async def _register_when_healthy(self, w: Worker) -> None:
+        await asyncio.to_thread(w.proc.wait_http, f"{w.url}/health", 120.0)
+        assert self.writer is not None
+        await self.writer.put(w.endpoint(self.model))
+        w.registered = True
+        self.say(f"  {w.group} ready at {w.url} (epoch {w.epoch})")
+
+    async def supervise(self, stop: asyncio.Event, interval: float = 0.2) -> None:
+        """Restart dead workers until ``stop`` is set: deregister at once, restart, re-register when healthy."""
+        pending: set[asyncio.Task[None]] = set()
+        while not stop.is_set():
+            for w in self.workers:
+                if w.registered and not w.proc.alive():
+                    assert self.writer is not None
+                    await self.writer.remove(w.endpoint(self.model))
+                    w.registered = False
+                    self.say(f"  {w.group} exited ({w.proc.returncode()}); deregistered")
+                    w.proc.stop()
+                    if not self.restart:
+                        continue
+                    w.epoch += 1
+                    self.restarts += 1
+                    w.proc.start()
+                    task = asyncio.create_task(self._register_when_healthy(w))
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
+            if self.router is not None and not self.router.alive():
+                self.say(f"router exited ({self.router.returncode()}):\n{self.router.log_tail()}")
+                stop.set()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
+        for task in pending:
+            task.cancel()
+
+    async def stop(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+        for w in self.workers:
+            w.proc.stop()
+        if self.writer is not None:
+            with contextlib.suppress(Exception):
+                await self.writer.close()
+        if self.etcd is not None:
+            self.etcd.stop()
+
+
+def _examples(url: str, model: str) -> str:
+    return f"""
+Tandem is up: router {url}  (Ctrl-C stops everything)
+
+  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
+
+  python - <<'EOF'
+from openai import OpenAI
+client = OpenAI(base_url="{url}/v1", api_key="none")
+for chunk in client.chat.completions.create(model="{model}", stream=True, max_tokens=32,
+                                            messages=[{{"role": "user", "content": "Hello!"}}]):
+    print(chunk.choices[0].delta.content or "", end="", flush=True)
+print()
+EOF
+
+  metrics: {url}/metrics   readiness: {url}/readiness
+"""
+
+
+async def _run(args: argparse.Namespace) -> int:
+    workdir = Path(tempfile.mkdtemp(prefix="tandem-up-"))
+    stack = LocalStack(workdir, args.prefills, args.decodes, args.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    started = time.monotonic()
+    try:
+        start = asyncio.create_task(stack.start())
+        waiter = asyncio.create_task(stop.wait())
+        await asyncio.wait({start, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if not start.done():
+            start.cancel()
+            return 130
+        waiter.cancel()
+        start.result()
+        print(f"ready in {time.monotonic() - started:.1f}s; logs in {workdir}")
+        print(_examples(stack.router_url, stack.model), flush=True)
+        await stack.supervise(stop)
+        return 0
+    except ProcessFailedError as err:
+        print(f"tandem up: {err}", file=sys.stderr)
+        return 1
+    finally:
+        print("stopping ...", flush=True)
+        await stack.stop()
+        print("stopped.", flush=True)
+
+
+def main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="tandem up", description=__doc__)
+    p.add_argument("--port", type=int, default=8000, help="router port (default 8000)")
+    p.add_argument("--prefills", type=int, default=2)
+    p.add_argument("--decodes", type=int, default=2)
+    args = p.parse_args(argv)
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(_run(args))

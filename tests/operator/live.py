@@ -1,0 +1,135 @@
+"""Helpers for the operator's tests on the real control plane: CRDs, operator processes, PDClusters, registry."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from kubernetes_asyncio import client
+
+from tandem import registry
+from tandem.devcluster.cluster import DevCluster
+from tandem.procs import ManagedProcess
+from tandem.registry import Endpoint
+from tandem.registry_etcd import client as etcd_client
+
+REPO = Path(__file__).resolve().parents[2]
+CRDS = REPO / "charts" / "tandem" / "crds"
+GROUP, VERSION = "tandem.dev", "v1alpha1"
+
+# deploy/sim-small.yaml adapted to the dev cluster: tcp, 1 GPU per pod, a 2-node decode group.
+SIM_SPEC: dict[str, Any] = {
+    "model": {"path": "sim/kimi-k2.6-sim", "servedName": "kimi-k2.6-sim"},
+    "images": {"worker": "tandem-sglang-worker:0.5.23"},
+    "prefill": {"groups": 1, "nodesPerGroup": 1, "gpusPerNode": 1, "tpSize": 1, "epSize": 1, "moeA2ABackend": "none"},
+    "decode": {"groups": 1, "nodesPerGroup": 2, "gpusPerNode": 1, "tpSize": 2, "epSize": 1, "moeA2ABackend": "none"},
+    "transfer": {"protocol": "tcp"},
+    "etcd": {"endpoints": ["http://127.0.0.1:2379"]},
+}
+# Every pod of the dev cluster shares one network namespace and Mooncake listens on all interfaces, so the
+# simulated workers get wide, disjoint Mooncake port ranges here (a real pod has its own netns and the fixed
+# two-port range of the manifest). Set through the role's env, which the operator lets the user override.
+SHARED_NETNS_ENV = {
+    "prefill": [{"name": "MC_MIN_RPC_PORT", "value": "20000"}, {"name": "MC_MAX_RPC_PORT", "value": "20999"}],
+    "decode": [{"name": "MC_MIN_RPC_PORT", "value": "21000"}, {"name": "MC_MAX_RPC_PORT", "value": "21999"}],
+}
+
+
+def pdcluster(name: str, *, decode_groups: int = 1, simulated: bool = False, **spec: Any) -> dict[str, Any]:
+    body = copy.deepcopy(SIM_SPEC)
+    body["decode"]["groups"] = decode_groups
+    if simulated:
+        for role, env in SHARED_NETNS_ENV.items():
+            body[role]["env"] = env
+    body.update(spec)
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "PDCluster", "metadata": {"name": name}, "spec": body}
+
+
+async def create_pdcluster(api: client.ApiClient, namespace: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    created: dict[str, Any] = await client.CustomObjectsApi(api).create_namespaced_custom_object(
+        GROUP, VERSION, namespace, "pdclusters", manifest
+    )
+    return created
+
+
+async def run_tool(cluster: DevCluster, tool: str, *args: str, check: bool = True) -> tuple[int, str, str]:
+    """kubectl/helm of the dev cluster; returns (exit code, stdout, stderr)."""
+    proc = await asyncio.create_subprocess_exec(
+        str(cluster.tool(tool)),
+        *args,
+        env={**os.environ, **cluster.env()},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(60):
+        out, err = await proc.communicate()
+    code = proc.returncode
+    assert code is not None
+    if check:
+        assert code == 0, f"{tool} {' '.join(args)} failed ({code}): {err.decode()}{out.decode()}"
+    return code, out.decode(), err.decode()
+
+
+def operator_process(
+    cluster: DevCluster, namespace: str, etcd: str, log_dir: Path, identity: str, *, leader_election: bool = False
+) -> ManagedProcess:
+    """``tandem operator`` serving one namespace (the test's), the registry in the test etcd."""
+    argv = [
+        sys.executable,
+        "-m",
+        "tandem.cli",
+        "operator",
+        "--kubeconfig",
+        str(cluster.kubeconfig),
+        "--namespace",
+        namespace,
+        "--etcd-endpoints",
+        etcd,
+        "--identity",
+        identity,
+        "--resync",
+        "5",
+    ]
+    argv += ["--leader-election-namespace", namespace] if leader_election else ["--no-leader-election"]
+    return ManagedProcess(f"operator-{identity}", argv, log_dir / f"operator-{identity}.log")
+
+
+async def pdc_status(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
+    obj = await client.CustomObjectsApi(api).get_namespaced_custom_object(GROUP, VERSION, namespace, "pdclusters", name)
+    status: dict[str, Any] = obj.get("status") or {}
+    return status
+
+
+async def pods(api: client.ApiClient, namespace: str, selector: str = "tandem.dev/cluster") -> list[client.V1Pod]:
+    listing = await client.CoreV1Api(api).list_namespaced_pod(namespace, label_selector=selector)
+    return [p for p in listing.items if p.metadata.deletion_timestamp is None]
+
+
+class Registry:
+    """Reads the endpoint registry in the test etcd."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.client = etcd_client([endpoint])
+
+    async def __aenter__(self) -> Registry:
+        await self.client.connect()
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.client.close()
+
+    async def endpoints(self, namespace: str, cluster: str) -> dict[str, Endpoint]:
+        kvs = await self.client.get_prefix(registry.cluster_prefix(namespace, cluster).encode())
+        found = {}
+        for kv in kvs:
+            endpoint = registry.decode(kv.value)
+            found[endpoint.group] = endpoint
+        return found
+
+    async def leases(self, namespace: str, cluster: str) -> set[int]:
+        kvs = await self.client.get_prefix(registry.cluster_prefix(namespace, cluster).encode())
+        return {kv.lease for kv in kvs}

@@ -1,0 +1,51 @@
+"""Bounded streaming load through the router with the ``openai`` SDK, in its own process (so the test's event loop
+measures fence times undisturbed). Prints one JSON line: ok, cut_mid_stream, failed_before_first_byte.
+
+Usage: python load_client.py <base_url> <model> <streams> <seconds>
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+import openai
+
+
+async def main(base_url: str, model: str, streams: int, seconds: float) -> dict[str, object]:
+    result: dict[str, object] = {"ok": 0, "cut_mid_stream": 0, "failed_before_first_byte": []}
+    failed: list[str] = []
+    deadline = time.monotonic() + seconds
+    sdk = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=30)
+
+    async def worker(w: int) -> None:
+        n = 0
+        while time.monotonic() < deadline:
+            n += 1
+            received = False
+            try:
+                stream = await sdk.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": f"count to {w}-{n}"}], max_tokens=16, stream=True
+                )
+                async for _ in stream:
+                    received = True
+                result["ok"] = int(str(result["ok"])) + 1
+            except openai.OpenAIError as err:
+                if received:
+                    result["cut_mid_stream"] = int(str(result["cut_mid_stream"])) + 1
+                else:
+                    failed.append(repr(err))
+
+    try:
+        await asyncio.gather(*(worker(w) for w in range(streams)))
+    finally:
+        await sdk.close()
+    result["failed_before_first_byte"] = failed
+    return result
+
+
+if __name__ == "__main__":
+    url, name, count, duration = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+    print(json.dumps(asyncio.run(main(url, name, count, duration))), flush=True)

@@ -1,0 +1,146 @@
+"""`tandem router` as a process: configuration sources, bad flags, graceful drain on SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import orjson
+import pytest
+
+from tandem.procs import ManagedProcess, free_port
+from tandem_router.config import DiscoveryMode, load
+from tandem_router.discovery import pod_spec, static_specs
+from tandem_router.policy.selection import Policy
+
+
+def test_flags_sglang_router_compatible(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TANDEM_ROUTER_MAX_CONCURRENT_REQUESTS", "7")
+    monkeypatch.setenv("TANDEM_ROUTER_PORT", "9999")
+    cfg_file = tmp_path / "router.yaml"
+    cfg_file.write_text("port: 8100\napi_keys: [a, b]\n")
+    s = load(["--config", str(cfg_file), "--pd-disaggregation", "--prefill", "http://10.0.0.1:30000", "9000",
+              "--prefill", "http://10.0.0.2:30000/", "--decode", "http://10.0.0.3:30000", "--policy", "power_of_two",
+              "--host", "0.0.0.0"])  # fmt: skip
+    assert (s.host, s.port, s.policy, s.max_concurrent_requests, s.api_keys) == (
+        "0.0.0.0", 8100, Policy.POWER_OF_TWO, 7, ["a", "b"])  # fmt: skip
+    specs = static_specs(s)
+    assert [(w.role.value, w.url, w.bootstrap_port) for w in specs] == [
+        ("prefill", "http://10.0.0.1:30000", 9000),
+        ("prefill", "http://10.0.0.2:30000", None),
+        ("decode", "http://10.0.0.3:30000", None),
+    ]
+    assert load(["--discovery", "etcd"]).discovery is DiscoveryMode.ETCD
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prefill", "http://p:1"], "needs at least one --prefill and one --decode"),
+        (["--prefill", "not-a-url", "--decode", "http://d:1"], "invalid configuration"),
+        (["--prefill", "http://p:1", "70000", "--decode", "http://d:1"], "bootstrap_port"),
+    ],
+)
+def test_bad_configuration_is_a_clear_cli_error(argv: list[str], message: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "tandem.cli", "router", *argv], capture_output=True, text=True,
+                            timeout=60)  # fmt: skip
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def _pod(ready: bool = True, annotations: dict[str, str] | None = None, deleting: bool = False) -> dict[str, object]:
+    meta: dict[str, object] = {"name": "p0", "annotations": annotations or {}}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {
+        "metadata": meta,
+        "status": {
+            "phase": "Running",
+            "podIP": "10.1.2.3",
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+def test_pod_discovery_rules() -> None:
+    from tandem.registry import Role
+
+    spec = pod_spec(_pod(annotations={"sglang.ai/bootstrap-port": "9100"}), Role.PREFILL, 30000)
+    assert spec is not None
+    assert (spec.url, spec.bootstrap_port) == ("http://10.1.2.3:30000", 9100)
+    default = pod_spec(_pod(), Role.PREFILL, 30000)
+    assert default is not None
+    assert default.bootstrap_port == 8998
+    decode = pod_spec(_pod(), Role.DECODE, 30000)
+    assert decode is not None
+    assert decode.bootstrap_port is None
+    assert pod_spec(_pod(ready=False), Role.DECODE, 30000) is None
+    assert pod_spec(_pod(deleting=True), Role.DECODE, 30000) is None
+
+
+def test_sigterm_drains_in_flight_requests_then_exits(tmp_path: Path) -> None:
+    procs: list[ManagedProcess] = []
+    try:
+        urls = {}
+        for role in ("prefill", "decode"):
+            port = free_port()
+            argv = [sys.executable, "-m", "tandem_router.instant_worker", "--role", role, "--port", str(port)]
+            procs.append(ManagedProcess(role, argv, tmp_path / f"{role}.log").start())
+            urls[role] = f"http://127.0.0.1:{port}"
+            procs[-1].wait_http(urls[role] + "/health")
+        req = urllib.request.Request(urls["decode"] + "/_faults", data=b'{"delay_s": 1.5}', method="POST")
+        urllib.request.urlopen(req, timeout=5).close()
+        port = free_port()
+        argv = [sys.executable, "-m", "tandem.cli", "router", "--port", str(port), "--prefill", urls["prefill"],
+                "--decode", urls["decode"], "--drain-timeout-s", "10"]  # fmt: skip
+        router = ManagedProcess("router", argv, tmp_path / "router.log").start()
+        procs.append(router)
+        router.wait_http(f"http://127.0.0.1:{port}/readiness")
+        result: dict[str, object] = {}
+
+        def client() -> None:
+            body = orjson.dumps({"text": "hi", "stream": True})
+            r = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=body, method="POST")
+            with urllib.request.urlopen(r, timeout=20) as resp:
+                result["status"] = resp.status
+                result["body"] = resp.read()
+
+        thread = threading.Thread(target=client)
+        thread.start()
+        time.sleep(0.5)
+        router.signal(signal.SIGTERM)
+        thread.join(20)
+        assert result.get("status") == 200
+        assert isinstance(result["body"], bytes)
+        assert result["body"].endswith(b"data: [DONE]\n\n")
+        assert router.popen is not None
+        assert router.popen.wait(15) == 0
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def test_pod_watch_events_keep_the_pool_in_step() -> None:
+    from tandem.registry import Role
+    from tandem_router.config import RouterSettings
+    from tandem_router.discovery import KubernetesDiscovery
+    from tandem_router.pool import WorkerPool
+
+    pool = WorkerPool()
+    k8s = KubernetesDiscovery(pool, RouterSettings(discovery=DiscoveryMode.KUBERNETES, k8s_worker_port=30000))
+    k8s.apply(Role.DECODE, "ADDED", _pod())
+    assert list(pool.workers) == ["decode:http://10.1.2.3:30000"]
+    k8s.apply(Role.DECODE, "MODIFIED", _pod(ready=False))  # not ready any more: no traffic
+    assert pool.workers == {}
+    k8s.apply(Role.DECODE, "MODIFIED", _pod())
+    moved = _pod()
+    moved["status"]["podIP"] = "10.9.9.9"  # type: ignore[index]
+    k8s.apply(Role.DECODE, "MODIFIED", moved)  # same pod, new IP: the old address is dropped
+    assert list(pool.workers) == ["decode:http://10.9.9.9:30000"]
+    k8s.apply(Role.DECODE, "DELETED", moved)
+    assert pool.workers == {}

@@ -1,0 +1,126 @@
+"""The etcd registry adapter and the router's etcd discovery against a real etcd (Debian etcd-server)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tandem import registry
+from tandem.local_stack import instant_worker_argv, start_etcd
+from tandem.procs import ManagedProcess
+from tandem.registry import Endpoint, Role
+from tandem.registry_etcd import EndpointWatcher, EndpointWriter, parse_endpoint_url
+from tandem.stack_fixture import running_stack
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    proc, endpoint = start_etcd(tmp_path_factory.mktemp("etcd"))
+    yield endpoint
+    proc.stop()
+
+
+def _ep(group: str, port: int, epoch: int = 0) -> Endpoint:
+    return Endpoint(role=Role.DECODE, group=group, url=f"http://127.0.0.1:{port}", model="m", epoch=epoch)
+
+
+@pytest.fixture
+async def watched(etcd: str) -> AsyncIterator[tuple[dict[str, Endpoint], EndpointWatcher]]:
+    seen: dict[str, Endpoint] = {}
+
+    def snapshot(eps: dict[str, Endpoint]) -> None:
+        seen.clear()
+        seen.update(eps)
+
+    def delete(key: str) -> None:
+        seen.pop(key, None)
+
+    watcher = EndpointWatcher([etcd], "ns", "c1", on_snapshot=snapshot, on_put=seen.__setitem__, on_delete=delete)
+    yield seen, watcher
+    await watcher.stop()
+
+
+async def _until(cond: object, within: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within
+    while not cond():  # type: ignore[operator]
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+def test_parse_endpoint_url() -> None:
+    assert parse_endpoint_url("127.0.0.1:2379") == ("127.0.0.1", 2379)
+    assert parse_endpoint_url("http://etcd.ns.svc:2379/") == ("etcd.ns.svc", 2379)
+    with pytest.raises(ValueError, match="host:port"):
+        parse_endpoint_url("nohost")
+
+
+async def test_watcher_sees_existing_new_changed_and_deleted_endpoints(
+    etcd: str, watched: tuple[dict[str, Endpoint], EndpointWatcher]
+) -> None:
+    seen, watcher = watched
+    writer = EndpointWriter([etcd], "ns", "c1", ttl=30)
+    await writer.start()
+    try:
+        first = _ep("decode-0", 1000)
+        key0 = await writer.put(first)
+        watcher.start()
+        await asyncio.wait_for(watcher.synced.wait(), 10)
+        assert seen == {key0: first}
+        key1 = await writer.put(_ep("decode-1", 1001))
+        await _until(lambda: key1 in seen)
+        await writer.put(_ep("decode-1", 1001, epoch=1))
+        await _until(lambda: seen[key1].epoch == 1)
+        await writer.remove(first)
+        await _until(lambda: key0 not in seen)
+        # A malformed value is skipped (and drops the key), never crashes the watcher.
+        etcd_client = writer._client
+        await etcd_client.put(key1.encode(), b"{not json")
+        await _until(lambda: key1 not in seen)
+        assert registry.endpoint_key("ns", "c1", first) == key0
+    finally:
+        await writer.close()
+
+
+async def test_lease_expiry_drops_the_endpoints_of_a_dead_writer(
+    etcd: str, watched: tuple[dict[str, Endpoint], EndpointWatcher]
+) -> None:
+    seen, watcher = watched
+    writer = EndpointWriter([etcd], "ns", "c1", ttl=2)
+    await writer.start()
+    key = await writer.put(_ep("decode-7", 1007))
+    watcher.start()
+    await _until(lambda: key in seen)
+    await asyncio.sleep(3)  # kept alive past its TTL
+    assert key in seen
+    assert writer._keepalive is not None
+    writer._keepalive.cancel()  # the writer "dies": nobody refreshes the lease any more
+    await _until(lambda: key not in seen, within=10)
+    await writer._client.close()
+
+
+def test_local_stack_registers_routes_and_replaces_a_killed_worker(tmp_path: Path) -> None:
+    """The `tandem up` stack with instant workers: registration in etcd, routing, restart on death."""
+    import signal
+
+    with running_stack(tmp_path, router_port=0, worker_argv=instant_worker_argv, model="instant-model") as stack:
+
+        async def scenario() -> None:
+            async with aiohttp.ClientSession() as http:
+                body = {"model": "instant-model", "messages": [{"role": "user", "content": "hi"}]}
+                for _ in range(4):
+                    async with http.post(f"{stack.router_url}/v1/chat/completions", json=body) as resp:
+                        assert resp.status == 200
+                victim = stack.workers[-1]
+                victim_proc: ManagedProcess = victim.proc
+                victim_proc.signal(signal.SIGKILL)
+                await _until(lambda: victim.epoch == 1 and victim.registered, within=60)
+                for _ in range(8):
+                    async with http.post(f"{stack.router_url}/v1/chat/completions", json=body) as resp:
+                        assert resp.status == 200
+                assert stack.restarts == 1
+
+        asyncio.run(scenario())

@@ -1,0 +1,123 @@
+"""The simulated model (pure): surface words live in the KV bytes, clean output never trips the router's integrity
+detectors, and foreign KV makes the output repeat the foreign prompt's real words."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from tandem_router.integrity.detectors import PromptLeakIndex, find_bad_text, find_repetition_loop
+from tandem_sim import model
+
+W = model.weights(0, 256)
+
+
+def _words(rng: random.Random, n: int) -> list[str]:
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    pool = ["the", "of", "and", "to", "in", "über", "naïve", "東京", "x" * 70, *model.vocabulary()[1024:1100]]
+    return [
+        rng.choice(pool) if rng.random() < 0.3 else "".join(rng.choice(letters) for _ in range(rng.randint(2, 10)))
+        for _ in range(n)
+    ]
+
+
+def _generate(prompt: model.Tokens, params: model.SamplingParams, store: np.ndarray | None = None) -> list[str]:
+    """Run the decoder over a flat KV store (position p in row p), writing each new token's KV as the engine does."""
+    if store is None:
+        store = np.zeros((len(prompt.ids) + params.max_new_tokens, W.kv_bytes), dtype=np.uint8)
+        store[: len(prompt.ids)] = model.compute_kv(W, prompt)
+    decoder = model.Decoder(W, len(prompt.ids), params, lambda start, count: store[start : start + count].copy())
+    words: list[str] = []
+    for _ in range(params.max_new_tokens):
+        token, word = decoder.next_token()
+        if token == model.EOS_ID:
+            break
+        store[decoder.length - 1] = model.compute_kv(W, model.Tokens([token], [word]), decoder.length - 1)[0]
+        words.append(word)
+    return words
+
+
+def test_kv_roundtrip_keeps_the_real_word() -> None:
+    words = ["hello", "über", "東京", "kala", "y" * (W.surface_capacity + 1)]
+    tokens = model.tokenize(" ".join(words))
+    kv = model.compute_kv(W, tokens, 7)
+    for i, row in enumerate(kv):
+        slot = model.read_slot(W, row.tobytes())
+        assert slot.token == tokens.ids[i]
+        assert slot.position == 7 + i
+        expected = words[i] if len(words[i].encode()) <= W.surface_capacity else model.vocabulary()[tokens.ids[i]]
+        assert slot.word == expected
+        assert np.array_equal(model.compute_kv(W, model.Tokens([tokens.ids[i]], [words[i]]), 7 + i)[0], row)
+    # Another seed ("other weights") cannot read the words back.
+    assert model.read_slot(model.weights(1, 256), kv[0].tobytes()).word != "hello"
+
+
+def test_kv_bytes_minimum() -> None:
+    with pytest.raises(ValueError, match="kv_bytes must be >= 64"):
+        model.weights(0, model.MIN_KV_BYTES - 1)
+
+
+def test_closes_loop() -> None:
+    assert model.closes_loop(["a", "b", "a", "b", "a", "b"])
+    assert model.closes_loop(["x", "a", "a", "a"])
+    assert not model.closes_loop(["a", "b", "a", "b", "a", "c"])
+    assert not model.closes_loop(["a", "a"])
+
+
+@pytest.mark.timeout(120)
+def test_clean_outputs_never_trip_the_integrity_detectors() -> None:
+    """Many random prompts and sampling params: no repetition loop, no 8-word run of another prompt, no bad text,
+    and every output is deterministic."""
+    rng = random.Random(11)
+    cases = []
+    for i in range(400):
+        text = " ".join(_words(rng, rng.choice([1, 2, 5, rng.randint(1, 120)])))
+        params = model.SamplingParams(
+            max_new_tokens=rng.choice([1, 16, 64, 200]),
+            temperature=rng.choice([0.0, 0.7, 1.0]),
+            ignore_eos=rng.random() < 0.5,
+            sampling_seed=rng.choice([None, i]),
+        )
+        cases.append((str(i), text, params))
+    index = PromptLeakIndex()
+    for rid, text, _ in cases:
+        index.add(rid, text)
+    total = 0
+    for rid, text, params in cases:
+        words = _generate(model.tokenize(text), params)
+        output = " ".join(words)
+        total += len(words)
+        assert find_repetition_loop(output) is None, (text, output)
+        assert find_bad_text(output) is None, (text, output)
+        assert index.check(rid, text, output) is None, (text, output)
+        assert _generate(model.tokenize(text), params) == words
+    assert total > 10_000
+
+
+def test_foreign_kv_repeats_the_foreign_prompts_real_words() -> None:
+    """Slot reuse: the request's prompt slots hold another prompt's KV (computed for other positions). The output
+    collapses into the foreign prompt's actual words, which the router's leak and loop detectors both see."""
+    rng = random.Random(5)
+    detected = 0
+    for i in range(40):
+        own = " ".join(_words(rng, 40))
+        foreign_words = [f"foreign{i}w{j}" for j in range(60)]
+        params = model.SamplingParams(max_new_tokens=48, ignore_eos=True, temperature=1.0)
+        prompt = model.tokenize(own)
+        store = np.zeros((len(prompt.ids) + params.max_new_tokens, W.kv_bytes), dtype=np.uint8)
+        store[: len(prompt.ids)] = model.compute_kv(W, prompt)
+        decoder_view = store  # the reuse happens after admission: foreign KV at shifted positions
+        clean = _generate(prompt, params)
+        decoder_view[:40] = model.compute_kv(W, model.tokenize(" ".join(foreign_words)), 17)[:40]
+        garbled = _generate(prompt, params, decoder_view)
+        assert garbled != clean
+        assert set(garbled) & set(foreign_words), garbled
+        index = PromptLeakIndex()
+        index.add("own", own)
+        index.add("other", " ".join(foreign_words))
+        output = " ".join(garbled)
+        if index.check("own", own, output) is not None and find_repetition_loop(output) is not None:
+            detected += 1
+    assert detected >= 30, detected
