@@ -11,6 +11,7 @@ import json
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kubernetes_asyncio import client
@@ -53,7 +54,7 @@ async def lease_holder(api: client.ApiClient, namespace: str) -> str | None:
 async def event_reporters(api: client.ApiClient, namespace: str) -> dict[str, set[str]]:
     """reason -> reportingInstance of every Event in the namespace posted by the operator."""
     # Raw JSON: the generated model rejects the controller-manager's Events, which have no eventTime.
-    response = await client.EventsV1Api(api).list_namespaced_event(namespace, _preload_content=False)
+    response: Any = await client.EventsV1Api(api).list_namespaced_event(namespace, _preload_content=False)
     found: dict[str, set[str]] = {}
     for event in json.loads(await response.read())["items"]:
         if event.get("reportingController") == "tandem.dev/operator":
