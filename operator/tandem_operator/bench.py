@@ -83,6 +83,8 @@ def pdcluster(scale: Scale, etcd: str) -> dict[str, Any]:
 
 @dataclass
 class Measured:
+    pods_created_s: float = 0.0
+    pods_ready_s: float = 0.0
     ready_s: float = 0.0
     registered_s: float = 0.0
     rss_peak_mib: float = 0.0
@@ -110,6 +112,8 @@ def _table(scale: Scale, m: Measured) -> Table:
         title,
         ["measurement", "value", "unit"],
         [
+            [f"create -> all {pods} pods created by the operator", m.pods_created_s, "s"],
+            [f"create -> all {pods} pods scheduled and Ready (kwok)", m.pods_ready_s, "s"],
             ["create -> every group Ready (PDCluster phase Ready)", m.ready_s, "s"],
             ["create -> every group registered in etcd", m.registered_s, "s"],
             ["operator peak RSS (VmHWM)", m.rss_peak_mib, "MiB"],
@@ -123,7 +127,8 @@ def _table(scale: Scale, m: Measured) -> Table:
         notes=[
             f"{pods} pods; the worker image is not SGLang's, so no simulated worker runs: kwok marks pods Ready and "
             "that readiness drives gang status, registry and fencing",
-            "one kube-apiserver, controller-manager, scheduler, kwok and the operator share this machine's cores",
+            "one kube-apiserver, controller-manager, scheduler, kwok and the operator share this machine's cores; "
+            "pod counts are polled once a second",
         ],
     )
 
@@ -166,7 +171,12 @@ async def _measure(api: client.ApiClient, operator: ManagedProcess, etcd: str, s
         async def all_ready() -> bool:
             return await _ready(custom, scale)
 
-        m.ready_s = await _until(all_ready, began, 900)
+        pods = asyncio.create_task(_watch_pods(api, scale.groups * NODES_PER_GROUP, began, m))
+        try:
+            m.ready_s = await _until(all_ready, began, 900)
+            await asyncio.wait_for(pods, 60)
+        finally:
+            pods.cancel()
         m.registered_s = await _until(lambda: _equals(count_registered, scale.groups), began, 300)
         m.cpu_ramp_s = _cpu_seconds(operator.pid)
         m.rss_peak_mib, m.rss_now_mib = _memory_mib(operator.pid)
@@ -208,6 +218,25 @@ async def _fence_and_recover(
 
     m.recovered_s = await _until(all_ready, started, 300)
     m.operator_fence_ms = _logged_fence_ms(op.log_path)
+
+
+async def _watch_pods(api: client.ApiClient, n: int, began: float, m: Measured) -> None:
+    """Record when all ``n`` pods exist and when all are Ready (raw JSON: 400 pod models are slow to build)."""
+    core = client.CoreV1Api(api)
+    while not m.pods_ready_s:
+        response: Any = await core.list_namespaced_pod(NAMESPACE, _preload_content=False)
+        items = json.loads(await response.read())["items"]
+        now = time.monotonic() - began
+        if len(items) >= n and not m.pods_created_s:
+            m.pods_created_s = now
+        ready = sum(
+            any(c["type"] == "Ready" and c["status"] == "True" for c in (p.get("status") or {}).get("conditions") or [])
+            for p in items
+        )
+        if ready >= n:
+            m.pods_ready_s = now
+            return
+        await asyncio.sleep(1.0)
 
 
 async def _ready(custom: client.CustomObjectsApi, scale: Scale) -> bool:

@@ -10,6 +10,8 @@ import sys
 import pytest
 
 ROWS = (
+    "pods created by the operator",
+    "pods scheduled and Ready",
     "every group Ready",
     "every group registered",
     "peak RSS",
