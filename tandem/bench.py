@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 SECTIONS: dict[str, str] = {
     "sim": "tandem_sim.bench",
     "router": "tandem_router.bench",
+    "operator": "tandem_operator.bench",
 }
 
 

@@ -51,18 +51,39 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--etcd-endpoints", default="", help="comma-separated etcd endpoints overriding spec.etcd.endpoints"
     )
-    parser.add_argument("--lease-ttl", type=int, default=10, help="etcd lease TTL of registry entries (s)")
+    parser.add_argument(
+        "--lease-ttl",
+        type=int,
+        default=15,
+        help="etcd lease TTL of registry entries (s); longer than a leader failover, so entries survive one",
+    )
     parser.add_argument("--resync", type=float, default=30.0, help="periodic reconcile of every cluster (s)")
     parser.add_argument("--metrics-port", type=int, default=0, help="serve /healthz and /metrics on this port")
     parser.add_argument("--metrics-host", default="0.0.0.0", help="address of the /healthz and /metrics server")
     parser.add_argument("--no-leader-election", dest="leader_election", action="store_false")
     parser.add_argument("--leader-election-namespace", default=os.environ.get("POD_NAMESPACE") or _namespace_of_pod())
     parser.add_argument("--leader-election-name", default="tandem-operator")
+    parser.add_argument(
+        "--leader-lease-duration",
+        type=int,
+        default=6,
+        help="seconds a leader Lease lasts without renewal; a standby takes over after it (keep below --lease-ttl)",
+    )
+    parser.add_argument("--leader-retry", type=float, default=1.0, help="seconds between a standby's attempts")
     parser.add_argument("--identity", default=os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     if args.lease_ttl < 2:
         parser.error("--lease-ttl must be at least 2 seconds")
+    if args.leader_lease_duration < 3:
+        parser.error("--leader-lease-duration must be at least 3 seconds")
+    if not 0 < args.leader_retry < args.leader_lease_duration:
+        parser.error("--leader-retry must be positive and shorter than --leader-lease-duration")
+    if args.leader_election and args.leader_lease_duration + args.leader_retry >= args.lease_ttl:
+        parser.error(
+            "--leader-lease-duration + --leader-retry must stay below --lease-ttl (registry entries would "
+            "expire during a failover)"
+        )
     args.etcd = [e.strip() for e in args.etcd_endpoints.split(",") if e.strip()]
     return args
 
@@ -120,7 +141,12 @@ async def _run_operator(args: argparse.Namespace, configuration: k8s_client.Conf
     elector: LeaderElector | None = None
     if args.leader_election:
         elector = LeaderElector(
-            kube, name=args.leader_election_name, namespace=args.leader_election_namespace, identity=args.identity
+            kube,
+            name=args.leader_election_name,
+            namespace=args.leader_election_namespace,
+            identity=args.identity,
+            duration_s=args.leader_lease_duration,
+            retry_s=args.leader_retry,
         )
         log.info("waiting for leadership", extra={"identity": args.identity})
         await elector.acquire()

@@ -28,6 +28,8 @@ from tandem_operator.desired.naming import (
 from tandem_operator.desired.pods import RoleContext, group_pod, group_service
 from tandem_operator.desired.pools import pool_manifest
 from tandem_operator.fencing import Fence, FenceReason, GroupKey, death_reason, pod_facts
+from tandem_operator.integrity import CONDITION_TYPE as INTEGRITY_CONDITION
+from tandem_operator.integrity import integrity_condition
 from tandem_operator.k8s.apply import INITIAL_SIZE_MANAGER, object_path
 from tandem_operator.k8s.events import Reason
 from tandem_operator.metrics import RECOVERY_SECONDS
@@ -163,7 +165,14 @@ async def reconcile_once(rt: ClusterRuntime) -> None:
         previous=rt.conditions,
         now=_now(),
     )
-    rt.conditions = list(cluster.conditions)
+    now = _now()
+    conditions = list(cluster.conditions)
+    if rt.integrity_reports is not None:
+        conditions.append(integrity_condition(rt.integrity_reports, rt.conditions, rt.generation, now))
+    else:  # not listed yet: keep what the status says until the watch has synced
+        conditions += [c for c in rt.conditions if c.type == INTEGRITY_CONDITION]
+    cluster = cluster.model_copy(update={"conditions": conditions})
+    rt.conditions = conditions
     await rt.kube.apply(_status_body("PDCluster", rt.ref.name, ns, cluster.to_wire()), subresource="status")
 
 

@@ -18,11 +18,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from tandem.registry import Endpoint, Role
+from tandem.registry import Endpoint, IntegrityReport, Role
 from tandem_operator.api.common import API_VERSION
 from tandem_operator.api.pdcluster import PDClusterSpec
 from tandem_operator.desired.naming import ClusterRef, group_name, mooncake_cluster_id
 from tandem_operator.fencing import Fence, GroupKey, Pod, fence_decision, pod_facts, stale_mooncake_keys
+from tandem_operator.integrity import integrity_decision
+from tandem_operator.integrity_watch import IntegrityWatcher
 from tandem_operator.k8s.events import EventType, Reason, Regarding, event_manifest
 from tandem_operator.k8s.kube import Kube
 from tandem_operator.metrics import FENCE_SECONDS, FENCES
@@ -79,6 +81,9 @@ class ClusterRuntime:
         self._task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self.reconciled = asyncio.Event()  # set after each successful pass (tests wait on it)
+        # The routers' integrity reports (etcd key -> report); None until the watch has listed them once.
+        self.integrity_reports: dict[str, IntegrityReport] | None = None
+        self._integrity = IntegrityWatcher(registrar.endpoints, ref.namespace, ref.name, self._on_integrity)
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def update(self, spec: PDClusterSpec, generation: int, status: Mapping[str, Any]) -> None:
@@ -97,9 +102,11 @@ class ClusterRuntime:
         self.adopted = await self.registrar.list_endpoints(self.ref.namespace, self.ref.name)
         self.registrar.on_lease_lost(self._reregister)
         self._task = asyncio.create_task(self._loop(), name=f"reconcile-{self.ref.namespace}/{self.ref.name}")
+        self._integrity.start()
         self.kick()
 
     async def stop(self, *, unregister: bool) -> None:
+        await self._integrity.stop()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -193,6 +200,32 @@ class ClusterRuntime:
     async def on_nodes_lost(self, nodes: Collection[str]) -> None:
         for pod in [p for p in self.pods.values() if (p.get("spec") or {}).get("nodeName") in nodes]:
             await self.on_pod_event("MODIFIED", pod)
+
+    # -- integrity -------------------------------------------------------------------------------------------
+    async def _on_integrity(self, reports: dict[str, IntegrityReport]) -> None:
+        """A router's report changed: one Event per pair entering or leaving quarantine; the reconcile pass
+        writes the ``IntegrityDegraded`` condition. A restarted operator announces the pairs it finds again."""
+        decision = integrity_decision(
+            self.integrity_reports or {},
+            reports,
+            self.conditions,
+            self.generation,
+            datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        )
+        self.integrity_reports = reports
+        for event in decision.events:
+            type_ = EventType.WARNING if event.warning else EventType.NORMAL
+            self.emit(Reason(event.transition.value), event.note, event.transition.value.removeprefix("Pair"), type_)
+            log.warning(
+                "integrity quarantine changed",
+                extra={
+                    "cluster": f"{self.ref.namespace}/{self.ref.name}",
+                    "transition": event.transition.value,
+                    "prefill": event.pair.prefill,
+                    "decode": event.pair.decode,
+                },
+            )
+        self.kick()
 
     # -- events ----------------------------------------------------------------------------------------------
     def emit(self, reason: Reason, note: str, action: str, type_: EventType = EventType.NORMAL) -> None:

@@ -106,7 +106,7 @@ def pool_status(
     generation: int, role: RoleStatus, existing: int, label_selector: str, previous: Iterable[Condition], now: str
 ) -> PDPoolStatus:
     ready = role.ready_groups >= role.groups and role.updated_groups >= role.groups and existing == role.groups
-    condition = _condition(
+    ready_condition = condition(
         "Ready",
         ready,
         "AllGroupsReady" if ready else "GroupsNotReady",
@@ -122,13 +122,14 @@ def pool_status(
         updated_replicas=role.updated_groups,
         label_selector=label_selector,
         template_hash=role.template_hash,
-        conditions=[condition],
+        conditions=[ready_condition],
     )
 
 
-def _condition(
+def condition(
     kind: str, value: bool, reason: str, message: str, generation: int, previous: Iterable[Condition], now: str
 ) -> Condition:
+    """A condition of ``kind``; its transition time is kept from ``previous`` while the status stays the same."""
     status = ConditionStatus.TRUE if value else ConditionStatus.FALSE
     before = next((c for c in previous if c.type == kind), None)
     since = before.last_transition_time if before is not None and before.status is status else now
@@ -170,8 +171,8 @@ def cluster_status(
     recovering = prefill.recovering_groups + decode.recovering_groups
     counts = f"prefill {prefill.ready_groups}/{prefill.groups}, decode {decode.ready_groups}/{decode.groups} ready"
     conditions = [
-        _condition("Ready", serving, "Serving" if serving else "NoReadyPair", counts, generation, previous, now),
-        _condition(
+        condition("Ready", serving, "Serving" if serving else "NoReadyPair", counts, generation, previous, now),
+        condition(
             "Progressing",
             not complete,
             "Reconciling" if not complete else "Complete",
@@ -180,7 +181,7 @@ def cluster_status(
             previous,
             now,
         ),
-        _condition(
+        condition(
             "Degraded",
             recovering > 0,
             "GroupsRecovering" if recovering else "AllMembersAlive",

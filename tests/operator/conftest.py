@@ -7,8 +7,10 @@ from typing import Any
 
 import pytest
 
+from tandem.devcluster.cluster import DevCluster
 from tandem.procs import ManagedProcess, free_port
 from tandem_operator.api.pdcluster import PDClusterSpec
+from tests.operator.live import CRDS, run_tool
 
 KIMI_8XH200: dict[str, Any] = {
     "transfer": {"protocol": "rdma", "ibDevices": ["mlx5_0", "mlx5_1"]},
@@ -66,3 +68,10 @@ def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="session")
+async def tandem_crds(k8s_cluster: DevCluster) -> None:
+    """The generated CRDs applied once per session and Established."""
+    await run_tool(k8s_cluster, "kubectl", "apply", "--server-side", "-f", str(CRDS))
+    await run_tool(k8s_cluster, "kubectl", "wait", "--for=condition=Established", "--timeout=60s", "-f", str(CRDS))

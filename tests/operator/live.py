@@ -133,3 +133,12 @@ class Registry:
     async def leases(self, namespace: str, cluster: str) -> set[int]:
         kvs = await self.client.get_prefix(registry.cluster_prefix(namespace, cluster).encode())
         return {kv.lease for kv in kvs}
+
+
+async def ready(api: client.ApiClient, namespace: str, name: str, prefill: int, decode: int) -> bool:
+    status = await pdc_status(api, namespace, name)
+    return (
+        status.get("phase") == "Ready"
+        and (status.get("prefill") or {}).get("readyGroups") == prefill
+        and (status.get("decode") or {}).get("readyGroups") == decode
+    )

@@ -26,6 +26,7 @@ ALLOWED = {
     "registration": {"api", "desired", "status", "fencing", "registration"},
     "recovery": {"desired", "status", "fencing", "recovery"},
     "leader": {"leader"},
+    "integrity": {"api", "status", "integrity"},
 }
 
 

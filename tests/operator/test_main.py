@@ -17,6 +17,7 @@ def test_chart_flags_parse() -> None:
     assert args.etcd == ["tandem-etcd.ops.svc:2379", "http://10.0.0.9:2379"]
     assert args.namespace == []
     assert args.leader_election is True
+    assert args.leader_lease_duration + args.leader_retry < args.lease_ttl  # entries outlive a failover
     assert parse_args(["--namespace=a", "--namespace=b", "--no-leader-election"]).namespace == ["a", "b"]
 
 
@@ -27,6 +28,13 @@ def test_bad_flags_are_named(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--lease-ttl=1"])
     assert "--lease-ttl must be at least 2 seconds" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--lease-ttl=8", "--leader-lease-duration=8"])
+    assert "must stay below --lease-ttl" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--leader-retry=0"])
+    assert "--leader-retry must be positive" in capsys.readouterr().err
+    assert parse_args(["--lease-ttl=8", "--leader-lease-duration=8", "--no-leader-election"]).lease_ttl == 8
 
 
 async def test_healthz_and_metrics() -> None:

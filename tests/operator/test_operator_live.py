@@ -21,23 +21,16 @@ from tandem.procs import ManagedProcess
 from tandem_operator.recovery import fence_annotation
 from tests.devcluster_fixtures import eventually
 from tests.operator.live import (
-    CRDS,
     Registry,
     create_pdcluster,
     operator_process,
-    pdc_status,
     pdcluster,
     pods,
+    ready,
     run_tool,
 )
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(240)]
-
-
-@pytest.fixture(scope="session")
-async def tandem_crds(k8s_cluster: DevCluster) -> None:
-    await run_tool(k8s_cluster, "kubectl", "apply", "--server-side", "-f", str(CRDS))
-    await run_tool(k8s_cluster, "kubectl", "wait", "--for=condition=Established", "--timeout=60s", "-f", str(CRDS))
 
 
 @pytest.fixture
@@ -49,15 +42,6 @@ async def operator(
         yield proc
     finally:
         proc.stop()
-
-
-async def ready(api: client.ApiClient, namespace: str, name: str, prefill: int, decode: int) -> bool:
-    status = await pdc_status(api, namespace, name)
-    return (
-        status.get("phase") == "Ready"
-        and (status.get("prefill") or {}).get("readyGroups") == prefill
-        and (status.get("decode") or {}).get("readyGroups") == decode
-    )
 
 
 async def test_a_pdcluster_becomes_ready_with_the_right_pods_and_scales(

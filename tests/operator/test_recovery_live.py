@@ -28,7 +28,6 @@ from tandem.devcluster.podrunner import PodRunner
 from tandem.procs import ManagedProcess, free_port
 from tests.devcluster_fixtures import eventually
 from tests.operator.live import Registry, create_pdcluster, operator_process, pdc_status, pdcluster, pods
-from tests.operator.test_operator_live import tandem_crds  # noqa: F401  (session fixture)
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(300)]
 PEER = Path(__file__).with_name("mooncake_peer.py")
@@ -78,7 +77,7 @@ async def test_a_decode_pod_deleted_under_load_is_fenced_cleaned_recreated_and_r
     k8s_cluster: DevCluster,
     k8s_api: client.ApiClient,
     k8s_namespace: str,
-    tandem_crds: None,  # noqa: F811
+    tandem_crds: None,
     etcd_endpoint: str,
     runner: PodRunner,
     tmp_path: Path,

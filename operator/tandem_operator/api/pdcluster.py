@@ -356,7 +356,14 @@ class PDClusterStatus(CrdModel):
     observed_generation: int = Field(default=0, ge=0)
     phase: Phase = Phase.PENDING
     revision: str = Field(default="", description="Compatibility revision: routers pair equal revisions only.")
-    conditions: list[Condition] = Field(default_factory=list, max_length=16, json_schema_extra=CONDITIONS_LIST)
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        max_length=16,
+        json_schema_extra=CONDITIONS_LIST,
+        description="Ready (a prefill and a decode group serve), Progressing (groups being created, scaled or "
+        "rolled), Degraded (groups recreated after a member died), IntegrityDegraded (live routers quarantined "
+        "prefill/decode pairs for garbled output; the message names them and why).",
+    )
     prefill: RoleStatus = Field(default_factory=RoleStatus)
     decode: RoleStatus = Field(default_factory=RoleStatus)
     recoveries: int = Field(default=0, ge=0, description="Groups recreated after a member died.")

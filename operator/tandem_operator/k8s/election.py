@@ -1,8 +1,9 @@
 """Leader election adapter: holds a ``coordination.k8s.io/v1`` Lease, deciding with ``tandem_operator.leader``.
 
 ``acquire`` blocks until this replica holds the Lease; ``hold`` renews it every ``duration / 3`` and returns when
-leadership is lost (a renewal failed for longer than the Lease lasts, or another replica took it), so the caller
-stops the operator. ``release`` gives the Lease up on a clean shutdown (client-go's ReleaseOnCancel): in a rolling
+leadership is lost (no successful renewal for ``2/3`` of the Lease's duration -- client-go's renew deadline, so a
+cut-off holder stops before a standby may take over -- or another replica took it), so the caller stops the
+operator. ``release`` gives the Lease up on a clean shutdown (client-go's ReleaseOnCancel): in a rolling
 update the new replica takes over at its next round (every ``retry_s``) instead of waiting out the Lease, well
 before the old replica's registry entries expire with its etcd lease.
 """
@@ -24,7 +25,7 @@ log = logging.getLogger("tandem.operator.leader")
 
 class LeaderElector:
     def __init__(
-        self, kube: Kube, *, name: str, namespace: str, identity: str, duration_s: int = 15, retry_s: float = 2.0
+        self, kube: Kube, *, name: str, namespace: str, identity: str, duration_s: int = 6, retry_s: float = 1.0
     ) -> None:
         self.kube, self.name, self.namespace, self.identity, self.duration_s = (
             kube,
@@ -102,6 +103,6 @@ class LeaderElector:
                 return
             except Exception as err:
                 log.warning("lease renewal failed", extra={"error": repr(err)})
-            if time.monotonic() - last_renewed > self.duration_s:
+            if time.monotonic() - last_renewed >= self.duration_s * 2 / 3:
                 log.error("leadership lost: could not renew the lease in time", extra={"lease": self.name})
                 return

@@ -26,6 +26,8 @@ class Reason(StrEnum):
     SCALED_DOWN = "ScaledDown"
     ROLLOUT_STEP = "RolloutStep"
     INVALID_SPEC = "InvalidSpec"
+    PAIR_QUARANTINED = "PairQuarantined"
+    PAIR_RELEASED = "PairReleased"
 
 
 @dataclass(frozen=True)
