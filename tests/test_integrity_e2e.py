@@ -198,3 +198,35 @@ async def test_clean_run_of_10000_requests_has_no_false_positive(
     assert doc["quarantined"] == []
     assert checked >= 10_000
     assert canaries > 0
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(240)
+async def test_shadow_comparison_finds_the_garbling_decode(tmp_path: Path, proc_factory: list[ManagedProcess]) -> None:
+    # Only the shadow comparison can see the garbling here: no canary round runs, and the prompt-leak detector
+    # would need 64 words of another prompt.
+    flags = ["--shadow-rate", "1", "--leak-ngram-words", "64", "--canary-interval-s", "3600"]
+    stack = _start_stack(
+        tmp_path, proc_factory, race=[False, True], router_flags=[*flags, "--quarantine-probe-initial-s", "600"]
+    )
+    bad = stack.decodes[1].url
+    bodies = [{**b, "sampling_params": {**b["sampling_params"], "temperature": 0.0}} for b in prompts(3000, seed=5)]
+    done = asyncio.Event()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as sess:
+
+        async def watch() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not done.is_set():
+                doc = await _integrity(sess, stack.router_url)
+                if bad in doc["quarantined_workers"]:
+                    break
+                await asyncio.sleep(0.2)
+            done.set()
+
+        watcher = asyncio.create_task(watch())
+        await _load(sess, stack.router_url, bodies, concurrency=32, until=done)
+        await watcher
+        doc = await _integrity(sess, stack.router_url)
+    assert await metric_sum(stack.router_url, "tandem_integrity_shadows_total") > 0  # shadows ran
+    assert doc["quarantined_workers"] == [bad], doc
+    assert any("shadow" in q["reason"] for q in doc["quarantined"]), doc

@@ -43,6 +43,7 @@ from tandem_router.schema import (
     item_count,
     prompt_text,
 )
+from tandem_router.shadow import ShadowSampler
 from tandem_router.transport import Transport, TransportConfig
 
 log = logging.getLogger("tandem.router")
@@ -63,6 +64,7 @@ class RouterState:
     discovery: Discovery
     integrity: IntegrityMonitor | None = None
     canary: CanaryProber | None = None
+    shadow: ShadowSampler | None = None
     background: list[asyncio.Task[None]] = field(default_factory=list)
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     in_flight: int = 0
@@ -121,17 +123,26 @@ def build_app(settings: RouterSettings, gates: tuple[PairGate, ...] = ()) -> web
     )
     metrics = RouterMetrics(pool)
     retry_cfg = RetryConfig(settings.retry_max_attempts, settings.retry_initial_backoff_s)
+    shadow = ShadowSampler(monitor, transport, pool, settings.shadow_rate) if monitor is not None else None
     state = RouterState(
         settings,
         pool,
         transport,
         metrics,
-        Proxy(pool, transport, metrics, retry_cfg, observer=monitor),
+        Proxy(
+            pool,
+            transport,
+            metrics,
+            retry_cfg,
+            observer=monitor,
+            on_complete=shadow.completed if shadow is not None else None,
+        ),
         HealthChecker(pool, transport, settings.health_interval_s),
         make_discovery(pool, settings),
     )
     if monitor is not None:
         state.integrity = monitor
+        state.shadow = shadow
         state.canary = CanaryProber(
             monitor, transport, lambda: _pairs_for_canary(state), CanaryConfig(interval_s=settings.canary_interval_s)
         )
@@ -188,6 +199,8 @@ async def _cleanup(app: web.Application) -> None:
     s = app[_STATE]
     s.stop.set()
     await asyncio.gather(*s.background, return_exceptions=True)
+    if s.shadow is not None:
+        await s.shadow.drain()
     await s.health.stop()
     await s.discovery.stop()
     await s.proxy.drain_background()

@@ -71,6 +71,12 @@ class IntegrityMetrics:
         self.canaries = Counter(
             "tandem_integrity_canaries", "Known-answer canary probes, by result.", ["result"], registry=registry
         )
+        self.shadows = Counter(
+            "tandem_integrity_shadows",
+            "Sampled shadow comparisons of a live request on a second pair, by result.",
+            ["result"],
+            registry=registry,
+        )
         self.quarantines = Counter("tandem_integrity_quarantines", "Pairs put into quarantine.", registry=registry)
         self.releases = Counter(
             "tandem_integrity_releases", "Pairs released from quarantine after clean probes.", registry=registry
@@ -164,6 +170,9 @@ class IntegrityMonitor:
         elif not clean:
             self.failure(pair, reason)
         self._update_gauge()
+
+    def shadow_result(self, match: bool) -> None:
+        self.metrics.shadows.labels("match" if match else "mismatch").inc()
 
     def probes_due(self) -> list[PairKey]:
         return self.book.probes_due(self.clock())
