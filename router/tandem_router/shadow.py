@@ -15,15 +15,11 @@ import random
 import time
 from typing import Any
 
-import aiohttp
-import orjson
-
 from tandem_router.integrity.monitor import IntegrityMonitor
-from tandem_router.integrity.textextract import body_texts
-from tandem_router.policy import bootstrap
+from tandem_router.pair_request import texts_from_pair
 from tandem_router.pool import Pair, WorkerPool
 from tandem_router.proxy import ProxyRequest
-from tandem_router.transport import Transport, WorkerError
+from tandem_router.transport import Transport
 
 log = logging.getLogger("tandem.router.shadow")
 
@@ -93,32 +89,13 @@ class ShadowSampler:
             self.monitor.failure(second.key, f"shadow: text differs from two other pairs ({other[:60]!r})")
 
     async def _run(self, pair: Pair, req: ProxyRequest) -> str | None:
-        body = bootstrap.inject(
-            {**req.body, "stream": False},
-            host=bootstrap.bootstrap_host(pair.prefill.url),
-            port=pair.prefill.bootstrap_port,
-            items=0,
+        texts = await texts_from_pair(
+            self.transport,
+            pair,
+            req.route.value,
+            req.body,
             rng=self.rng,
-            dp_size=pair.prefill.attn_dp_size,
+            request_id=f"shadow-{req.request_id}",
+            timeout_s=60,
         )
-        data = orjson.dumps(body)
-        headers = {"Content-Type": "application/json", "X-Request-Id": f"shadow-{req.request_id}"}
-        path = req.route.value
-        try:
-            async with asyncio.timeout(60):
-                responses = await asyncio.gather(
-                    self.transport.open_post(pair.prefill.url, path, data, headers),
-                    self.transport.open_post(pair.decode.url, path, data, headers),
-                )
-                bodies = []
-                for resp in responses:
-                    async with resp:
-                        bodies.append((resp.status, await resp.read()))
-        except (TimeoutError, WorkerError, aiohttp.ClientError, OSError) as err:
-            log.info("shadow request failed", extra={"request_id": req.request_id, "error": repr(err)})
-            return None
-        (p_status, _), (d_status, d_body) = bodies
-        if p_status != 200 or d_status != 200:
-            return None
-        texts = body_texts(path, d_body)
-        return texts[0] if len(texts) == 1 else None
+        return texts[0] if texts is not None and len(texts) == 1 else None
