@@ -71,6 +71,14 @@ async def _worker_urls_seen_by_router(url: str) -> set[str]:
             if line.startswith("tandem_router_worker_in_flight{")}  # fmt: skip
 
 
+async def _in_flight(url: str, worker: str) -> float:
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    prefix = "tandem_router_worker_in_flight{"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(prefix) and f'worker="{worker}"' in line)  # fmt: skip
+
+
 def test_kill_a_prefill_and_a_decode_under_64_streams(tmp_path: Path) -> None:
     with running_stack(tmp_path, router_port=0, worker_argv=_slow_sim, restart=False, worker_env=FAST_PD_ENV,
                        router_args=["--retry-max-attempts", "6", "--policy", "round_robin"]) as stack:  # fmt: skip
@@ -96,7 +104,8 @@ async def _kill_under_load(stack: LocalStack, client: openai.AsyncOpenAI) -> Non
             return await asyncio.wait_for(_one(client, i), 90)  # a hang fails the test here
 
     tasks = [asyncio.create_task(bounded(i)) for i in range(TOTAL)]
-    while len(STREAMING) < CONCURRENCY // 2:  # kill while many streams are mid-flight, however loaded the machine
+    # Kill while many streams are mid-flight, some of them on the victim decode, however loaded the machine.
+    while len(STREAMING) < CONCURRENCY // 2 or await _in_flight(stack.router_url, decode.url) < 4:
         assert not all(t.done() for t in tasks), "all requests ended before the kill"
         await asyncio.sleep(0.05)
     killed_at = time.monotonic()
