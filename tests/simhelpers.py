@@ -72,3 +72,10 @@ async def bounded(concurrency: int, jobs: list[Any]) -> list[Any]:
             return await job
 
     return await asyncio.gather(*(run(j) for j in jobs))
+
+
+async def metric_sum(url: str, name: str) -> float:
+    """Sum of every sample of metric ``name`` (all label sets) on ``url``/metrics."""
+    async with aiohttp.ClientSession() as sess, sess.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.split("{")[0].split(" ")[0] == name)

@@ -21,9 +21,11 @@ import pytest
 
 from tandem.procs import ManagedProcess, free_port
 from tandem_sim.testing import SimWorker, start_decode, start_prefill, start_worker
-from tests.simhelpers import bounded, prompts
+from tests.simhelpers import bounded, metric_sum, prompts
 
-DECODE_POOL = ["--max-total-tokens", "2048", "--page-size", "4"]
+# A small decode pool (pages reused constantly) with 16-token pages, so a reused page holds a run of another
+# prompt's words long enough for the prompt-leak detector (8 words).
+DECODE_POOL = ["--max-total-tokens", "2048", "--page-size", "16"]
 OFFLOAD = ["--disaggregation-decode-enable-offload-kvcache", "--hicache-storage-backend", "file"]
 SPEED = ["--sim-inter-token-ms", "1"]
 
@@ -111,19 +113,16 @@ async def _integrity(sess: aiohttp.ClientSession, url: str) -> dict[str, Any]:
         return doc
 
 
-async def _metric(sess: aiohttp.ClientSession, url: str, name: str) -> float:
-    async with sess.get(f"{url}/metrics") as resp:
-        text = await resp.text()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.split("{")[0].split(" ")[0] == name)
-
-
 @pytest.mark.netns
 @pytest.mark.timeout(240)
 async def test_garbling_decode_is_quarantined_within_10s_and_clean_pairs_keep_serving(
     tmp_path: Path, proc_factory: list[ManagedProcess]
 ) -> None:
     stack = _start_stack(
-        tmp_path, proc_factory, race=[False, True], router_flags=["--quarantine-probe-initial-s", "600"]
+        tmp_path,
+        proc_factory,
+        race=[False, True],
+        router_flags=["--quarantine-probe-initial-s", "600", "--canary-interval-s", "3"],
     )
     bad = stack.decodes[1].url
     bodies = prompts(3000, seed=11)
@@ -148,7 +147,7 @@ async def test_garbling_decode_is_quarantined_within_10s_and_clean_pairs_keep_se
         await watcher
         wanted = await _references(sess, stack.reference, [r.body for r in results])
         doc = await _integrity(sess, stack.router_url)
-        quarantines = await _metric(sess, stack.router_url, "tandem_integrity_quarantines_total")
+        quarantines = await metric_sum(stack.router_url, "tandem_integrity_quarantines_total")
 
     assert all(r.status == 200 for r in results), [r.text for r in results if r.status != 200][:3]
     garbled = [r for r, want in zip(results, wanted, strict=True) if r.text != want]
@@ -169,22 +168,28 @@ async def test_garbling_decode_is_quarantined_within_10s_and_clean_pairs_keep_se
 
 
 @pytest.mark.netns
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 async def test_clean_run_of_10000_requests_has_no_false_positive(
     tmp_path: Path, proc_factory: list[ManagedProcess]
 ) -> None:
     stack = _start_stack(tmp_path, proc_factory, race=[False, False], router_flags=["--canary-interval-s", "2"])
-    unique = prompts(500, seed=23)
+    # Short outputs keep 10,000 requests to about a minute on 2 cores; the prompts still cycle the small decode pool
+    # (and its offload) many times over. Each of the 500 distinct bodies is sent 20 times.
+    unique = [{**b, "sampling_params": {**b["sampling_params"], "max_new_tokens": 4 + i % 9}} for i, b in
+              enumerate(prompts(500, seed=23))]  # fmt: skip
     bodies = [unique[i % len(unique)] for i in range(10_000)]
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as sess:
+        started = time.monotonic()
         results = await _load(sess, stack.router_url, bodies, concurrency=64, until=asyncio.Event())
+        elapsed = time.monotonic() - started
+        print(f"\nclean run: {len(results)} requests in {elapsed:.1f} s ({len(results) / elapsed:.0f} req/s)")
         wanted = dict(
             zip((orjson.dumps(b) for b in unique), await _references(sess, stack.reference, unique), strict=True)
         )
         doc = await _integrity(sess, stack.router_url)
-        detections = await _metric(sess, stack.router_url, "tandem_integrity_detections_total")
-        checked = await _metric(sess, stack.router_url, "tandem_integrity_checked_responses_total")
-        canaries = await _metric(sess, stack.router_url, "tandem_integrity_canaries_total")
+        detections = await metric_sum(stack.router_url, "tandem_integrity_detections_total")
+        checked = await metric_sum(stack.router_url, "tandem_integrity_checked_responses_total")
+        canaries = await metric_sum(stack.router_url, "tandem_integrity_canaries_total")
     assert len(results) == 10_000
     assert all(r.status == 200 for r in results)
     garbled = [r for r in results if r.text != wanted[orjson.dumps(r.body)]]
@@ -193,3 +198,35 @@ async def test_clean_run_of_10000_requests_has_no_false_positive(
     assert doc["quarantined"] == []
     assert checked >= 10_000
     assert canaries > 0
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(240)
+async def test_shadow_comparison_finds_the_garbling_decode(tmp_path: Path, proc_factory: list[ManagedProcess]) -> None:
+    # Only the shadow comparison can see the garbling here: no canary round runs, and the prompt-leak detector
+    # would need 64 words of another prompt.
+    flags = ["--shadow-rate", "1", "--leak-ngram-words", "64", "--canary-interval-s", "3600"]
+    stack = _start_stack(
+        tmp_path, proc_factory, race=[False, True], router_flags=[*flags, "--quarantine-probe-initial-s", "600"]
+    )
+    bad = stack.decodes[1].url
+    bodies = [{**b, "sampling_params": {**b["sampling_params"], "temperature": 0.0}} for b in prompts(3000, seed=5)]
+    done = asyncio.Event()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as sess:
+
+        async def watch() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not done.is_set():
+                doc = await _integrity(sess, stack.router_url)
+                if bad in doc["quarantined_workers"]:
+                    break
+                await asyncio.sleep(0.2)
+            done.set()
+
+        watcher = asyncio.create_task(watch())
+        await _load(sess, stack.router_url, bodies, concurrency=32, until=done)
+        await watcher
+        doc = await _integrity(sess, stack.router_url)
+    assert await metric_sum(stack.router_url, "tandem_integrity_shadows_total") > 0  # shadows ran
+    assert doc["quarantined_workers"] == [bad], doc
+    assert any("shadow" in q["reason"] for q in doc["quarantined"]), doc

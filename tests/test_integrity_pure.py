@@ -178,3 +178,24 @@ def test_probation_after_release_requarantines_on_one_failure_with_longer_backof
     book.record_probe(PAIR, clean=True, now=22.0)
     book.record_probe(PAIR, clean=True, now=22.0)
     assert book.record_failure(PAIR, "late", now=80.0) is None  # probation over: back to the threshold
+
+
+def test_failures_of_one_worker_with_two_partners_quarantine_all_its_pairs() -> None:
+    book = IntegrityBook(QuarantinePolicy(threshold=2, window_s=10, worker_spread=2))
+    known = [("p0", "d0"), ("p1", "d0"), ("p2", "d0"), ("p0", "d1"), ("p1", "d1"), ("p2", "d1")]
+    assert book.record_failure(("p0", "d0"), "leak", 0.0) is None
+    assert book.spread_to_workers(("p0", "d0"), known, "leak", 0.0) == []
+    assert book.record_failure(("p1", "d0"), "leak", 1.0) is None
+    newly = book.spread_to_workers(("p1", "d0"), known, "leak", 1.0)
+    assert sorted(newly) == [("p0", "d0"), ("p1", "d0"), ("p2", "d0")]  # d0 is the common factor
+    assert book.quarantined_workers(known) == {"d0"}
+    assert not book.is_quarantined(("p0", "d1"))
+    assert "d0 failed with 2 partners" in book.quarantined()[0].reason
+
+
+def test_spread_needs_failures_within_the_window() -> None:
+    book = IntegrityBook(QuarantinePolicy(threshold=5, window_s=10, worker_spread=2))
+    known = [("p0", "d0"), ("p1", "d0")]
+    book.record_failure(("p0", "d0"), "x", 0.0)
+    book.record_failure(("p1", "d0"), "x", 30.0)
+    assert book.spread_to_workers(("p1", "d0"), known, "x", 30.0) == []

@@ -18,8 +18,8 @@ import pytest
 
 from tandem.procs import ManagedProcess
 from tandem_sim.testing import SimWorker, start_decode, start_prefill, start_worker
-from tests.simhelpers import REAL_WORDS, bounded, pd_generate
-from tests.test_sim_integrity import DECODE_POOL, _metric
+from tests.simhelpers import REAL_WORDS, bounded, metric_sum, pd_generate
+from tests.test_sim_integrity import DECODE_POOL
 
 CONVERSATIONS = 160
 CONCURRENCY = 64
@@ -86,12 +86,12 @@ async def test_offload_fixed_protocol_l3_prefix_hits_are_correct(
     assert all(got == want for _, (got, want), _ in results)  # first turns
     mismatches = [(got, want) for _, _, (got, want) in results if got != want]
     assert mismatches == [], mismatches[:2]
-    hits = await _metric(prefill.url, "tandem_sim:hicache_storage_hit_tokens_total")
+    hits = await metric_sum(prefill.url, "tandem_sim:hicache_storage_hit_tokens_total")
     # Beyond the first turn's prompt pages (written through by the prefill), the pages the decode offloaded were
     # read back too: turn 2 hit more tokens than all first-turn prompts hold.
     first_prompt_tokens = sum(len(b["text"].split()) - len(t1[0].split()) - 6 for b, t1, _ in results)
     assert hits > first_prompt_tokens
-    assert await _metric(decode.url, "tandem_sim:offload_poisoned_pages_total") == 0.0
+    assert await metric_sum(decode.url, "tandem_sim:offload_poisoned_pages_total") == 0.0
 
 
 @pytest.mark.netns
@@ -101,8 +101,8 @@ async def test_injected_race_poisons_l3_and_the_next_turn_reads_it_back(
 ) -> None:
     prefill, decode, reference = _start(tmp_path, proc_factory, race=True)
     results = await _conversations(prefill, decode, reference)
-    assert await _metric(decode.url, "tandem_sim:offload_poisoned_pages_total") > 0
-    assert await _metric(prefill.url, "tandem_sim:hicache_storage_hit_tokens_total") > 0
+    assert await metric_sum(decode.url, "tandem_sim:offload_poisoned_pages_total") > 0
+    assert await metric_sum(prefill.url, "tandem_sim:hicache_storage_hit_tokens_total") > 0
     # Conversations whose first turn came out right (race 1 did not hit them) still go wrong on the second turn:
     # the only difference from the reference is KV read back from the poisoned store.
     clean_first = [(t1, t2) for _, t1, t2 in results if t1[0] == t1[1]]

@@ -16,7 +16,7 @@ import pytest
 from tandem.procs import ManagedProcess
 from tandem_router.integrity.detectors import PromptLeakIndex, find_bad_text, find_repetition_loop
 from tandem_sim.testing import SimWorker, start_decode, start_prefill, start_worker
-from tests.simhelpers import REAL_WORDS, bounded, pd_generate, prompts
+from tests.simhelpers import REAL_WORDS, bounded, metric_sum, pd_generate, prompts
 
 N_REQUESTS = 500
 CONCURRENCY = 64
@@ -52,12 +52,6 @@ async def _run_all(prefill: SimWorker, decode: SimWorker, reference: SimWorker) 
         return await bounded(CONCURRENCY, [one(b) for b in bodies])
 
 
-async def _metric(url: str, name: str) -> float:
-    async with aiohttp.ClientSession() as sess, sess.get(f"{url}/metrics") as resp:
-        text = await resp.text()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
-
-
 @pytest.mark.netns
 @pytest.mark.timeout(240)
 async def test_pd_equals_aggregated_under_load_with_offload(tmp_path: Path, proc_factory: list[ManagedProcess]) -> None:
@@ -71,10 +65,10 @@ async def test_pd_equals_aggregated_under_load_with_offload(tmp_path: Path, proc
     # The pool really was reused many times over, and offload ran.
     prompt_tokens = sum(g["meta_info"]["prompt_tokens"] for _, _, g, _, _ in results)
     assert prompt_tokens > 5 * 2048
-    assert await _metric(decode.url, "sglang:kv_transfer_total_mb_sum") == 0.0  # decode sends nothing
-    moved_mb = await _metric(prefill.url, "sglang:kv_transfer_total_mb_sum")
+    assert await metric_sum(decode.url, "sglang:kv_transfer_total_mb_sum") == 0.0  # decode sends nothing
+    moved_mb = await metric_sum(prefill.url, "sglang:kv_transfer_total_mb_sum")
     assert moved_mb == pytest.approx(prompt_tokens * 256 / 1e6, rel=1e-6)  # every prompt KV byte really moved
-    assert await _metric(decode.url, "tandem_sim:offload_poisoned_pages_total") == 0.0
+    assert await metric_sum(decode.url, "tandem_sim:offload_poisoned_pages_total") == 0.0
     # The router's integrity detectors see nothing in clean output.
     index = _leak_index(results)
     for i, (body, _, got, _, _) in enumerate(results):

@@ -21,11 +21,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from tandem.registry import Role
 from tandem_router.canary import CanaryConfig, CanaryProber
-from tandem_router.config import RouterSettings
+from tandem_router.config import DiscoveryMode, RouterSettings
 from tandem_router.discovery import Discovery, make_discovery
 from tandem_router.health import HealthChecker
 from tandem_router.integrity.monitor import IntegrityConfig, IntegrityMonitor
 from tandem_router.integrity.quarantine import QuarantinePolicy
+from tandem_router.integrity_publisher import IntegrityPublisher
 from tandem_router.metrics import RouterMetrics
 from tandem_router.openapi import document
 from tandem_router.policy.breaker import BreakerConfig
@@ -42,6 +43,7 @@ from tandem_router.schema import (
     item_count,
     prompt_text,
 )
+from tandem_router.shadow import ShadowSampler
 from tandem_router.transport import Transport, TransportConfig
 
 log = logging.getLogger("tandem.router")
@@ -62,6 +64,7 @@ class RouterState:
     discovery: Discovery
     integrity: IntegrityMonitor | None = None
     canary: CanaryProber | None = None
+    shadow: ShadowSampler | None = None
     background: list[asyncio.Task[None]] = field(default_factory=list)
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     in_flight: int = 0
@@ -120,17 +123,26 @@ def build_app(settings: RouterSettings, gates: tuple[PairGate, ...] = ()) -> web
     )
     metrics = RouterMetrics(pool)
     retry_cfg = RetryConfig(settings.retry_max_attempts, settings.retry_initial_backoff_s)
+    shadow = ShadowSampler(monitor, transport, pool, settings.shadow_rate) if monitor is not None else None
     state = RouterState(
         settings,
         pool,
         transport,
         metrics,
-        Proxy(pool, transport, metrics, retry_cfg, observer=monitor),
+        Proxy(
+            pool,
+            transport,
+            metrics,
+            retry_cfg,
+            observer=monitor,
+            on_complete=shadow.completed if shadow is not None else None,
+        ),
         HealthChecker(pool, transport, settings.health_interval_s),
         make_discovery(pool, settings),
     )
     if monitor is not None:
         state.integrity = monitor
+        state.shadow = shadow
         state.canary = CanaryProber(
             monitor, transport, lambda: _pairs_for_canary(state), CanaryConfig(interval_s=settings.canary_interval_s)
         )
@@ -171,6 +183,11 @@ async def _startup(app: web.Application) -> None:
     s.health.start()
     if s.canary is not None:
         s.background.append(asyncio.create_task(s.canary.run(s.stop)))
+    if s.integrity is not None and s.settings.discovery is DiscoveryMode.ETCD:
+        publisher = IntegrityPublisher(
+            s.integrity, s.settings.etcd_endpoints, s.settings.cluster_namespace, s.settings.cluster_name
+        )
+        s.background.append(asyncio.create_task(publisher.run(s.stop)))
 
 
 async def _shutdown(app: web.Application) -> None:
@@ -182,6 +199,8 @@ async def _cleanup(app: web.Application) -> None:
     s = app[_STATE]
     s.stop.set()
     await asyncio.gather(*s.background, return_exceptions=True)
+    if s.shadow is not None:
+        await s.shadow.drain()
     await s.health.stop()
     await s.discovery.stop()
     await s.proxy.drain_background()

@@ -53,6 +53,9 @@ class Result:
     ttft_p99_ms: float
 
 
+NO_INTEGRITY = "tandem router --no-integrity"
+
+
 def smg_python() -> Path | None:
     """The Python of a venv with ``smg`` pinned, created on first use; None if it cannot be installed here."""
     venv = CACHE / f"smg-{SMG_VERSION}"
@@ -189,6 +192,13 @@ def _processes(workdir: Path, quick: bool) -> Iterator[tuple[list[Target], list[
             f"http://127.0.0.1:{t_port}/readiness",
         )
         targets.append(Target("tandem router", f"http://127.0.0.1:{t_port}", BODY, tandem))
+        off_port = free_port()
+        tandem_off = start(
+            "tandem-no-integrity",
+            [py, "-m", "tandem.cli", "router", "--port", str(off_port), "--no-integrity", *router_args],
+            f"http://127.0.0.1:{off_port}/readiness",
+        )
+        targets.append(Target(NO_INTEGRITY, f"http://127.0.0.1:{off_port}", BODY, tandem_off))
         t2_port = free_port()
         tandem2 = start(
             "tandem2",
@@ -294,6 +304,12 @@ def router_cost(args: BenchArgs) -> Table:
             ]
         )
     table.notes += notes
+    on, off = results.get("tandem router"), results.get(NO_INTEGRITY)
+    if on and off:
+        table.notes.append(
+            f"output-integrity checks (detectors on every response, canaries): {on.cpu_us - off.cpu_us:+.0f} us CPU "
+            f"per request, throughput {on.rps / off.rps:.2f}x of the router without them (same run)"
+        )
     table.notes.append(
         "CPU us/req: the router's own CPU time (all its processes) per request, from /proc; unlike req/s it hardly "
         "depends on what else this shared machine runs"

@@ -17,14 +17,11 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import aiohttp
-import orjson
-
 from tandem_router.integrity.consensus import judge
 from tandem_router.integrity.monitor import IntegrityMonitor, PairKey
-from tandem_router.policy import bootstrap
+from tandem_router.pair_request import texts_from_pair
 from tandem_router.pool import Pair
-from tandem_router.transport import Transport, WorkerError
+from tandem_router.transport import Transport
 
 log = logging.getLogger("tandem.router.canary")
 
@@ -94,9 +91,11 @@ class CanaryProber:
             "canary round",
             extra={"pairs": len(pairs), "answered": len(by_pair), "failed": sorted(verdict.failed)},
         )
-        for key in verdict.passed:
+        # Quarantined pairs' answers count towards the consensus but not for their release: that is the job of
+        # the scheduled burst re-probes (one quiet clean answer proves little against a load-dependent race).
+        for key in verdict.passed - self.monitor.quarantined_keys():
             self.monitor.canary_result(key, True)
-        for key in verdict.failed:
+        for key in verdict.failed - self.monitor.quarantined_keys():
             self.monitor.canary_result(key, False, f"canary answer differs from the pool's: {by_pair[key][:80]!r}")
 
     async def reprobe_due(self) -> None:
@@ -117,38 +116,18 @@ class CanaryProber:
 
     async def probe(self, pair: Pair, prompt: str) -> str | None:
         """The decode's text for ``prompt`` through exactly this pair, or None if the pair could not answer."""
-        body = bootstrap.inject(
-            {
-                "text": prompt,
-                "sampling_params": {
-                    "temperature": 0.0,
-                    "max_new_tokens": self.cfg.max_new_tokens,
-                    "sampling_seed": self.cfg.seed,  # SGLang 0.5.23 SamplingParams
-                },
-            },
-            host=bootstrap.bootstrap_host(pair.prefill.url),
-            port=pair.prefill.bootstrap_port,
-            items=0,
+        params = {
+            "temperature": 0.0,
+            "max_new_tokens": self.cfg.max_new_tokens,
+            "sampling_seed": self.cfg.seed,  # SGLang 0.5.23 SamplingParams
+        }
+        texts = await texts_from_pair(
+            self.transport,
+            pair,
+            "/generate",
+            {"text": prompt, "sampling_params": params},
             rng=self.rng,
-            dp_size=pair.prefill.attn_dp_size,
+            request_id=f"canary-{self.rng.getrandbits(48):x}",
+            timeout_s=self.cfg.timeout_s,
         )
-        data = orjson.dumps(body)
-        headers = {"Content-Type": "application/json", "X-Request-Id": f"canary-{self.rng.getrandbits(48):x}"}
-        try:
-            async with asyncio.timeout(self.cfg.timeout_s):
-                prefill, decode = await asyncio.gather(
-                    self._post(pair.prefill.url, data, headers), self._post(pair.decode.url, data, headers)
-                )
-        except (TimeoutError, WorkerError, aiohttp.ClientError) as err:
-            log.info("canary not answered", extra={"prefill": pair.key[0], "decode": pair.key[1], "error": repr(err)})
-            return None
-        if prefill[0] != 200 or decode[0] != 200:
-            return None
-        doc = orjson.loads(decode[1])
-        text = doc.get("text") if isinstance(doc, dict) else None
-        return text if isinstance(text, str) else None
-
-    async def _post(self, url: str, data: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
-        resp = await self.transport.open_post(url, "/generate", data, headers)
-        async with resp:
-            return resp.status, await resp.read()
+        return texts[0] if texts is not None and len(texts) == 1 else None

@@ -69,6 +69,9 @@ class RouterSettings(BaseSettings):
     quarantine_probe_initial_s: float = Field(default=5.0, gt=0, description="First re-probe of a quarantined pair.")
     quarantine_probe_max_s: float = Field(default=300.0, gt=0)
     quarantine_probation_s: float = Field(default=300.0, ge=0, description="After release, one failure re-quarantines.")
+    shadow_rate: float = Field(
+        default=0.01, ge=0, le=1, description="Fraction of deterministic requests re-run on a second pair and compared."
+    )
     leak_ngram_words: int = Field(default=8, ge=3, le=64, description="Words of another prompt that count as a leak.")
     log_level: str = "info"
 
@@ -121,6 +124,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quarantine-probe-max-s", type=float)
     p.add_argument("--quarantine-probation-s", type=float)
     p.add_argument("--leak-ngram-words", type=int)
+    p.add_argument("--shadow-rate", type=float, help="fraction of deterministic requests shadowed (default 0.01)")
     p.add_argument("--log-level")
     return p
 

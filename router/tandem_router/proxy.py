@@ -15,7 +15,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -84,6 +84,7 @@ class Proxy:
         retry_cfg: retry.RetryConfig | None = None,
         rng: random.Random | None = None,
         observer: ResponseObserver | None = None,
+        on_complete: Callable[[Pair, ProxyRequest, list[str]], None] | None = None,
     ) -> None:
         self.pool = pool
         self.transport = transport
@@ -91,6 +92,7 @@ class Proxy:
         self.retry_cfg = retry_cfg or retry.RetryConfig()
         self.rng = rng or random.Random()
         self.observer = observer
+        self.on_complete = on_complete  # sees each fully relayed response's texts (shadow comparison)
         self._background: set[asyncio.Task[None]] = set()
 
     async def handle(self, req: ProxyRequest, http: web.Request) -> web.StreamResponse:
@@ -274,7 +276,7 @@ class Proxy:
             if not req.stream:
                 ok = True
                 if self.observer is not None:
-                    self.observer.finished(pair.key, req.request_id, req.prompt, body_texts(route, first))
+                    self._finished(pair, req, body_texts(route, first))
                 self.metrics.ttft.labels(route).observe(time.monotonic() - req.started)
                 return web.Response(
                     body=first,
@@ -309,8 +311,8 @@ class Proxy:
                     chunk = await upstream.__anext__()
                 except StopAsyncIteration:
                     ok = True
-                    if texts is not None and self.observer is not None:
-                        self.observer.finished(pair.key, req.request_id, req.prompt, texts.texts())
+                    if texts is not None:
+                        self._finished(pair, req, texts.texts())
                     break
                 except (TimeoutError, aiohttp.ClientError) as err:
                     self.metrics.stream_errors.labels(route).inc()
@@ -346,6 +348,12 @@ class Proxy:
                 self.pool.record_worker(pair.decode, ok, now)
                 self.pool.record_pair(pair, ok, now)
             self.metrics.e2e.labels(route).observe(now - req.started)
+
+    def _finished(self, pair: Pair, req: ProxyRequest, texts: list[str]) -> None:
+        if self.observer is not None:
+            self.observer.finished(pair.key, req.request_id, req.prompt, texts)
+        if self.on_complete is not None:
+            self.on_complete(pair, req, texts)
 
     async def drain_background(self) -> None:
         if self._background:

@@ -82,10 +82,6 @@ def tokenize(text: str) -> Tokens:
     return Tokens([i if i >= 0 else _hashed_id(w) for i, w in zip(ids, words, strict=True)], words)
 
 
-def encode(text: str) -> list[int]:
-    return tokenize(text).ids
-
-
 def from_ids(token_ids: Sequence[int]) -> Tokens:
     """Token ids given directly (``input_ids``): their surface is the vocabulary word."""
     vocab = vocabulary()
@@ -248,16 +244,6 @@ def read_slot(w: Weights, raw: bytes) -> SlotReading:
     a, b = _SURFACE_AT + 1, _SURFACE_AT + 1 + min(length, w.surface_capacity)
     plain = int.from_bytes(raw[a:b], "big") ^ int.from_bytes(key[a:b], "big") ^ int.from_bytes(pattern[a:b], "big")
     return SlotReading(token, position, _clean_word(plain.to_bytes(b - a, "big")) or "\ufffd")
-
-
-def token_from_kv(w: Weights, row: KV) -> int:
-    """The token a KV slot holds (any slot, any position); garbage bytes still give a valid id."""
-    return read_slot(w, row.tobytes()).token
-
-
-def decode_tokens(token_ids: Sequence[int]) -> str:
-    vocab = vocabulary()
-    return " ".join(vocab[t] for t in token_ids if t != EOS_ID)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@ by the official ``openai`` SDK. Every output must equal the simulator's aggregat
 
 from __future__ import annotations
 
+import json
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -93,3 +95,26 @@ def test_stack_logs_are_structured(stack: LocalStack) -> None:
     lines = [line for line in Path(stack.workdir / "router.log").read_text().splitlines() if line.strip()]
     assert lines
     assert all(line.startswith("{") for line in lines)
+
+
+def test_n_choices_equal_aggregated_reference(stack: LocalStack, reference: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "Name three rivers"}],
+                              "max_tokens": 12, "temperature": 0.8, "seed": 3, "n": 3}  # fmt: skip
+    want = [c.message.content for c in reference.chat.completions.create(**kwargs).choices]
+    got = [c.message.content for c in _client(stack).chat.completions.create(**kwargs).choices]
+    assert len(got) == 3
+    assert got == want
+
+
+def _post_json(url: str, body: dict[str, Any]) -> Any:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.load(resp)
+
+
+def test_generate_batch_equals_aggregated_reference(stack: LocalStack, reference: openai.OpenAI) -> None:
+    body = {"text": PROMPTS, "sampling_params": {"max_new_tokens": 10, "temperature": 0}}
+    want = _post_json(f"{str(reference.base_url).removesuffix('/v1/')}/generate", body)
+    got = _post_json(f"{stack.router_url}/generate", body)
+    assert [g["text"] for g in got] == [w["text"] for w in want]
+    assert len(got) == len(PROMPTS)

@@ -71,6 +71,12 @@ class IntegrityMetrics:
         self.canaries = Counter(
             "tandem_integrity_canaries", "Known-answer canary probes, by result.", ["result"], registry=registry
         )
+        self.shadows = Counter(
+            "tandem_integrity_shadows",
+            "Sampled shadow comparisons of a live request on a second pair, by result.",
+            ["result"],
+            registry=registry,
+        )
         self.quarantines = Counter("tandem_integrity_quarantines", "Pairs put into quarantine.", registry=registry)
         self.releases = Counter(
             "tandem_integrity_releases", "Pairs released from quarantine after clean probes.", registry=registry
@@ -147,9 +153,12 @@ class IntegrityMonitor:
 
     # -- canaries and quarantine ------------------------------------------------------------------------------
     def failure(self, pair: PairKey, reason: str) -> None:
-        if self.book.record_failure(pair, reason, self.clock()) is Transition.QUARANTINED:
+        now = self.clock()
+        newly = [pair] if self.book.record_failure(pair, reason, now) is Transition.QUARANTINED else []
+        newly += self.book.spread_to_workers(pair, self._known_pairs, reason, now)
+        for p in newly:
             self.metrics.quarantines.inc()
-            log.error("pair quarantined", extra={"prefill": pair[0], "decode": pair[1], "reason": reason})
+            log.error("pair quarantined", extra={"prefill": p[0], "decode": p[1], "reason": reason})
         self._update_gauge()
 
     def canary_result(self, pair: PairKey, clean: bool, reason: str = "") -> None:
@@ -161,6 +170,9 @@ class IntegrityMonitor:
         elif not clean:
             self.failure(pair, reason)
         self._update_gauge()
+
+    def shadow_result(self, match: bool) -> None:
+        self.metrics.shadows.labels("match" if match else "mismatch").inc()
 
     def probes_due(self) -> list[PairKey]:
         return self.book.probes_due(self.clock())
@@ -174,6 +186,9 @@ class IntegrityMonitor:
 
     def quarantined(self) -> list[QuarantineView]:
         return self.book.quarantined()
+
+    def quarantined_keys(self) -> frozenset[PairKey]:
+        return frozenset((q.prefill, q.decode) for q in self.book.quarantined())
 
     def quarantined_workers(self) -> set[str]:
         return self.book.quarantined_workers(self._known_pairs)

@@ -8,6 +8,9 @@ Rules:
 - ``threshold`` integrity failures (detector hits, failed canaries) within ``window_s`` quarantine a pair.
 - A quarantined pair is re-probed (known-answer canary) after ``probe_initial_s``, doubling up to
   ``probe_max_s`` after each failed probe; ``clean_probes_to_release`` consecutive clean probes release it.
+- A worker whose integrity failures span ``worker_spread`` or more distinct pairs within ``window_s`` (the same
+  decode garbling with two different prefills, say) is the common factor: every pair it is part of is
+  quarantined at once, without waiting for each pair to reach ``threshold`` on its own.
 - A released pair is on probation for ``probation_s``: one failure sends it back, and each repeated quarantine
   starts from a doubled probe interval. Garbling that only shows under load (the offload races) can pass a quiet
   probe; probation keeps such a pair from flapping back into traffic at full rate.
@@ -30,10 +33,11 @@ class QuarantinePolicy:
     probe_max_s: float = 300.0
     clean_probes_to_release: int = 2
     probation_s: float = 300.0
+    worker_spread: int = 2
 
     def __post_init__(self) -> None:
-        if self.threshold < 1 or self.clean_probes_to_release < 1:
-            raise ValueError("threshold and clean_probes_to_release must be >= 1")
+        if self.threshold < 1 or self.clean_probes_to_release < 1 or self.worker_spread < 2:
+            raise ValueError("threshold and clean_probes_to_release must be >= 1, worker_spread >= 2")
         if not 0 < self.probe_initial_s <= self.probe_max_s:
             raise ValueError("need 0 < probe_initial_s <= probe_max_s")
 
@@ -54,6 +58,7 @@ class PairRecord:
     total_failures: int = 0
     total_quarantines: int = 0
     released_at: float | None = None
+    last_failure_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,7 @@ class IntegrityBook:
         """An integrity failure seen on live traffic or a canary. Returns QUARANTINED when it tips the pair."""
         record = self._record(pair)
         record.total_failures += 1
+        record.last_failure_at = now
         if record.quarantined_at is not None:
             return None
         record.failures.append(now)
@@ -90,6 +96,29 @@ class IntegrityBook:
         on_probation = record.released_at is not None and now - record.released_at < self.policy.probation_s
         if len(record.failures) < self.policy.threshold and not on_probation:
             return None
+        self._quarantine(record, reason, now)
+        return Transition.QUARANTINED
+
+    def spread_to_workers(self, pair: Pair, known_pairs: list[Pair], reason: str, now: float) -> list[Pair]:
+        """After a failure on ``pair``: quarantine every known pair of a worker of ``pair`` whose recent failures
+        span ``worker_spread`` distinct pairs. Returns the pairs newly quarantined."""
+        newly: list[Pair] = []
+        for worker in pair:
+            failing = [
+                p
+                for p, rec in self._pairs.items()
+                if worker in p and rec.last_failure_at is not None and rec.last_failure_at >= now - self.policy.window_s
+            ]
+            if len(failing) < self.policy.worker_spread:
+                continue
+            why = f"{worker} failed with {len(failing)} partners; last: {reason}"
+            for p in known_pairs:
+                if worker in p and not self.is_quarantined(p):
+                    self._quarantine(self._record(p), why, now)
+                    newly.append(p)
+        return newly
+
+    def _quarantine(self, record: PairRecord, reason: str, now: float) -> None:
         record.quarantined_at = now
         record.reason = reason
         record.probe_interval = min(self.policy.probe_initial_s * 2**record.total_quarantines, self.policy.probe_max_s)
@@ -97,7 +126,6 @@ class IntegrityBook:
         record.clean_probes = 0
         record.total_quarantines += 1
         record.failures.clear()
-        return Transition.QUARANTINED
 
     def probes_due(self, now: float) -> list[Pair]:
         return [

@@ -1,0 +1,94 @@
+"""Publishes this router's integrity state to etcd, so the operator can surface it on the PDCluster.
+
+One key per router instance (``tandem.registry.integrity_key``) under the router's own lease: a router that dies
+stops reporting after ``ttl`` seconds. The report is rewritten when it changes and the lease refreshed every
+``ttl/3``; a lost lease (etcd restarted, long partition) is replaced by a new one and the report written again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tandem import registry, registry_etcd
+from tandem.registry import IntegrityReport, QuarantinedPair
+from tandem_router.integrity.monitor import IntegrityMonitor
+
+log = logging.getLogger("tandem.router.integrity")
+
+
+def _url(worker_key: str) -> str:
+    return worker_key.split(":", 1)[1]  # pool keys are "<role>:<url>"
+
+
+def report_of(monitor: IntegrityMonitor, router: str, now: float) -> IntegrityReport:
+    return IntegrityReport(
+        router=router,
+        quarantined=tuple(
+            QuarantinedPair(
+                prefill=_url(q.prefill),
+                decode=_url(q.decode),
+                reason=q.reason,
+                since_s=round(max(0.0, now - q.since), 1),
+            )
+            for q in monitor.quarantined()
+        ),
+        quarantined_workers=tuple(sorted(_url(w) for w in monitor.quarantined_workers())),
+    )
+
+
+class IntegrityPublisher:
+    def __init__(
+        self,
+        monitor: IntegrityMonitor,
+        etcd_endpoints: Sequence[str],
+        namespace: str,
+        cluster: str,
+        ttl: int = 10,
+        interval_s: float = 1.0,
+    ) -> None:
+        self.monitor = monitor
+        self.endpoints = list(etcd_endpoints)
+        self.router = f"{socket.gethostname()}-{os.getpid()}"
+        self.key = registry.integrity_key(namespace, cluster, self.router).encode()
+        self.ttl, self.interval_s = ttl, interval_s
+
+    async def run(self, stop: asyncio.Event) -> None:
+        etcd: Any = None
+        lease: Any = None
+        written: tuple[object, ...] | None = None
+        refreshed = 0.0
+        try:
+            while not stop.is_set():
+                try:
+                    if etcd is None:
+                        etcd = registry_etcd.client(self.endpoints)
+                        await etcd.connect()
+                    if lease is None:
+                        lease, written = await etcd.lease(self.ttl), None
+                    report = report_of(self.monitor, self.router, time.monotonic())
+                    # "since_s" changes every second; rewrite only when the set of pairs or reasons changed.
+                    identity = tuple((q.prefill, q.decode, q.reason) for q in report.quarantined)
+                    if identity != written:
+                        await etcd.put(self.key, report.model_dump_json().encode(), lease=lease)
+                        written = identity
+                    if time.monotonic() - refreshed >= self.ttl / 3:
+                        await lease.refresh()
+                        refreshed = time.monotonic()
+                except Exception as err:  # etcd gone or lease expired: start over with a fresh lease
+                    log.warning("integrity report not published", extra={"error": repr(err)})
+                    lease = None
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.interval_s)
+        finally:
+            if etcd is not None:
+                with contextlib.suppress(Exception):
+                    await etcd.delete(self.key)
+                with contextlib.suppress(Exception):
+                    await etcd.close()

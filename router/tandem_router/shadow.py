@@ -1,0 +1,101 @@
+"""Sampled shadow comparison: re-run a finished deterministic request on a second pair and compare the text.
+
+A deterministic request (temperature 0, or an explicit seed) must give the same text on every healthy pair. For a
+sampled fraction of them (``rate``), the same body goes to a second pair, with a new bootstrap room, after the
+client got its answer; if the texts differ, a third pair breaks the tie and the pair in the minority gets an
+integrity failure. No third pair, or three different answers: nobody is blamed. At most ``max_in_flight``
+shadows run at once, so the extra load stays bounded whatever the traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from typing import Any
+
+from tandem_router.integrity.monitor import IntegrityMonitor
+from tandem_router.pair_request import texts_from_pair
+from tandem_router.pool import Pair, WorkerPool
+from tandem_router.proxy import ProxyRequest
+from tandem_router.transport import Transport
+
+log = logging.getLogger("tandem.router.shadow")
+
+
+def deterministic(body: dict[str, Any]) -> bool:
+    """Temperature 0 or a fixed seed, in SGLang's native or the OpenAI spelling."""
+    params = body.get("sampling_params")
+    if not isinstance(params, dict):
+        params = body
+    if params.get("sampling_seed") is not None or params.get("seed") is not None:
+        return True
+    return bool(params.get("temperature", 1.0) == 0)
+
+
+class ShadowSampler:
+    def __init__(
+        self,
+        monitor: IntegrityMonitor,
+        transport: Transport,
+        pool: WorkerPool,
+        rate: float,
+        max_in_flight: int = 4,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.monitor, self.transport, self.pool = monitor, transport, pool
+        self.rate, self.max_in_flight = rate, max_in_flight
+        self.rng = rng or random.Random()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def completed(self, pair: Pair, req: ProxyRequest, outputs: list[str]) -> None:
+        """Called by the proxy when a response reached the client in full."""
+        if (
+            self.rate <= 0
+            or len(self._tasks) >= self.max_in_flight
+            or req.items != 0
+            or len(outputs) != 1
+            or not deterministic(req.body)
+            or self.rng.random() >= self.rate
+        ):
+            return
+        task = asyncio.create_task(self._compare(pair, req, outputs[0]))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self) -> None:
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _compare(self, original: Pair, req: ProxyRequest, text: str) -> None:
+        now = time.monotonic()
+        second = self.pool.choose_pair(req.prefix, now, frozenset({original.key}))
+        if second is None or second.key == original.key:
+            return
+        other = await self._run(second, req)
+        if other is None:
+            return
+        self.monitor.shadow_result(other == text)
+        if other == text:
+            return
+        third = self.pool.choose_pair(req.prefix, time.monotonic(), frozenset({original.key, second.key}))
+        if third is None or third.key in {original.key, second.key}:
+            log.info("shadow mismatch without a third pair to break the tie", extra={"request_id": req.request_id})
+            return
+        tie = await self._run(third, req)
+        if tie == other:
+            self.monitor.failure(original.key, f"shadow: text differs from two other pairs ({text[:60]!r})")
+        elif tie == text:
+            self.monitor.failure(second.key, f"shadow: text differs from two other pairs ({other[:60]!r})")
+
+    async def _run(self, pair: Pair, req: ProxyRequest) -> str | None:
+        texts = await texts_from_pair(
+            self.transport,
+            pair,
+            req.route.value,
+            req.body,
+            rng=self.rng,
+            request_id=f"shadow-{req.request_id}",
+            timeout_s=60,
+        )
+        return texts[0] if texts is not None and len(texts) == 1 else None
