@@ -24,6 +24,7 @@ from openai import AsyncOpenAI
 
 from tandem.devcluster.cluster import DevCluster
 from tandem.procs import ManagedProcess
+from tandem_operator.main import parse_args
 from tests.chart.monitoring import exercise_and_query
 from tests.chart.stack import (
     CHART,
@@ -48,6 +49,7 @@ pytestmark = [pytest.mark.k8s, pytest.mark.timeout(300)]
 RELEASE = "tandem"
 MODEL = "kimi-k2.6-sim"
 PDCLUSTERS = ("tandem.dev", "v1alpha1", "pdclusters")
+OPERATOR_DEFAULTS = parse_args([])
 CLUSTER_PODS = "tandem.dev/cluster=sim"
 
 
@@ -186,8 +188,9 @@ async def test_install_serve_upgrade_uninstall(
             await _roll(router, new_router, "--port", endpoints, await _router_pre_stop_seconds(k8s_api, ns))
             before_operator_roll = load.ok
             await _roll(operator, new_operator, "--metrics-port", None)
-            # Past the old operator's etcd lease TTL (10 s): its registry entries must have been taken over.
-            await asyncio.sleep(10)
+            # Past the old operator's etcd lease TTL (the default the chart keeps): its registry entries must have
+            # been taken over.
+            await asyncio.sleep(OPERATOR_DEFAULTS.lease_ttl)
             past_ttl = load.ok
             await asyncio.sleep(3)
             load.stop.set()
