@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Generic, TypeVar
 
 import aetcd
 import pydantic
@@ -24,6 +24,7 @@ from tandem.registry import Endpoint
 
 log = logging.getLogger("tandem.registry")
 
+T = TypeVar("T")
 OnSnapshot = Callable[[dict[str, Endpoint]], None]
 OnPut = Callable[[str, Endpoint], None]
 OnDelete = Callable[[str], None]
@@ -83,27 +84,28 @@ class EndpointWriter:
                 log.warning("etcd lease refresh failed", extra={"error": repr(err)})
 
 
-class EndpointWatcher:
+class PrefixWatcher(Generic[T]):
+    """Lists an etcd prefix, then watches it from the next revision, calling ``on_change`` with the whole current
+    set (key -> parsed value) after the listing and after every event. A PUT upserts, a DELETE (or a lease expiry)
+    drops the key, a value ``parse`` rejects (None) drops it too. After a lost connection it re-lists, so the set
+    always converges to etcd's content."""
+
     def __init__(
         self,
         endpoints: Sequence[str],
-        namespace: str,
-        cluster: str,
-        *,
-        on_snapshot: OnSnapshot,
-        on_put: OnPut,
-        on_delete: OnDelete,
+        prefix: str,
+        parse: Callable[[bytes, bytes], T | None],
+        on_change: Callable[[dict[str, T]], Awaitable[None]],
         retry_s: float = 1.0,
     ) -> None:
-        self.prefix = registry.cluster_prefix(namespace, cluster).encode()
         self.endpoints = list(endpoints)
-        self.on_snapshot, self.on_put, self.on_delete = on_snapshot, on_put, on_delete
-        self.retry_s = retry_s
+        self.prefix = prefix.encode()
+        self.parse, self.on_change, self.retry_s = parse, on_change, retry_s
         self.synced = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
+        self._task = asyncio.create_task(self._run(), name=f"etcd-watch-{self.prefix.decode()}")
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -116,36 +118,68 @@ class EndpointWatcher:
             etcd = client(self.endpoints)
             try:
                 await etcd.connect()
-                await self._sync_and_watch(etcd)
+                await self._list_and_watch(etcd)
             except asyncio.CancelledError:
                 raise
             except Exception as err:
-                log.warning("etcd watch lost; re-listing", extra={"error": repr(err)})
+                log.warning("etcd watch lost; re-listing", extra={"prefix": self.prefix.decode(), "error": repr(err)})
             finally:
                 with contextlib.suppress(Exception):
                     await etcd.close()
             await asyncio.sleep(self.retry_s)
 
-    async def _sync_and_watch(self, etcd: Any) -> None:
+    async def _list_and_watch(self, etcd: Any) -> None:
         listing = await etcd.get_prefix(self.prefix)
-        snapshot: dict[str, Endpoint] = {}
+        current: dict[str, T] = {}
         for kv in listing:
-            endpoint = _parse(kv.key, kv.value)
-            if endpoint is not None:
-                snapshot[kv.key.decode()] = endpoint
-        self.on_snapshot(snapshot)
+            value = self.parse(kv.key, kv.value)
+            if value is not None:
+                current[kv.key.decode()] = value
+        await self.on_change(dict(current))
         self.synced.set()
-        watch = await etcd.watch_prefix(self.prefix, start_revision=listing.header.revision + 1)
-        async for event in watch:
+        async for event in await etcd.watch_prefix(self.prefix, start_revision=listing.header.revision + 1):
             key = event.kv.key.decode()
-            if event.kind == "DELETE":
-                self.on_delete(key)
-                continue
-            endpoint = _parse(event.kv.key, event.kv.value)
-            if endpoint is None:
-                self.on_delete(key)
+            value = None if event.kind == "DELETE" else self.parse(event.kv.key, event.kv.value)
+            if value is None:
+                current.pop(key, None)
             else:
-                self.on_put(key, endpoint)
+                current[key] = value
+            await self.on_change(dict(current))
+
+
+class EndpointWatcher(PrefixWatcher[Endpoint]):
+    """The router's view of one cluster's endpoints: ``on_snapshot`` after a (re-)listing, then ``on_put`` and
+    ``on_delete`` per change, so a deleted (fenced) endpoint is dropped at once."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        namespace: str,
+        cluster: str,
+        *,
+        on_snapshot: OnSnapshot,
+        on_put: OnPut,
+        on_delete: OnDelete,
+        retry_s: float = 1.0,
+    ) -> None:
+        super().__init__(endpoints, registry.cluster_prefix(namespace, cluster), _parse, self._changed, retry_s)
+        self.on_snapshot, self.on_put, self.on_delete = on_snapshot, on_put, on_delete
+        self._known: dict[str, Endpoint] | None = None
+
+    async def _list_and_watch(self, etcd: Any) -> None:
+        self._known = None  # a (re-)listing is reported whole
+        await super()._list_and_watch(etcd)
+
+    async def _changed(self, current: dict[str, Endpoint]) -> None:
+        if self._known is None:
+            self.on_snapshot(dict(current))
+        else:
+            for key in self._known.keys() - current.keys():
+                self.on_delete(key)
+            for key, endpoint in current.items():
+                if self._known.get(key) != endpoint:
+                    self.on_put(key, endpoint)
+        self._known = current
 
 
 def _parse(key: bytes, value: bytes) -> Endpoint | None:
