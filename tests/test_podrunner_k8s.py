@@ -3,8 +3,6 @@ pod's own `python3 -m sglang.launch_server` flags, and goes away with the pod.""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +44,7 @@ async def test_pod_runner_serves_tandem_sim_on_the_pod_ip_and_stops_it_with_the_
     k8s_api: client.ApiClient, k8s_namespace: str, tmp_path: Path
 ) -> None:
     core = client.CoreV1Api(k8s_api)
-    runner = PodRunner(k8s_api, tmp_path, namespace=k8s_namespace)
-    task = asyncio.create_task(runner.run())
-    try:
+    async with PodRunner(k8s_api, tmp_path, namespace=k8s_namespace).running_in_background() as runner:
         await create(k8s_api, k8s_namespace, sglang_pod("decode-0", "lmsysorg/sglang:v0.5.23-cu129"))
         await create(k8s_api, k8s_namespace, sglang_pod("not-sglang", "registry.invalid/other:1"))
 
@@ -76,8 +72,3 @@ async def test_pod_runner_serves_tandem_sim_on_the_pod_ip_and_stops_it_with_the_
             return not runner.running and not proc.alive() and await _http_status(f"{base}/health") is None
 
         await eventually(stopped, "tandem sim to stop with its pod", within=30)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await runner.stop_all()

@@ -4,24 +4,16 @@ not a speed check: speed is compared side by side inside the benchmark's own tab
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
+
+from tests.benchhelpers import run_quick_bench
 
 
 @pytest.mark.netns
 @pytest.mark.timeout(180)
 def test_bench_sim_quick_prints_tables() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "bench", "sim", "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=170,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = done.stdout
+    out = run_quick_bench("sim", timeout=170)
     assert "## sim: KV transfer over loopback" in out
     assert "## sim: simulated worker capacity" in out
     for row in ("mooncake tcp", "plain socket", "PD pair, prefill-heavy", "aggregated, decode-heavy"):

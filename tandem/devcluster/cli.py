@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import signal
 import sys
 import tempfile
@@ -45,15 +44,10 @@ async def _serve(cluster: DevCluster, run_pods: bool, rule: SimulateRule) -> Non
         await stop.wait()
         return
     api = await kube_config.new_client_from_config(config_file=str(cluster.kubeconfig))
-    runner = PodRunner(api, cluster.layout.logs / "pods", rule)
-    task = asyncio.create_task(runner.run())
     try:
-        await stop.wait()
+        async with PodRunner(api, cluster.layout.logs / "pods", rule).running_in_background():
+            await stop.wait()
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await runner.stop_all()
         await api.close()
 
 

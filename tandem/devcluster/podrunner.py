@@ -20,7 +20,7 @@ import logging
 import re
 import shlex
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -207,7 +207,8 @@ def tandem_sim_argv(launch: Launch) -> list[str]:
 
 
 class PodRunner:
-    """Keeps one process per simulated pod running. ``run()`` until cancelled; ``stop_all()`` on the way out."""
+    """Keeps one process per simulated pod running: ``async with runner.running_in_background():`` (or ``run()``
+    until cancelled, then ``stop_all()``)."""
 
     def __init__(
         self,
@@ -303,6 +304,18 @@ class PodRunner:
         )
         log.info("starting simulated pod", extra={"pod": launch.pod, "uid": launch.uid, "host": launch.host})
         self.running[launch.uid] = (launch, proc.start())
+
+    @contextlib.asynccontextmanager
+    async def running_in_background(self) -> AsyncIterator[PodRunner]:
+        """Watch and run pods while the block runs; stop the watch and every process on the way out."""
+        task = asyncio.create_task(self.run(), name="pod-runner")
+        try:
+            yield self
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await self.stop_all()
 
     async def stop_all(self) -> None:
         while self.running:

@@ -124,15 +124,8 @@ async def operator_args(api: client.ApiClient, namespace: str, release: str, kub
 @contextlib.asynccontextmanager
 async def pod_runner(api: client.ApiClient, namespace: str, log_dir: Path) -> AsyncIterator[PodRunner]:
     """``tandem sim`` behind every SGLang pod of ``namespace`` while the block runs."""
-    runner = PodRunner(api, log_dir, namespace=namespace)
-    task = asyncio.create_task(runner.run())
-    try:
+    async with PodRunner(api, log_dir, namespace=namespace).running_in_background() as runner:
         yield runner
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await runner.stop_all()
 
 
 TIME_WAIT_BUCKETS = Path("/proc/sys/net/ipv4/tcp_max_tw_buckets")

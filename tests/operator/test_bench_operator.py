@@ -4,10 +4,10 @@ numbers (a smoke test of the benchmark, not a speed check)."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
+
+from tests.benchhelpers import run_quick_bench
 
 ROWS = (
     "pods created by the operator",
@@ -25,15 +25,7 @@ ROWS = (
 @pytest.mark.k8s
 @pytest.mark.timeout(300)
 def test_bench_operator_quick_prints_a_table_with_numbers() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "bench", "operator", "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=290,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = done.stdout
+    out = run_quick_bench("operator", timeout=290)
     assert "## operator: one PDCluster, 10 groups x 4 nodes on 40 kwok GPU nodes" in out
     for row in ROWS:
         line = next(line for line in out.splitlines() if row in line)

@@ -9,7 +9,6 @@ cleanup of stale Mooncake keys is measured on Mooncake's own keys.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -61,16 +60,9 @@ async def stream_once(sdk: openai.AsyncOpenAI, load: Load, n: int) -> None:
 
 @pytest.fixture
 async def runner(k8s_api: client.ApiClient, k8s_namespace: str, tmp_path: Path) -> AsyncIterator[PodRunner]:
-    pod_runner = PodRunner(k8s_api, tmp_path / "pods", namespace=k8s_namespace)
     (tmp_path / "pods").mkdir()
-    task = asyncio.create_task(pod_runner.run())
-    try:
+    async with PodRunner(k8s_api, tmp_path / "pods", namespace=k8s_namespace).running_in_background() as pod_runner:
         yield pod_runner
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await pod_runner.stop_all()
 
 
 async def test_a_decode_pod_deleted_under_load_is_fenced_cleaned_recreated_and_registered_again(
