@@ -51,6 +51,7 @@ log = logging.getLogger("tandem.router")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _PROXIED = frozenset(r.value for r in Route)
 PROMPT_CHARS_INSPECTED = 65536  # prompt text kept for the prompt-leak detector, per request
+PREFIX_CHARS = 1024  # prompt prefix that keys cache-aware prefill choice
 
 
 @dataclass
@@ -266,13 +267,15 @@ def _proxied(route: Route) -> Handler:
             return error(
                 404, f"The model '{model}' does not exist", ErrorType.NOT_FOUND, code="model_not_found", param="model"
             )
+        # One pass over the prompt: the routing prefix is its start (and all of it the leak detector needs).
+        prompt = prompt_text(route, body, limit=PROMPT_CHARS_INSPECTED if s.integrity is not None else PREFIX_CHARS)
         req = ProxyRequest(
             route=route,
             body=body,
             stream=body.get("stream") is True,
             items=item_count(route, body),
-            prefix=prompt_text(route, body),
-            prompt=prompt_text(route, body, limit=PROMPT_CHARS_INSPECTED) if s.integrity is not None else "",
+            prefix=prompt[:PREFIX_CHARS],
+            prompt=prompt if s.integrity is not None else "",
             request_id=request.headers.get("X-Request-Id") or uuid.uuid4().hex,
             started=started,
         )
