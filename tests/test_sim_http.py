@@ -21,7 +21,17 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimWorker]:
     w = start_worker(
         "aggregated",
         tmp_path_factory.mktemp("sim-http"),
-        ["--served-model-name", "kimi", "--enable-metrics", "--context-length", "256", "--page-size", "4"],
+        [
+            "--served-model-name",
+            "kimi",
+            "--enable-metrics",
+            "--context-length",
+            "256",
+            "--page-size",
+            "4",
+            "--log-level",
+            "debug",
+        ],
     )
     yield w
     w.proc.stop()
@@ -68,7 +78,7 @@ async def test_generate_stream_is_sse_and_ends_with_done(worker: SimWorker) -> N
     ("raw", "fragment"),
     [
         (b"{not json", "Invalid JSON"),
-        (b'{"text": "kala", "frobnicate": 1}', "Unknown field"),
+        (b'{"text": "kala", "sampling_params": {"frobnicate": 1}}', "unknown field `frobnicate`, expected one of `max"),
         (b'{"text": "kala", "sampling_params": {"max_new_tokens": -1}}', "max_new_tokens"),
         (b'{"text": "kala", "sampling_params": {"max_new_tokens": 100000}}', "maximum context length"),
         (b'{"text": "' + b" kala" * 300 + b'"}', "longer than the model's context length"),
@@ -81,6 +91,43 @@ async def test_bad_generate_input_is_a_400(worker: SimWorker, raw: bytes, fragme
     status, body = await _post(f"{worker.url}/generate", raw=raw)
     assert status == 400
     assert fragment in str(body)
+
+
+def _answer(path: str, doc: object) -> object:
+    assert isinstance(doc, dict)
+    if path == "/generate":
+        return doc["text"]
+    choice = doc["choices"][0]
+    return choice["message"]["content"] if path == "/v1/chat/completions" else choice["text"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/generate", {"text": "kala bede", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}),
+        ("/v1/completions", {"model": "kimi", "prompt": "kala bede", "max_tokens": 4, "temperature": 0}),
+        (
+            "/v1/chat/completions",
+            {"model": "kimi", "messages": [{"role": "user", "content": "kala"}], "max_tokens": 4, "temperature": 0},
+        ),
+    ],
+)
+async def test_unknown_fields_are_ignored_and_logged_at_debug(
+    worker: SimWorker, path: str, body: dict[str, object]
+) -> None:
+    """SGLang ignores top-level fields it does not know (smg sends ``model`` and ``background`` to /generate)."""
+    status, plain = await _post(worker.url + path, body)
+    assert status == 200, plain
+    status, extra = await _post(worker.url + path, {**body, "background": False, "frobnicate": {"x": 1}, "model": "m"})
+    assert status == 200, extra
+    assert _answer(path, extra) == _answer(path, plain)
+    # GenerateReqInput has a `background` field; the OpenAI request models have `model`.
+    ignored = "frobnicate, model" if path == "/generate" else "background, frobnicate"
+    for _ in range(50):
+        if f"ignoring unknown field(s) in {path} request: {ignored}" in worker.proc.log_path.read_text():
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no debug line for the ignored fields of {path}")
 
 
 async def test_bootstrap_fields_validated_in_pd_modes_only(worker: SimWorker) -> None:

@@ -21,6 +21,7 @@ from tandem_sim.requests import (
     prompt_tokens,
     sampling_params,
 )
+from tandem_sim.sglang_fields import CHAT_FIELDS, COMPLETION_FIELDS, ignored_fields
 
 _SAMPLING = (
     ("temperature", "temperature"),
@@ -40,6 +41,7 @@ class OpenAIRequest:
     include_usage: bool
     continuous_usage: bool
     tool_call: str | None  # the function every choice calls (tool_choice "required" or named), else None
+    ignored: tuple[str, ...] = ()  # top-level fields SGLang's request model does not know (and ignores)
 
 
 def _openai_sampling(body: dict[str, Any]) -> dict[str, Any]:
@@ -143,4 +145,5 @@ def parse_openai(body: Any, *, chat: bool, mode: str, context_length: int) -> Op
         include_usage=bool(options.get("include_usage")),
         continuous_usage=bool(options.get("continuous_usage_stats")),
         tool_call=tool_call,
+        ignored=ignored_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS),
     )

@@ -11,82 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem_sim import model
+from tandem_sim.sglang_fields import GENERATE_FIELDS, SAMPLING_FIELDS, ignored_fields
 
-# /generate fields SGLang 0.5.23's GenerateReqInput knows (the contract rejects others).
-GENERATE_FIELDS = frozenset(
-    {
-        "text",
-        "input_ids",
-        "input_embeds",
-        "sampling_params",
-        "rid",
-        "return_logprob",
-        "logprob_start_len",
-        "top_logprobs_num",
-        "token_ids_logprob",
-        "return_text_in_logprobs",
-        "stream",
-        "stream_options",
-        "lora_path",
-        "lora_id",
-        "custom_logit_processor",
-        "bootstrap_host",
-        "bootstrap_port",
-        "bootstrap_room",
-        "bootstrap_pair_key",
-        "data_parallel_rank",
-        "routed_dp_rank",
-        "image_data",
-        "video_data",
-        "audio_data",
-        "modalities",
-        "session_params",
-        "log_metrics",
-        "return_hidden_states",
-        "return_routed_experts",
-        "priority",
-        "extra_key",
-        "routing_key",
-        "no_logs",
-        "custom_labels",
-        "return_bytes",
-        "conversation_id",
-        "label",
-        "require_reasoning",
-        "return_entropy",
-        "external_trace_header",
-        "received_time",
-    }
-)
-SAMPLING_FIELDS = frozenset(
-    {
-        "max_new_tokens",
-        "min_new_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "stop",
-        "stop_token_ids",
-        "stop_regex",
-        "ignore_eos",
-        "skip_special_tokens",
-        "spaces_between_special_tokens",
-        "no_stop_trim",
-        "n",
-        "frequency_penalty",
-        "presence_penalty",
-        "repetition_penalty",
-        "json_schema",
-        "regex",
-        "ebnf",
-        "structural_tag",
-        "custom_params",
-        "sampling_seed",
-        "logit_bias",
-        "thinking_budget",
-    }
-)
 MAX_ROOM = 2**63 - 1
 
 
@@ -129,9 +55,10 @@ def sampling_params(raw: Any, *, context_length: int, prompt_len: int, default_m
         raw = {}
     if not isinstance(raw, dict):
         raise BadRequestError("sampling_params must be an object")
-    unknown = sorted(set(raw) - SAMPLING_FIELDS)
-    if unknown:
-        raise BadRequestError(f"Unknown sampling parameter(s): {', '.join(unknown)}")
+    unknown = next((key for key in raw if key not in SAMPLING_FIELDS), None)
+    if unknown is not None:  # serde's ``unknown_field`` text, as ``api_types._unknown_field`` writes it
+        expected = ", ".join(f"`{name}`" for name in SAMPLING_FIELDS)
+        raise BadRequestError(f"unknown field `{unknown}`, expected one of {expected}")
     max_new = raw.get("max_new_tokens")
     max_new = default_max if max_new is None else _number(max_new, "max_new_tokens", int, 0)
     if prompt_len >= context_length:
@@ -219,6 +146,7 @@ class ParsedRequest:
     items: list[GenerateInput]
     batch: bool  # /generate answers a list
     stream: bool
+    ignored: tuple[str, ...] = ()  # top-level fields SGLang does not know (and ignores); logged at debug level
 
 
 def _per_item(value: Any, count: int, name: str) -> list[Any]:
@@ -269,9 +197,6 @@ def _nested(input_ids: Any) -> bool:
 def parse_generate(body: Any, *, mode: str, context_length: int) -> ParsedRequest:
     if not isinstance(body, dict):
         raise BadRequestError("Request body must be a JSON object")
-    unknown = sorted(set(body) - GENERATE_FIELDS)
-    if unknown:
-        raise BadRequestError(f"Unknown field(s) in /generate request: {', '.join(unknown)}")
     text, input_ids = body.get("text"), body.get("input_ids")
     batch = isinstance(text, list) or (
         isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
@@ -299,4 +224,4 @@ def parse_generate(body: Any, *, mode: str, context_length: int) -> ParsedReques
         GenerateInput(rid, prompt, params, stream, room)
         for rid, (prompt, params), room in zip(rids, expanded, rooms, strict=True)
     ]
-    return ParsedRequest(items, batch or count > 1, stream)
+    return ParsedRequest(items, batch or count > 1, stream, ignored_fields(body, GENERATE_FIELDS))
