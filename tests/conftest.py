@@ -22,4 +22,4 @@ def proc_factory(tmp_path: Path) -> Iterator[list[ManagedProcess]]:
         proc.stop()
 
 
-pytest_plugins = ["tests.devcluster_fixtures"]
+pytest_plugins = ["tests.devcluster_fixtures", "tests.ci_skips"]
