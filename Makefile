@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: up test bootstrap peers k8s-binaries lint typecheck unit bench generate verify format clean
+.PHONY: up test bootstrap setup peers k8s-binaries lint typecheck unit bench generate verify format clean
 
 bootstrap:
 	@scripts/bootstrap.sh
@@ -22,8 +22,12 @@ peers: bootstrap
 k8s-binaries:
 	@scripts/build-k8s.sh
 
+## setup: the two slow installs side by side: the peers (network and disk) next to the control-plane build (CPU).
+setup: bootstrap
+	@$(MAKE) --no-print-directory -j2 peers k8s-binaries
+
 ## test: install everything, then lint, type-check and run every test (inside a loopback-only netns).
-test: bootstrap peers k8s-binaries lint typecheck
+test: setup lint typecheck
 	scripts/in-netns.sh $(PY) -m pytest $(PYTEST_ARGS)
 
 lint: bootstrap
@@ -40,7 +44,7 @@ format: bootstrap
 ## bench: benchmarks that print tables (ratios measured side by side in one run) and save them as JSON + PNG under
 ## build/bench/<timestamp>/. BENCH_ARGS=--allow-missing-peers reports a peer that cannot run as "not measured".
 BENCH_ARGS ?=
-bench: bootstrap peers
+bench: setup
 	scripts/in-netns.sh $(VENV)/bin/tandem bench $(BENCH_ARGS)
 
 ## generate: rewrite every generated file from its source (one line per generator).

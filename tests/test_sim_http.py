@@ -130,6 +130,15 @@ async def test_unknown_fields_are_ignored_and_logged_at_debug(
     raise AssertionError(f"no debug line for the ignored fields of {path}")
 
 
+async def test_openai_model_is_optional_as_in_sglang(worker: SimWorker) -> None:
+    body = {"prompt": "kala bede", "max_tokens": 3, "temperature": 0}
+    status, doc = await _post(f"{worker.url}/v1/completions", body)
+    assert status == 200, doc
+    status, doc = await _post(f"{worker.url}/v1/completions", {**body, "model": 7})
+    assert status == 400
+    assert "model: Input should be a valid string" in str(doc)
+
+
 async def test_bootstrap_fields_validated_in_pd_modes_only(worker: SimWorker) -> None:
     # Aggregated mode ignores bootstrap fields, as SGLang does when not disaggregated.
     status, _ = await _post(f"{worker.url}/generate", dict(prompts(1)[0], bootstrap_room=5, bootstrap_host="h"))

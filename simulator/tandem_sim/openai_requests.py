@@ -120,8 +120,8 @@ def _completion_prompt(prompt: Any) -> model.Tokens:
 def parse_openai(body: Any, *, chat: bool, mode: str, context_length: int) -> OpenAIRequest:
     if not isinstance(body, dict):
         raise BadRequestError("Request body must be a JSON object")
-    if not isinstance(body.get("model"), str):
-        raise BadRequestError("model: Field required")
+    if "model" in body and not isinstance(body["model"], str):  # optional in SGLang (protocol.py: default name)
+        raise BadRequestError("model: Input should be a valid string")
     _check_pass_through(body)
     tool_call = _tool_call(body) if chat else None
     prompt = _chat_prompt(body.get("messages")) if chat else _completion_prompt(body.get("prompt"))

@@ -10,8 +10,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from tandem_sim import model
-from tandem_sim.sglang_fields import GENERATE_FIELDS, SAMPLING_FIELDS, ignored_fields
+from tandem_sim import contract, model
+from tandem_sim.sglang_fields import GENERATE_FIELDS, ignored_fields
 
 MAX_ROOM = 2**63 - 1
 
@@ -55,10 +55,6 @@ def sampling_params(raw: Any, *, context_length: int, prompt_len: int, default_m
         raw = {}
     if not isinstance(raw, dict):
         raise BadRequestError("sampling_params must be an object")
-    unknown = next((key for key in raw if key not in SAMPLING_FIELDS), None)
-    if unknown is not None:  # serde's ``unknown_field`` text, as ``api_types._unknown_field`` writes it
-        expected = ", ".join(f"`{name}`" for name in SAMPLING_FIELDS)
-        raise BadRequestError(f"unknown field `{unknown}`, expected one of {expected}")
     max_new = raw.get("max_new_tokens")
     max_new = default_max if max_new is None else _number(max_new, "max_new_tokens", int, 0)
     if prompt_len >= context_length:
@@ -197,6 +193,10 @@ def _nested(input_ids: Any) -> bool:
 def parse_generate(body: Any, *, mode: str, context_length: int) -> ParsedRequest:
     if not isinstance(body, dict):
         raise BadRequestError("Request body must be a JSON object")
+    try:
+        contract.check_generate(body)
+    except contract.ContractError as err:
+        raise BadRequestError(str(err)) from None
     text, input_ids = body.get("text"), body.get("input_ids")
     batch = isinstance(text, list) or (
         isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
