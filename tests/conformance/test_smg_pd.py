@@ -65,7 +65,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     logs = tmp_path_factory.mktemp("smg-pd")
     procs: list[ManagedProcess] = []
     try:
-        prefills = [start_prefill(f"prefill{i}", logs, SIM_ARGS) for i in range(2)]
+        prefills = [start_prefill(f"prefill{i}", logs, [*SIM_ARGS, "--log-level", "debug"]) for i in range(2)]
         procs += [w.proc for w in prefills]
         decodes = [start_decode(f"decode{i}", logs, SIM_ARGS) for i in range(2)]
         procs += [w.proc for w in decodes]
@@ -142,3 +142,11 @@ async def test_smg_pd_answers_equal_aggregated_and_move_the_prompt_kv(stack: Sta
         assert got == want, (path, stream, prompt)
         moved = await _moved_mb(stack) - before
         assert moved == pytest.approx(_prompt_tokens(path, reference) * KV_BYTES_PER_TOKEN / 1e6, rel=1e-9)
+
+
+async def test_smg_sends_fields_sglang_ignores(stack: Stack) -> None:
+    """smg adds ``model`` to the /generate bodies it forwards; SGLang ignores it, and so does the simulator (debug)."""
+    for prompt in PROMPTS[:2]:  # round robin: both prefills see one
+        await _answer(stack.smg, "/generate", _body("/generate", prompt), stream=False)
+    for prefill in stack.prefills:
+        assert "ignoring unknown field(s) in /generate request: model" in prefill.proc.log_path.read_text()
