@@ -266,7 +266,7 @@ def router_cost(args: BenchArgs) -> Table:
                 name,
                 "-" if r is direct else r.cpu_us,
                 r.rps,
-                f"{r.rps / smg.rps:.2f}x" if smg else "-",
+                f"{r.rps / smg.rps:.2f}x" if smg else NOT_MEASURED,
                 r.p50_ms,
                 r.p99_ms,
                 r.errors,
