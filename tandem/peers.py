@@ -17,6 +17,7 @@ and code inside the namespace only *looks them up* (``require``), failing with t
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import os
 import shutil
@@ -208,17 +209,23 @@ def main(argv: Sequence[str]) -> int:
     if unknown:
         parser.error(f"unknown peer(s): {', '.join(unknown)}; known: {', '.join(PEERS)}")
     missing = 0
-    for name in args.peers or list(PEERS):
-        peer = PEERS[name]
-        if args.command == "install" and peer.locate() is None:
-            started = time.monotonic()
-            print(f"peers: installing {name} ({peer.version()}) ...", flush=True)
-            peer.install()
-            print(f"peers: {name} installed in {time.monotonic() - started:.0f}s", flush=True)
-        found = peer.locate()
-        missing += found is None
-        print(f"peers: {name} {peer.version()}: {found if found else 'NOT INSTALLED: ' + peer.how}", flush=True)
+    (CACHE / "peers").mkdir(parents=True, exist_ok=True)
+    with (CACHE / "peers" / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one installer at a time per cache (worktrees share it)
+        for name in args.peers or list(PEERS):
+            missing += not _install_or_check(PEERS[name], install=args.command == "install")
     return 1 if missing else 0
+
+
+def _install_or_check(peer: Peer, install: bool) -> bool:
+    if install and peer.locate() is None:
+        started = time.monotonic()
+        print(f"peers: installing {peer.name} ({peer.version()}) ...", flush=True)
+        peer.install()
+        print(f"peers: {peer.name} installed in {time.monotonic() - started:.0f}s", flush=True)
+    found = peer.locate()
+    print(f"peers: {peer.name} {peer.version()}: {found if found else 'NOT INSTALLED: ' + peer.how}", flush=True)
+    return found is not None
 
 
 if __name__ == "__main__":
