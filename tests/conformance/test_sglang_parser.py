@@ -1,9 +1,10 @@
 """SGLang 0.5.23's real argument parser checks every SGLang command line Tandem generates.
 
 The command lines: the operator's golden pod manifests, every PDCluster example in ``deploy/`` (what the chart's
-README tells users to apply) rendered by the operator's desired-state code for every role and node rank, and the
-spec variants of tests/operator/test_sglang_args.py. They all go through ``prepare_server_args`` from the pinned
-``sglang==0.5.23`` wheel in the ``sglang-parser`` peer venv (``make peers``; tandem.peers), in one subprocess.
+README tells users to apply) rendered by the operator's desired-state code (``group_manifests``: every pod of a
+group of each role), and the spec variants of tests/operator/test_sglang_args.py. They all go through
+``prepare_server_args`` from the pinned ``sglang==0.5.23`` wheel in the ``sglang-parser`` peer venv
+(``make peers``; tandem.peers), in one subprocess.
 What that does and does not check: tests/conformance/sglang_parse.py.
 """
 
@@ -22,7 +23,9 @@ import yaml
 from tandem import peers
 from tandem.registry import Role
 from tandem_operator.api.pdcluster import PDClusterSpec
-from tandem_operator.desired.args import LAUNCH, Placement, launch_command
+from tandem_operator.desired.args import LAUNCH
+from tandem_operator.desired.naming import ClusterRef, OwnerRef
+from tandem_operator.desired.pods import RoleContext, group_manifests
 from tandem_sim.config import parse as sim_parse
 from tests.operator.test_sglang_args import SPECS
 
@@ -46,37 +49,38 @@ def _expand(argv: list[str], env: list[dict[str, Any]]) -> list[str]:
     return [re.sub(r"\$\((\w+)\)", lambda m: str(values.get(m.group(1)) or m.group(0)), arg) for arg in argv]
 
 
-def golden_lines() -> dict[str, list[str]]:
+def pod_lines(prefix: str, manifests: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """The SGLang argv of every pod in ``manifests``, ``$(VAR)`` expanded as the kubelet would."""
     lines: dict[str, list[str]] = {}
-    for path in sorted((ROOT / "tests" / "operator" / "golden").glob("*.yaml")):
-        for doc in yaml.safe_load(path.read_text()):  # a list of manifests
-            for container in doc["spec"].get("containers", []) if doc["kind"] == "Pod" else []:
-                command = [*container.get("command", []), *container.get("args", [])]
-                if tuple(command[: len(LAUNCH)]) == LAUNCH:
-                    name = f"golden/{path.stem}/{doc['metadata']['name']}"
-                    lines[name] = _expand(command[len(LAUNCH) :], container.get("env", []))
+    for doc in manifests:
+        for container in doc["spec"].get("containers", []) if doc["kind"] == "Pod" else []:
+            command = [*container.get("command", []), *container.get("args", [])]
+            if tuple(command[: len(LAUNCH)]) == LAUNCH:
+                lines[f"{prefix}/{doc['metadata']['name']}"] = _expand(command[len(LAUNCH) :], container.get("env", []))
     return lines
 
 
-def spec_lines(name: str, spec: PDClusterSpec) -> dict[str, list[str]]:
-    lines = {}
+def rendered_lines(prefix: str, name: str, spec: PDClusterSpec) -> dict[str, list[str]]:
+    """Every pod of group 0 of each role, as the operator's desired-state code renders it."""
+    cluster = ClusterRef(name=name, namespace="serving", uid="00000000-0000-0000-0000-000000000001")
+    lines: dict[str, list[str]] = {}
     for role in Role:
-        for rank in range(spec.role(role).nodes_per_group):
-            argv = launch_command(spec, Placement(role, rank, f"{name}-{role.value}-0.serving.svc"))
-            lines[f"{name}/{role.value}/rank{rank}"] = _expand(
-                argv[len(LAUNCH) :], [{"name": "POD_IP", "value": "10.20.0.7"}]
-            )
+        owner = OwnerRef("tandem.dev/v1alpha1", "PDPool", f"{name}-{role.value}", f"uid-{role.value}")
+        lines |= pod_lines(prefix, group_manifests(RoleContext.build(cluster, spec, role, owner), 0))
     return lines
 
 
 def all_lines() -> dict[str, list[str]]:
-    lines = golden_lines()
+    lines: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests" / "operator" / "golden").glob("*.yaml")):
+        lines |= pod_lines(f"golden/{path.stem}", yaml.safe_load(path.read_text()))
     for path in sorted((ROOT / "deploy").glob("*.yaml")):
         doc = yaml.safe_load(path.read_text())
         if doc.get("kind") == "PDCluster":
-            lines |= spec_lines(f"deploy/{path.stem}", PDClusterSpec.model_validate(doc["spec"]))
+            spec = PDClusterSpec.model_validate(doc["spec"])
+            lines |= rendered_lines(f"deploy/{path.stem}", doc["metadata"]["name"], spec)
     for name, spec in SPECS.items():
-        lines |= spec_lines(f"test_sglang_args/{name}", spec)
+        lines |= rendered_lines(f"test_sglang_args/{name}", "kimi", spec)
     return lines
 
 
@@ -105,7 +109,7 @@ def parsed() -> dict[str, dict[str, Any]]:
 def test_every_kind_of_command_line_is_covered() -> None:
     assert any(n.startswith("golden/") for n in LINES)
     assert {n.split("/")[1] for n in LINES if n.startswith("deploy/")} >= {"kimi-k26-h200", "sim-small"}
-    assert any(n.endswith("rank1") for n in LINES)  # multi-node groups: every node rank
+    assert any(n.endswith("-1") for n in LINES if n.startswith("deploy/"))  # multi-node groups: every node rank
 
 
 def _flag(argv: list[str], name: str) -> str | None:
