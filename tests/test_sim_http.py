@@ -93,6 +93,27 @@ async def test_bad_generate_input_is_a_400(worker: SimWorker, raw: bytes, fragme
     assert fragment in str(body)
 
 
+@pytest.mark.parametrize(
+    ("sampling", "error"),
+    [
+        # SGLang's contract gate (http_server.generate_request): 400 {"error": "<serde text>"}
+        ({"temperature": "hot"}, 'invalid type: string "hot", expected f64'),
+        ({"max_new_tokens": 1.5}, "invalid type: floating point `1.5`, expected i64"),
+        # SamplingParams.verify after the gate (http_server._create_error_response): 400 {"error": {"message": ...}}
+        ({"temperature": -1}, {"message": "temperature must be a non-negative finite number, got -1."}),
+        ({"max_new_tokens": -1}, {"message": "max_new_tokens must be at least 0, got -1."}),
+        ({"min_new_tokens": -2}, {"message": "min_new_tokens must be in [0, max_new_tokens(128)], got -2."}),
+        ({"top_p": 0}, {"message": "top_p must be in (0, 1], got 0.0."}),
+    ],
+)
+async def test_generate_errors_have_sglangs_shape_and_words(
+    worker: SimWorker, sampling: dict[str, object], error: object
+) -> None:
+    status, body = await _post(f"{worker.url}/generate", {"text": "kala", "sampling_params": sampling})
+    assert status == 400
+    assert body == {"error": error}
+
+
 def _answer(path: str, doc: object) -> object:
     assert isinstance(doc, dict)
     if path == "/generate":

@@ -23,6 +23,7 @@ from aiohttp import web
 from tandem.sglang_args import SGLANG_VERSION
 from tandem_sim import responses
 from tandem_sim.config import SimConfig
+from tandem_sim.contract import ContractError
 from tandem_sim.decode import MAX_MESSAGE, PD_PATH
 from tandem_sim.openai_requests import parse_openai
 from tandem_sim.prefill import DecodeRegistration, RoomExpiredError
@@ -122,9 +123,9 @@ class Server:
             parsed = parse_generate(
                 await self._body(request), mode=self.cfg.mode, context_length=self.cfg.context_length
             )
-        except BadRequestError as err:
-            return _json({"error": str(err)}, err.status)
-        except GenerationError as err:
+        except ContractError as err:  # SGLang's contract gate: http_server.generate_request
+            return _json({"error": str(err)}, 400)
+        except (BadRequestError, GenerationError) as err:  # ValueErrors after the gate: _create_error_response
             return _json(responses.generate_error(str(err), err.status), err.status)
         _log_ignored(request.path, parsed.ignored)
         if not parsed.stream:
