@@ -28,7 +28,7 @@ from tandem.procs import ManagedProcess, free_port
 from tests.devcluster_fixtures import eventually
 from tests.operator.live import Registry, create_pdcluster, operator_process, pdc_status, pdcluster, pods
 
-pytestmark = [pytest.mark.k8s, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(300)]
 PEER = Path(__file__).with_name("mooncake_peer.py")
 LOAD = Path(__file__).with_name("load_client.py")
 MODEL = "kimi-k2.6-sim"

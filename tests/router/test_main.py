@@ -18,6 +18,8 @@ from tandem_router.config import DiscoveryMode, load
 from tandem_router.discovery import pod_spec, static_specs
 from tandem_router.policy.selection import Policy
 
+pytestmark = pytest.mark.procs
+
 
 def test_flags_sglang_router_compatible(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("TANDEM_ROUTER_MAX_CONCURRENT_REQUESTS", "7")
