@@ -2,8 +2,10 @@
 way the operator registers pods (``tandem.registry_etcd``, one lease), and the router on 127.0.0.1:8000.
 
 A supervisor restarts a worker that dies: its registry key is deleted at once (the router stops sending to it),
-and it is registered again, with a new epoch, once its ``/health`` answers. Ctrl-C (or SIGTERM) stops the router
-first, then the workers, then etcd, each by process group. ``LocalStack`` is also the tests' fixture.
+and it is registered again, with a new epoch, once its ``/health`` answers. With ``deregister_dead=False`` the key
+stays, as when nobody has noticed the death yet (a partitioned node): only the router's breakers keep traffic off.
+Ctrl-C (or SIGTERM) stops the router first, then the workers, then etcd, each by process group. ``LocalStack`` is
+also the tests' fixture.
 """
 
 from __future__ import annotations
@@ -125,6 +127,7 @@ class LocalStack:
     say: Callable[[str], None] = print
     router_args: Sequence[str] = ()
     restart: bool = True  # False: a dead worker is only deregistered (tests that check it stops getting traffic)
+    deregister_dead: bool = True  # False: a dead worker's registry key stays (tests of the router's own breakers)
     worker_env: dict[str, str] = field(default_factory=dict)
     etcd: ManagedProcess | None = None
     etcd_endpoint: str = ""
@@ -194,10 +197,12 @@ class LocalStack:
         while not stop.is_set():
             for w in self.workers:
                 if w.registered and not w.proc.alive():
-                    assert self.writer is not None
-                    await self.writer.remove(w.endpoint(self.model))
                     w.registered = False
-                    self.say(f"  {w.group} exited ({w.proc.returncode()}); deregistered")
+                    if self.deregister_dead:
+                        assert self.writer is not None
+                        await self.writer.remove(w.endpoint(self.model))
+                    left = "deregistered" if self.deregister_dead else "its registry key left in place"
+                    self.say(f"  {w.group} exited ({w.proc.returncode()}); {left}")
                     w.proc.stop()
                     if not self.restart:
                         continue
