@@ -15,6 +15,7 @@ class RouterMetrics:
     in_flight: dict[str, float] = field(default_factory=dict)  # worker url -> requests in flight (all it knows)
     retries: Counter[str] = field(default_factory=Counter)  # reason -> retries on another pair
     failures: Counter[str] = field(default_factory=Counter)  # worker url -> failed attempts that involved it
+    requests: float = 0  # requests in flight (each holds one prefill)
     first_bytes: float = 0  # responses whose first byte was relayed ...
     ended: float = 0  # ... and those of them that ended since: the difference is streams in flight
     stream_errors: float = 0  # streams ended by an error event after their first byte
@@ -22,6 +23,10 @@ class RouterMetrics:
     @property
     def streaming(self) -> float:
         return self.first_bytes - self.ended
+
+    @property
+    def before_first_byte(self) -> float:
+        return self.requests - self.streaming
 
 
 async def scrape(router_url: str) -> RouterMetrics:
@@ -32,6 +37,8 @@ async def scrape(router_url: str) -> RouterMetrics:
         for sample in family.samples:
             if sample.name == "tandem_router_worker_in_flight":
                 out.in_flight[sample.labels["worker"]] = sample.value
+                if sample.labels["role"] == "prefill":
+                    out.requests += sample.value
             elif sample.name == "tandem_router_retries_total":
                 out.retries[sample.labels["reason"]] += int(sample.value)
             elif sample.name == "tandem_router_pair_failures_total":

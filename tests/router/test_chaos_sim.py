@@ -2,7 +2,8 @@
 
 What each kill must show, read from the router's own metrics:
 
-- it happens while the router counts streams in flight on the victim (polled, never after a fixed sleep);
+- it happens while the router counts requests in flight on the victim, streams past their first byte and
+  requests still waiting for it (polled, never after a fixed sleep);
 - every request that had not received a byte succeeds (retried on a live pair), and the retries are counted
   under the victim's role (``tandem_router_retries_total{reason="<role>_..."}``), none under the other role;
 - a request cut after its first byte ends with a clear error (never hangs), and the router counted each one;
@@ -37,7 +38,9 @@ FAST_PD_ENV = {
 CONCURRENCY = 64
 TOTAL = 192
 MAX_TOKENS = 200  # 3 s per stream at 15 ms per token
-STREAMING_BEFORE_KILL = 8  # streams past their first byte (router-wide) when the victim is killed
+STAGGER_S = 0.03  # between request starts: some are always in their prefill, some streaming
+STREAMING_BEFORE_KILL = 8  # streams past their first byte (router-wide) when the victim is killed ...
+WAITING_BEFORE_KILL = 4  # ... and requests still waiting for theirs (these must be retried)
 WAVE = 64  # requests after the kill, CONCURRENCY / 8 at a time: round robin alone would send half to the dead one
 # Trials the breakers may let through to the dead worker during the wave (half-open after each cooldown, which
 # doubles on every failed trial or probe): far fewer than the WAVE / 2 a pool without breakers would send it.
@@ -45,7 +48,8 @@ MAX_TRIALS = WAVE // 8
 
 
 def _slow_sim(role: Role, port: int, bootstrap_port: int | None) -> list[str]:
-    return [*sim_worker_argv(role, port, bootstrap_port), "--sim-inter-token-ms", "15"]
+    slow = ["--sim-inter-token-ms", "15", "--sim-prefill-ms-per-token", "20"]  # ~0.5 s prefill, 3 s streams
+    return [*sim_worker_argv(role, port, bootstrap_port), *slow]
 
 
 @dataclass
@@ -56,7 +60,11 @@ class Outcome:
 
 
 def _streams_in_flight(metrics: RouterMetrics, victim: str) -> bool:
-    return metrics.streaming >= STREAMING_BEFORE_KILL and metrics.in_flight[victim] >= STREAMING_BEFORE_KILL // 2
+    return (
+        metrics.streaming >= STREAMING_BEFORE_KILL
+        and metrics.before_first_byte >= WAITING_BEFORE_KILL
+        and metrics.in_flight[victim] >= WAITING_BEFORE_KILL
+    )
 
 
 async def _one(client: openai.AsyncOpenAI, i: int) -> Outcome:
@@ -78,6 +86,7 @@ async def _run(client: openai.AsyncOpenAI, first: int, count: int, concurrency: 
     sem = asyncio.Semaphore(concurrency)
 
     async def bounded(i: int) -> Outcome:
+        await asyncio.sleep((i - first) * STAGGER_S)
         async with sem:
             return await asyncio.wait_for(_one(client, i), 90)  # a hang fails the test here
 
@@ -107,8 +116,8 @@ async def _kill_under_load(stack: LocalStack, victim: Worker, client: openai.Asy
     before = await scrape(stack.router_url)
     assert {w.url for w in stack.workers} <= before.in_flight.keys()
     tasks = await _run(client, 0, TOTAL, CONCURRENCY)
-    # Kill only once the router itself shows streams past their first byte and requests in flight on the victim,
-    # however loaded the machine (right after a burst of dispatches, none has a byte yet).
+    # Kill only once the router itself shows streams past their first byte, requests still waiting for it, and
+    # requests on the victim, however loaded the machine.
     while not _streams_in_flight(await scrape(stack.router_url), victim.url):
         assert not all(t.done() for t in tasks), "all requests ended before the router showed streams on the victim"
         await asyncio.sleep(0.05)
