@@ -140,15 +140,16 @@ async def test_pod_discovery_relists_after_a_watch_gap(
 
         listings = discovery.listings
         proxy.cut()  # the watches break; the router cannot reach the API server until resume()
+        urls["decode-d"] = await started("decode-d", Role.DECODE)  # before the delete: it cannot reuse a's IP
         await core.delete_namespaced_pod("decode-a", ns, grace_period_seconds=0)
         gone = urls.pop("decode-a")
+        assert gone not in urls.values()
 
         async def deleted() -> bool:
             names = {p.metadata.name for p in (await core.list_namespaced_pod(ns)).items}
             return "decode-a" not in names
 
         await eventually(deleted, "decode-a deleted")
-        urls["decode-d"] = await started("decode-d", Role.DECODE)
         await asyncio.sleep(1.0)  # a few refused reconnections
         assert gone in {w.spec.url for w in pool.workers.values()}  # nothing could tell the router yet
         proxy.resume()
