@@ -59,7 +59,7 @@ class Outcome:
     error: str = ""
 
 
-def _streams_in_flight(metrics: RouterMetrics, victim: str) -> bool:
+def _time_to_kill(metrics: RouterMetrics, victim: str) -> bool:
     return (
         metrics.streaming >= STREAMING_BEFORE_KILL
         and metrics.before_first_byte >= WAITING_BEFORE_KILL
@@ -118,7 +118,7 @@ async def _kill_under_load(stack: LocalStack, victim: Worker, client: openai.Asy
     tasks = await _run(client, 0, TOTAL, CONCURRENCY)
     # Kill only once the router itself shows streams past their first byte, requests still waiting for it, and
     # requests on the victim, however loaded the machine.
-    while not _streams_in_flight(await scrape(stack.router_url), victim.url):
+    while not _time_to_kill(await scrape(stack.router_url), victim.url):
         assert not all(t.done() for t in tasks), "all requests ended before the router showed streams on the victim"
         await asyncio.sleep(0.05)
     victim.proc.signal(signal.SIGKILL)
