@@ -50,6 +50,7 @@ def _run(tmp_path: Path, ci: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("ci", ["true", ""])
 def test_unexpected_skips_fail_only_under_ci(tmp_path: Path, ci: str) -> None:
     done = _run(tmp_path, ci)

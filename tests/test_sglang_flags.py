@@ -83,6 +83,7 @@ def test_sim_checks_offload_needs_storage_backend() -> None:
     assert cfg.transfer_failure_prob == 0.25
 
 
+@pytest.mark.procs
 def test_committed_table_matches_the_wheel() -> None:
     """Never skipped: ``make peers`` (run by ``make test``) fetches the hash-checked wheel; without it this fails
     with that command."""

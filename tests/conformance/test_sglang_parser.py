@@ -29,7 +29,7 @@ from tandem_operator.desired.pods import RoleContext, group_manifests
 from tandem_sim.config import parse as sim_parse
 from tests.operator.test_sglang_args import SPECS
 
-pytestmark = pytest.mark.timeout(300)  # the peer venv imports torch (10-60 s on a loaded machine)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(300)]  # the peer venv imports torch (10-60 s on a loaded machine)
 ROOT = Path(__file__).resolve().parents[2]
 PARSE = Path(__file__).with_name("sglang_parse.py")
 POD_FIELDS = {"status.podIP": "10.20.0.7", "metadata.name": "kimi-decode-0-0"}  # what the kubelet fills in

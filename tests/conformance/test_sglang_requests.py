@@ -21,7 +21,7 @@ import pytest
 from tandem import peers
 from tandem_sim import contract, sglang_fields
 
-pytestmark = pytest.mark.timeout(300)  # the peer venv imports torch (10-60 s on a loaded machine)
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(300)]  # the peer venv imports torch (10-60 s on a loaded machine)
 CONTRACT = Path(__file__).with_name("sglang_contract.py")
 PROTOCOL = "sglang/srt/entrypoints/openai/protocol.py"
 

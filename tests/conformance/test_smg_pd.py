@@ -27,7 +27,7 @@ from tandem.procs import ManagedProcess, free_port
 from tandem_sim.testing import SimWorker, start_decode, start_prefill, start_worker
 from tests.simhelpers import metric_sum
 
-pytestmark = [pytest.mark.netns, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.netns, pytest.mark.procs, pytest.mark.timeout(180)]
 
 MODEL = "kimi"
 KV_BYTES_PER_TOKEN = 256  # the simulator's default --sim-kv-bytes-per-token
