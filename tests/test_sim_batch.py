@@ -97,7 +97,7 @@ async def test_batch_needs_one_room_per_item(
     for rooms in (5, [5], [5, 5]):
         status, err = await _post(sess, f"{decode.url}/generate", dict(body, bootstrap_room=rooms))
         assert status == 400
-        assert "bootstrap_room" in err["error"]
+        assert "bootstrap_room" in err["error"]["message"]
 
 
 async def test_openai_n_choices_pd_equals_aggregated(

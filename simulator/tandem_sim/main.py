@@ -146,4 +146,5 @@ def main(argv: Sequence[str]) -> int:
     except ConfigError as err:
         print(f"tandem sim: error: {err}", file=sys.stderr)
         return 2
+    logging.getLogger().setLevel(str(cfg.server_args.get("log_level") or "info").upper())  # SGLang's --log-level
     return uvloop.run(serve(cfg))

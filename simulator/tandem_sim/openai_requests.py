@@ -21,6 +21,7 @@ from tandem_sim.requests import (
     prompt_tokens,
     sampling_params,
 )
+from tandem_sim.sglang_fields import CHAT_FIELDS, COMPLETION_FIELDS, ignored_fields
 
 _SAMPLING = (
     ("temperature", "temperature"),
@@ -40,6 +41,7 @@ class OpenAIRequest:
     include_usage: bool
     continuous_usage: bool
     tool_call: str | None  # the function every choice calls (tool_choice "required" or named), else None
+    ignored: tuple[str, ...] = ()  # top-level fields SGLang's request model does not know (and ignores)
 
 
 def _openai_sampling(body: dict[str, Any]) -> dict[str, Any]:
@@ -118,8 +120,8 @@ def _completion_prompt(prompt: Any) -> model.Tokens:
 def parse_openai(body: Any, *, chat: bool, mode: str, context_length: int) -> OpenAIRequest:
     if not isinstance(body, dict):
         raise BadRequestError("Request body must be a JSON object")
-    if not isinstance(body.get("model"), str):
-        raise BadRequestError("model: Field required")
+    if "model" in body and not isinstance(body["model"], str):  # optional in SGLang (protocol.py: default name)
+        raise BadRequestError("model: Input should be a valid string")
     _check_pass_through(body)
     tool_call = _tool_call(body) if chat else None
     prompt = _chat_prompt(body.get("messages")) if chat else _completion_prompt(body.get("prompt"))
@@ -143,4 +145,5 @@ def parse_openai(body: Any, *, chat: bool, mode: str, context_length: int) -> Op
         include_usage=bool(options.get("include_usage")),
         continuous_usage=bool(options.get("continuous_usage_stats")),
         tool_call=tool_call,
+        ignored=ignored_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS),
     )

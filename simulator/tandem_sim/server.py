@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -22,6 +23,7 @@ from aiohttp import web
 from tandem.sglang_args import SGLANG_VERSION
 from tandem_sim import responses
 from tandem_sim.config import SimConfig
+from tandem_sim.contract import ContractError
 from tandem_sim.decode import MAX_MESSAGE, PD_PATH
 from tandem_sim.openai_requests import parse_openai
 from tandem_sim.prefill import DecodeRegistration, RoomExpiredError
@@ -31,6 +33,13 @@ from tandem_sim.streaming import OpenAIStream
 from tandem_sim.worker import GenerationError, OnProgress, Worker
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+log = logging.getLogger("tandem_sim.server")
+
+
+def _log_ignored(path: str, ignored: tuple[str, ...]) -> None:
+    """SGLang ignores request fields it does not know (tandem_sim.sglang_fields); so do we, at debug level."""
+    if ignored:
+        log.debug("ignoring unknown field(s) in %s request: %s", path, ", ".join(ignored))
 
 
 def _json(doc: Any, status: int = 200) -> web.Response:
@@ -114,10 +123,11 @@ class Server:
             parsed = parse_generate(
                 await self._body(request), mode=self.cfg.mode, context_length=self.cfg.context_length
             )
-        except BadRequestError as err:
-            return _json({"error": str(err)}, err.status)
-        except GenerationError as err:
+        except ContractError as err:  # SGLang's contract gate: http_server.generate_request
+            return _json({"error": str(err)}, 400)
+        except (BadRequestError, GenerationError) as err:  # ValueErrors after the gate: _create_error_response
             return _json(responses.generate_error(str(err), err.status), err.status)
+        _log_ignored(request.path, parsed.ignored)
         if not parsed.stream:
             try:
                 outs = await self._run_all(parsed.items)
@@ -167,6 +177,7 @@ class Server:
             req = parse_openai(body, chat=chat, mode=self.cfg.mode, context_length=self.cfg.context_length)
         except (BadRequestError, GenerationError) as err:
             return _json(responses.openai_error(str(err), err.status), err.status)
+        _log_ignored(request.path, req.ignored)
         name = self.cfg.served_model_name
         if not req.stream:
             try:
