@@ -43,6 +43,33 @@ def report_of(monitor: IntegrityMonitor, router: str, now: float) -> IntegrityRe
     )
 
 
+def integrity_document(monitor: IntegrityMonitor) -> dict[str, Any]:
+    """The router's ``GET /integrity`` document."""
+    now = time.monotonic()
+    return {
+        "enabled": True,
+        "quarantined": [
+            {
+                "prefill": _url(q.prefill),
+                "decode": _url(q.decode),
+                "since_s": round(now - q.since, 3),
+                "reason": q.reason,
+                "probation": q.probation,
+                "next_probation_in_s": round(max(0.0, q.next_probe_at - now), 3),
+                "clean_comparisons": q.clean_comparisons,
+                "quarantines": q.quarantines,
+            }
+            for q in monitor.quarantined()
+        ],
+        "quarantined_workers": sorted(_url(w) for w in monitor.quarantined_workers()),
+        "quarantined_share": round(monitor.quarantined_share(), 4),
+        "repeat_offenders": [
+            {"worker": _url(w), "epoch": epoch, "quarantines": n, "reason": why}
+            for w, epoch, n, why in monitor.repeat_offenders()
+        ],
+    }
+
+
 class IntegrityPublisher:
     def __init__(
         self,

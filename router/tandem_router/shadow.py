@@ -5,6 +5,10 @@ sampled fraction of them (``rate``), the same body goes to a second pair, with a
 client got its answer; if the texts differ, a third pair breaks the tie and the pair in the minority gets an
 integrity failure. No third pair, or three different answers: nobody is blamed. At most ``max_in_flight``
 shadows run at once, so the extra load stays bounded whatever the traffic.
+
+The same comparison *confirms* a detector finding (``confirm``): the suspect request itself is re-run on two other
+pairs, preferably ones that share no worker with the suspect pair. A client that provoked the finding with its
+own prompt gets the same text everywhere, so nothing is blamed; a garbling pair is in the minority.
 """
 
 from __future__ import annotations
@@ -48,6 +52,15 @@ class ShadowSampler:
         self.rate, self.max_in_flight = rate, max_in_flight
         self.rng = rng or random.Random()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._confirming: set[asyncio.Task[None]] = set()
+
+    def confirm(self, pair: Pair, req: ProxyRequest, text: str) -> None:
+        """Re-run a suspect deterministic request on two other pairs (its own budget of ``max_in_flight``)."""
+        if len(self._confirming) >= self.max_in_flight:
+            return
+        task = asyncio.create_task(self._compare(pair, req, text))
+        self._confirming.add(task)
+        task.add_done_callback(self._confirming.discard)
 
     def completed(self, pair: Pair, req: ProxyRequest, outputs: list[str]) -> None:
         """Called by the proxy when a response reached the client in full."""
@@ -65,12 +78,20 @@ class ShadowSampler:
         task.add_done_callback(self._tasks.discard)
 
     async def drain(self) -> None:
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._confirming, return_exceptions=True)
+
+    def _other_pair(self, req: ProxyRequest, avoid: list[Pair]) -> Pair | None:
+        """A pair other than ``avoid``, preferring one whose decode none of them uses."""
+        keys = frozenset(p.key for p in avoid)
+        decodes = {p.decode.key for p in avoid}
+        sharing = frozenset(p.key for p in self.pool.all_pairs() if p.decode.key in decodes)
+        now = time.monotonic()
+        pair = self.pool.choose_pair(req.prefix, now, keys | sharing) or self.pool.choose_pair(req.prefix, now, keys)
+        return None if pair is None or pair.key in keys else pair
 
     async def _compare(self, original: Pair, req: ProxyRequest, text: str) -> None:
-        now = time.monotonic()
-        second = self.pool.choose_pair(req.prefix, now, frozenset({original.key}))
-        if second is None or second.key == original.key:
+        second = self._other_pair(req, [original])
+        if second is None:
             return
         other = await self._run(second, req)
         if other is None:
@@ -78,8 +99,8 @@ class ShadowSampler:
         self.monitor.shadow_result(other == text)
         if other == text:
             return
-        third = self.pool.choose_pair(req.prefix, time.monotonic(), frozenset({original.key, second.key}))
-        if third is None or third.key in {original.key, second.key}:
+        third = self._other_pair(req, [original, second])
+        if third is None:
             log.info("shadow mismatch without a third pair to break the tie", extra={"request_id": req.request_id})
             return
         tie = await self._run(third, req)

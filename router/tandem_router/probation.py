@@ -1,0 +1,109 @@
+"""Probation: live requests mirrored to quarantined pairs at the pool's live concurrency, answers compared.
+
+A pair on probation serves no client. Each live request that a trusted pair answered in full is also sent to
+every pair on probation whose mirrored requests in flight are below the pool's live concurrency per serving pair
+(``live_per_pair``), so the pair carries the load it would carry if it served: races that need load (the decode
+KV-offload slot reuse) show here, not in front of clients. Deterministic requests (temperature 0 or a seed)
+are compared with the text the client got; a mismatch is re-run on a third, trusted pair and counts against the
+pair on probation only when that third pair agrees with the client's text (so numerical non-determinism between
+pairs blames nobody). Non-deterministic requests are mirrored for the load only. ``comparisons_to_release``
+clean comparisons in a row release the pair (``integrity.quarantine``).
+
+The extra load is the quarantined pair's own share of the traffic, on its own decode, plus the matching prefill
+work on its prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+from collections import Counter
+
+from tandem.registry import Role
+from tandem_router.integrity.monitor import IntegrityMonitor, PairKey
+from tandem_router.pair_request import texts_from_pair
+from tandem_router.pool import Pair, WorkerPool
+from tandem_router.proxy import ProxyRequest
+from tandem_router.shadow import deterministic
+from tandem_router.transport import Transport
+
+log = logging.getLogger("tandem.router.probation")
+
+MAX_MIRRORS = 512  # mirrored requests in flight over all pairs on probation
+
+
+def live_per_pair(pool: WorkerPool, monitor: IntegrityMonitor) -> int:
+    """Client requests in flight per pair that serves clients (at least 1)."""
+    in_flight = sum(w.in_flight for w in pool.of_role(Role.DECODE))
+    out = monitor.quarantined_keys()
+    serving = sum(1 for p in pool.all_pairs() if p.key not in out)
+    return max(1, math.ceil(in_flight / max(1, serving)))
+
+
+class ProbationMirror:
+    def __init__(
+        self,
+        monitor: IntegrityMonitor,
+        transport: Transport,
+        pool: WorkerPool,
+        rng: random.Random | None = None,
+        timeout_s: float = 60.0,
+    ) -> None:
+        self.monitor, self.transport, self.pool = monitor, transport, pool
+        self.rng = rng or random.Random()
+        self.timeout_s = timeout_s
+        self.in_flight: Counter[PairKey] = Counter()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def completed(self, trusted: Pair, req: ProxyRequest, outputs: list[str]) -> None:
+        """A trusted pair answered ``req`` in full with ``outputs``: mirror it to the pairs on probation."""
+        probation = set(self.monitor.probation_pairs())
+        if not probation or req.items != 0 or len(outputs) != 1:
+            return
+        target = live_per_pair(self.pool, self.monitor)
+        reference = outputs[0] if deterministic(req.body) else None
+        for pair in self.pool.all_pairs():
+            if pair.key in probation and self.in_flight[pair.key] < target and len(self._tasks) < MAX_MIRRORS:
+                task = asyncio.create_task(self._mirror(pair, trusted, req, reference))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def drain(self) -> None:
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _run(self, pair: Pair, req: ProxyRequest, tag: str) -> str | None:
+        texts = await texts_from_pair(
+            self.transport,
+            pair,
+            req.route.value,
+            req.body,
+            rng=self.rng,
+            request_id=f"{tag}-{req.request_id}",
+            timeout_s=self.timeout_s,
+        )
+        return texts[0] if texts is not None and len(texts) == 1 else None
+
+    async def _mirror(self, pair: Pair, trusted: Pair, req: ProxyRequest, reference: str | None) -> None:
+        self.in_flight[pair.key] += 1
+        try:
+            text = await self._run(pair, req, "mirror")
+        finally:
+            self.in_flight[pair.key] -= 1
+        if text is None or reference is None:
+            return
+        if text == reference:
+            self.monitor.comparison(pair.key, True)
+            return
+        third = self._tiebreaker(req, {pair.key, trusted.key})
+        tie = await self._run(third, req, "tiebreak") if third is not None else None
+        if tie == reference:
+            self.monitor.comparison(pair.key, False, f"mirrored answer differs from two trusted pairs: {text[:80]!r}")
+        else:
+            log.info("probation mismatch not confirmed by a third pair", extra={"request_id": req.request_id})
+
+    def _tiebreaker(self, req: ProxyRequest, avoid: set[PairKey]) -> Pair | None:
+        pair = self.pool.choose_pair(req.prefix, time.monotonic(), frozenset(avoid))
+        return None if pair is None or pair.key in avoid else pair
