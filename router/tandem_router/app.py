@@ -277,11 +277,12 @@ def _proxied(route: Route) -> Handler:
 
 
 def client_identity(request: web.Request, settings: RouterSettings) -> str:
-    """Who sent a request, for integrity evidence (one client's findings alone never quarantine a pair): the API
-    key if the request has one, else the value of ``client_id_header`` when the operator set one (a header that a
-    trusted proxy in front of the router sets), else the peer address."""
+    """Who sent a request, for integrity evidence (one client's findings alone never quarantine a pair): its API
+    key when the router checks keys (``api_keys``; an unchecked token could be made up per request), else the
+    value of ``client_id_header`` when the operator set one (a header that a trusted proxy in front of the router
+    sets), else the peer address."""
     header = request.headers.get("Authorization", "")
-    if header[:7].lower() == "bearer " and header[7:]:
+    if settings.api_keys and header[:7].lower() == "bearer " and header[7:]:
         return "key:" + hashlib.sha256(header[7:].encode()).hexdigest()[:16]
     if settings.client_id_header and request.headers.get(settings.client_id_header):
         return "header:" + request.headers[settings.client_id_header][:256]

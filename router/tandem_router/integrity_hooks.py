@@ -2,8 +2,10 @@
 
 The proxy calls ``completed`` once per fully relayed response (its ``on_complete``), after the monitor ran its
 detectors on it. A response whose findings wait for a confirmation (``IntegrityMonitor.take_suspect``) is
-re-run on two other pairs when it is deterministic, else its pair gets a canary burst; any other deterministic
-response may be sampled for a shadow comparison. Every response is also mirrored to the pairs on probation.
+re-run on two other pairs when it is deterministic, else its pair gets a canary burst. Every deterministic
+response of a pair *under suspicion* (it shares a worker with a pair caught by a canary or shadow within the
+window) is re-run the same way; any other may be sampled for a shadow comparison. Every response is also
+mirrored to the pairs on probation.
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ class IntegrityHooks:
 
     def completed(self, pair: Pair, req: ProxyRequest, outputs: list[str]) -> None:
         suspect = self.monitor.take_suspect(req.request_id)
-        if suspect is None:
-            self.shadow.completed(pair, req, outputs)
-        elif suspect == pair.key and req.items == 0 and len(outputs) == 1 and deterministic(req.body):
+        comparable = req.items == 0 and len(outputs) == 1 and deterministic(req.body)
+        if suspect is not None and not (suspect == pair.key and comparable):
+            self.canary.confirm_soon(suspect)
+        elif comparable and (suspect is not None or self.monitor.under_suspicion(pair.key)):
             self.shadow.confirm(pair, req, outputs[0])
         else:
-            self.canary.confirm_soon(suspect)
+            self.shadow.completed(pair, req, outputs)
         self.mirror.completed(pair, req, outputs)
 
     async def drain(self) -> None:

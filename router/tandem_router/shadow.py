@@ -47,16 +47,17 @@ class ShadowSampler:
         rate: float,
         max_in_flight: int = 4,
         rng: random.Random | None = None,
+        max_confirming: int = 16,
     ) -> None:
         self.monitor, self.transport, self.pool = monitor, transport, pool
-        self.rate, self.max_in_flight = rate, max_in_flight
+        self.rate, self.max_in_flight, self.max_confirming = rate, max_in_flight, max_confirming
         self.rng = rng or random.Random()
         self._tasks: set[asyncio.Task[None]] = set()
         self._confirming: set[asyncio.Task[None]] = set()
 
     def confirm(self, pair: Pair, req: ProxyRequest, text: str) -> None:
-        """Re-run a suspect deterministic request on two other pairs (its own budget of ``max_in_flight``)."""
-        if len(self._confirming) >= self.max_in_flight:
+        """Re-run a suspect deterministic request on two other pairs (its own budget, ``max_confirming``)."""
+        if len(self._confirming) >= self.max_confirming:
             return
         task = asyncio.create_task(self._compare(pair, req, text))
         self._confirming.add(task)

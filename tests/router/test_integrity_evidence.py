@@ -97,3 +97,14 @@ def test_a_recreated_worker_starts_clean() -> None:
     assert monitor.quarantined_keys() == {FOUR[0]}
     monitor.set_pairs(FOUR, {"d0": 2})  # the operator recreated the group
     assert monitor.quarantined_keys() == frozenset()
+
+
+def test_a_finding_on_a_worker_a_canary_caught_elsewhere_takes_the_worker_out() -> None:
+    monitor, _ = _monitor()
+    monitor.failure(FOUR[0], "canary burst answer differs")  # (p0, d0): one confirmed failure, not yet out
+    assert monitor.quarantined_keys() == frozenset()
+    _garbled(monitor, FOUR[1], "r1", "peer:10.0.0.1")  # (p1, d0): d0 is the common factor
+    assert monitor.quarantined_workers() == {"d0"}
+    # p0 shares the confirmed failure, but taking (p0, d1) too would exceed the share cap on a text finding.
+    _garbled(monitor, FOUR[2], "r2", "peer:10.0.0.1")
+    assert monitor.quarantined_share() == 0.5

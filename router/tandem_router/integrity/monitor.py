@@ -8,9 +8,10 @@ the relayed text when its response ends, and ``released`` when it is done with t
 leak index for ``prompt_retention_s`` after their request finished: a garbling decode reuses KV slots of requests
 that just ended, so their prompts are exactly what leaks.
 
-A detector finding is not a failure by itself (``evidence``): unless findings from independent clients agree,
-the finding's request is marked a *suspect* and its pair is confirmed by a shadow re-run of that request on
-other pairs (deterministic requests) or a canary burst through the pair; a mismatch there promotes the pending
+A detector finding is not a failure by itself (``evidence``): unless findings from independent clients agree, or
+a worker of the pair already failed a canary or shadow comparison (on another pair) within the window, the
+finding's request is marked a *suspect* and its pair is confirmed by a shadow re-run of that request on other
+pairs (deterministic requests) or a canary burst through the pair; a mismatch there promotes the pending
 findings to failures.
 """
 
@@ -64,6 +65,7 @@ class IntegrityConfig:
     loop_min_span_words: int = 24
     independent_clients: int = 2  # clients whose findings quarantine without a confirmation
     confirm_interval_s: float = 1.0  # at most one confirmation per pair per interval
+    suspicion_s: float = 30.0  # after an unconfirmed finding, the pair's deterministic answers are all compared
     policy: QuarantinePolicy = field(default_factory=QuarantinePolicy)
 
 
@@ -135,6 +137,7 @@ class IntegrityMonitor:
         self._clients: dict[str, str] = {}  # request id -> client, while its prompt is indexed
         self._suspects: dict[str, PairKey] = {}  # request id -> pair, findings waiting for a confirmation
         self._confirmed_at: dict[PairKey, float] = {}
+        self._suspicious_until: dict[PairKey, float] = {}
         self._known_pairs: list[PairKey] = []
         self._epochs: dict[str, int] = {}
 
@@ -203,7 +206,14 @@ class IntegrityMonitor:
                 if self._promote(scope, now, detector_only=True):
                     return
                 break  # held by the share cap: confirm first
+        else:
+            # A worker of this pair was caught by a canary or shadow on another pair: that corroborates the
+            # finding (the spread rule then takes the worker's pairs out, within the share cap).
+            confirmed = any(self.book.worker_confirmed_failing(w, now) for w in pair)
+            if confirmed and self._promote(frozenset({pair}), now, detector_only=True):
+                return
         self.metrics.unconfirmed.inc()
+        self._suspicious_until[pair] = now + self.cfg.suspicion_s
         if len(self._suspects) >= self.cfg.max_indexed_prompts:
             self._suspects.pop(next(iter(self._suspects)))
         self._suspects[request_id] = pair
@@ -220,6 +230,17 @@ class IntegrityMonitor:
         self._confirmed_at[pair] = now
         self.metrics.confirmations.inc()
         return pair
+
+    def under_suspicion(self, pair: PairKey) -> bool:
+        """A serving pair with an unconfirmed finding within ``suspicion_s``, or that shares a worker with a pair
+        that failed a canary or shadow comparison within the window: its deterministic answers are all compared
+        (most garbled text is not detectable as such, and the suspect request itself may not be comparable)."""
+        now = self.clock()
+        if self.book.is_quarantined(pair):
+            return False
+        if self._suspicious_until.get(pair, -math.inf) > now:
+            return True
+        return any(self.book.worker_confirmed_failing(w, now) for w in pair)
 
     def _pairs_of(self, worker: str) -> frozenset[PairKey]:
         return frozenset(p for p in self._known_pairs if worker in p)
@@ -293,6 +314,7 @@ class IntegrityMonitor:
         for gone in set(self.book_pairs()) - set(pairs) | {p for p in self.book_pairs() if renewed & set(p)}:
             self.book.forget(gone)
             self.evidence.forget(gone)
+            self._suspicious_until.pop(gone, None)
         self._epochs.update(epochs)
         self._known_pairs = list(pairs)
         self._update_gauge()

@@ -74,6 +74,7 @@ class PairRecord:
     total_quarantines: int = 0
     released_at: float | None = None
     last_failure_at: float | None = None
+    last_confirmed_at: float | None = None  # last failure backed by a canary or shadow comparison
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,8 @@ class IntegrityBook:
         record = self._record(pair)
         record.total_failures += 1
         record.last_failure_at = now
+        if not detector_only:
+            record.last_confirmed_at = now
         if record.probation_since is not None:
             self._quarantine(record, f"failed on probation: {reason}", now)
             return FailureOutcome((pair,))
@@ -154,6 +157,13 @@ class IntegrityBook:
                 spread = [p for p in known_pairs if worker in p and not self.is_quarantined(p)]
                 return spread, f"{worker} failed with {len(failing)} partners; last: {reason}"
         return [], ""
+
+    def worker_confirmed_failing(self, worker: str, now: float) -> bool:
+        """Whether a pair of ``worker`` failed a canary or shadow comparison within ``window_s``."""
+        return any(
+            worker in p and rec.last_confirmed_at is not None and rec.last_confirmed_at >= now - self.policy.window_s
+            for p, rec in self._pairs.items()
+        )
 
     def _within_share(self, newly: list[Pair], known_pairs: list[Pair]) -> bool:
         """Whether quarantining ``newly`` keeps the quarantined share within ``max_detector_share``."""
@@ -197,7 +207,7 @@ class IntegrityBook:
         record.last_comparison_at = now
         if not clean:
             record.total_failures += 1
-            record.last_failure_at = now
+            record.last_failure_at = record.last_confirmed_at = now
             self._quarantine(record, f"failed on probation: {reason}", now)
             return Transition.QUARANTINED
         record.clean_comparisons += 1
