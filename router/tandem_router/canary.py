@@ -55,12 +55,12 @@ class CanaryProber:
         pairs: Callable[[], list[Pair]],
         cfg: CanaryConfig | None = None,
         rng: random.Random | None = None,
-        concurrency: Callable[[], int] = lambda: 1,
+        concurrency: Callable[[PairKey], int] = lambda pair: 1,
     ) -> None:
         self.monitor = monitor
         self.transport = transport
         self.pairs = pairs
-        self.concurrency = concurrency  # the pool's live concurrency per pair (bursts match it)
+        self.concurrency = concurrency  # concurrent requests through a pair at the pool's live load
         self.cfg = cfg or CanaryConfig()
         self._tasks: set[asyncio.Task[None]] = set()
         self.rng = rng or random.Random()
@@ -113,14 +113,14 @@ class CanaryProber:
         """A burst at the pool's live concurrency through each pair on probation that mirroring left idle."""
         due = set(self.monitor.idle_probations(self.cfg.probation_idle_s))
         pairs = [p for p in self.pairs() if p.key in due]
-        await asyncio.gather(*(self.burst(pair, self.concurrency()) for pair in pairs))
+        await asyncio.gather(*(self.burst(pair, self.concurrency(pair.key)) for pair in pairs))
 
     def confirm_soon(self, key: PairKey) -> None:
         """Confirm a detector finding on ``key`` with a canary burst, in the background."""
         pair = next((p for p in self.pairs() if p.key == key), None)
         if pair is None or not self.references:
             return
-        task = asyncio.create_task(self.burst(pair, self.concurrency()))
+        task = asyncio.create_task(self.burst(pair, self.concurrency(pair.key)))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

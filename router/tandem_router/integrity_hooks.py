@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from tandem_router.canary import CanaryConfig, CanaryProber
 from tandem_router.integrity.monitor import IntegrityMonitor
 from tandem_router.pool import Pair, WorkerPool
-from tandem_router.probation import ProbationMirror, live_per_pair
+from tandem_router.probation import ProbationMirror, load_target
 from tandem_router.proxy import ProxyRequest
 from tandem_router.shadow import ShadowSampler, deterministic
 from tandem_router.transport import Transport
@@ -64,7 +64,7 @@ def build_hooks(
             transport,
             lambda: pairs_for_integrity(pool, monitor),
             canary_cfg,
-            concurrency=lambda: live_per_pair(pool, monitor),
+            concurrency=lambda pair: load_target(pool, monitor, pair),
         ),
         ProbationMirror(monitor, transport, pool),
     )

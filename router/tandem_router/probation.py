@@ -1,13 +1,14 @@
 """Probation: live requests mirrored to quarantined pairs at the pool's live concurrency, answers compared.
 
 A pair on probation serves no client. Each live request that a trusted pair answered in full is also sent to
-every pair on probation whose mirrored requests in flight are below the pool's live concurrency per serving pair
-(``live_per_pair``), so the pair carries the load it would carry if it served: races that need load (the decode
-KV-offload slot reuse) show here, not in front of clients. Deterministic requests (temperature 0 or a seed)
-are compared with the text the client got; a mismatch is re-run on a third, trusted pair and counts against the
-pair on probation only when that third pair agrees with the client's text (so numerical non-determinism between
-pairs blames nobody). Non-deterministic requests are mirrored for the load only. ``comparisons_to_release``
-clean comparisons in a row release the pair (``integrity.quarantine``).
+every pair on probation whose mirrored requests in flight are below its target (``mirror_targets``: each of its
+workers carries what a serving worker of its role carries), so the pair carries the load it would carry if it
+served: races that need load (the decode KV-offload slot reuse) show here, not in front of clients.
+Deterministic requests (temperature 0 or a seed) are compared with the text the client got; a mismatch is re-run
+on a third, trusted pair and counts against the pair on probation only when that third pair agrees with the
+client's text (so numerical non-determinism between pairs blames nobody). Non-deterministic requests are
+mirrored for the load only. ``comparisons_to_release`` clean comparisons in a row release the pair
+(``integrity.quarantine``).
 
 The extra load is the quarantined pair's own share of the traffic, on its own decode, plus the matching prefill
 work on its prefill.
@@ -43,6 +44,33 @@ def live_per_pair(pool: WorkerPool, monitor: IntegrityMonitor) -> int:
     return max(1, math.ceil(in_flight / max(1, serving)))
 
 
+def load_target(pool: WorkerPool, monitor: IntegrityMonitor, pair: PairKey) -> int:
+    """Concurrent requests through ``pair`` that match the pool's live load (canary burst size)."""
+    probation = set(monitor.probation_pairs())
+    if pair in probation:
+        return mirror_targets(pool, monitor, probation)[pair]
+    return live_per_pair(pool, monitor)
+
+
+def mirror_targets(pool: WorkerPool, monitor: IntegrityMonitor, probation: set[PairKey]) -> dict[PairKey, int]:
+    """Mirrored requests in flight wanted per pair on probation: enough that each of its workers carries what a
+    serving worker of its role carries (client requests in flight / workers of that role with a serving pair),
+    shared among that worker's pairs on probation. A decode's load is the sum over its pairs, and the races
+    depend on the decode's load, not on one pair's."""
+    in_flight = sum(w.in_flight for w in pool.of_role(Role.DECODE))
+    out = monitor.quarantined_keys()
+    serving = [p.key for p in pool.all_pairs() if p.key not in out]
+    targets: dict[PairKey, int] = {}
+    for pair in probation:
+        wanted = 1
+        for side, worker in enumerate(pair):
+            peers = max(1, len({p[side] for p in serving}))
+            sharing = sum(1 for p in probation if p[side] == worker)
+            wanted = max(wanted, math.ceil(in_flight / peers / sharing))
+        targets[pair] = wanted
+    return targets
+
+
 class ProbationMirror:
     def __init__(
         self,
@@ -63,10 +91,11 @@ class ProbationMirror:
         probation = set(self.monitor.probation_pairs())
         if not probation or req.items != 0 or len(outputs) != 1:
             return
-        target = live_per_pair(self.pool, self.monitor)
+        targets = mirror_targets(self.pool, self.monitor, probation)
         reference = outputs[0] if deterministic(req.body) else None
         for pair in self.pool.all_pairs():
-            if pair.key in probation and self.in_flight[pair.key] < target and len(self._tasks) < MAX_MIRRORS:
+            wanted = targets.get(pair.key, 0)
+            if self.in_flight[pair.key] < wanted and len(self._tasks) < MAX_MIRRORS:
                 task = asyncio.create_task(self._mirror(pair, trusted, req, reference))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
