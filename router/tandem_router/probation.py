@@ -25,10 +25,9 @@ from collections import Counter
 
 from tandem.registry import Role
 from tandem_router.integrity.monitor import IntegrityMonitor, PairKey
-from tandem_router.pair_request import texts_from_pair
 from tandem_router.pool import Pair, WorkerPool
 from tandem_router.proxy import ProxyRequest
-from tandem_router.shadow import deterministic
+from tandem_router.shadow import deterministic, rerun
 from tandem_router.transport import Transport
 
 log = logging.getLogger("tandem.router.probation")
@@ -104,16 +103,7 @@ class ProbationMirror:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _run(self, pair: Pair, req: ProxyRequest, tag: str) -> str | None:
-        texts = await texts_from_pair(
-            self.transport,
-            pair,
-            req.route.value,
-            req.body,
-            rng=self.rng,
-            request_id=f"{tag}-{req.request_id}",
-            timeout_s=self.timeout_s,
-        )
-        return texts[0] if texts is not None and len(texts) == 1 else None
+        return await rerun(self.transport, pair, req, tag, self.rng, self.timeout_s)
 
     async def _mirror(self, pair: Pair, trusted: Pair, req: ProxyRequest, reference: str | None) -> None:
         self.in_flight[pair.key] += 1

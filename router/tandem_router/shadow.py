@@ -38,6 +38,16 @@ def deterministic(body: dict[str, Any]) -> bool:
     return bool(params.get("temperature", 1.0) == 0)
 
 
+async def rerun(
+    transport: Transport, pair: Pair, req: ProxyRequest, tag: str, rng: random.Random, timeout_s: float = 60.0
+) -> str | None:
+    """The text of a client request re-run through exactly ``pair`` (None if it could not answer, or not one)."""
+    texts = await texts_from_pair(
+        transport, pair, req.route.value, req.body, rng=rng, request_id=f"{tag}-{req.request_id}", timeout_s=timeout_s
+    )
+    return texts[0] if texts is not None and len(texts) == 1 else None
+
+
 class ShadowSampler:
     def __init__(
         self,
@@ -111,13 +121,4 @@ class ShadowSampler:
             self.monitor.failure(second.key, f"shadow: text differs from two other pairs ({other[:60]!r})")
 
     async def _run(self, pair: Pair, req: ProxyRequest) -> str | None:
-        texts = await texts_from_pair(
-            self.transport,
-            pair,
-            req.route.value,
-            req.body,
-            rng=self.rng,
-            request_id=f"shadow-{req.request_id}",
-            timeout_s=60,
-        )
-        return texts[0] if texts is not None and len(texts) == 1 else None
+        return await rerun(self.transport, pair, req, "shadow", self.rng)
