@@ -6,9 +6,10 @@ each of its workers carries what a serving worker of its role carries), so the p
 carry if it served: races that need load (the decode KV-offload slot reuse) show here, not in front of clients.
 Deterministic requests (temperature 0 or a seed) are compared with the text the client got; a mismatch is re-run
 on a third, trusted pair and counts against the pair on probation only when that third pair agrees with the
-client's text (so numerical non-determinism between pairs blames nobody). Non-deterministic requests are
-mirrored for the load only. ``comparisons_to_release`` clean comparisons in a row release the pair
-(``integrity.quarantine``).
+client's text (so numerical non-determinism between pairs blames nobody); without a third pair, or when it
+disagrees with both, the pair is not proven clean either: its streak of clean comparisons restarts.
+Non-deterministic requests are mirrored for the load only. ``comparisons_to_release`` clean comparisons in a row
+release the pair (``integrity.quarantine``).
 
 The extra load is the quarantined pair's own share of the traffic, on its own decode, plus the matching prefill
 work on its prefill.
@@ -152,6 +153,7 @@ class ProbationMirror:
             self.monitor.comparison(pair.key, False, f"mirrored answer differs from two trusted pairs: {text[:80]!r}")
         else:
             log.info("probation mismatch not confirmed by a third pair", extra={"request_id": served.req.request_id})
+            self.monitor.inconclusive(pair.key)
 
     def _tiebreaker(self, req: ProxyRequest, avoid: set[PairKey]) -> Pair | None:
         pair = self.pool.choose_pair(req.prefix, time.monotonic(), frozenset(avoid))

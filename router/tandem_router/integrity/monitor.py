@@ -290,6 +290,12 @@ class IntegrityMonitor:
             log.error("pair failed probation", extra={"prefill": pair[0], "decode": pair[1], "reason": reason})
         self._update_gauge()
 
+    def inconclusive(self, pair: PairKey) -> None:
+        """A pair on probation disagreed with a trusted pair, and no third pair settled it: not proven clean."""
+        if self.book.in_probation(pair):
+            self.metrics.comparisons.labels("inconclusive").inc()
+            self.book.record_inconclusive(pair, self.clock())
+
     def shadow_result(self, match: bool) -> None:
         self.metrics.shadows.labels("match" if match else "mismatch").inc()
 

@@ -219,6 +219,14 @@ class IntegrityBook:
         record.clean_comparisons = 0
         return Transition.RELEASED
 
+    def record_inconclusive(self, pair: Pair, now: float) -> None:
+        """A pair on probation answered differently, but no third pair could say who was right: the pair is not
+        proven clean (its streak restarts), nor proven bad."""
+        record = self._pairs.get(pair)
+        if record is not None and record.probation_since is not None:
+            record.clean_comparisons = 0
+            record.last_comparison_at = now
+
     def idle_probations(self, now: float, idle_s: float) -> list[Pair]:
         """Pairs on probation without a comparison for ``idle_s`` (no mirrorable traffic): due for a canary
         burst. Taking them resets their idle clock, so each is handed out once per ``idle_s``."""
