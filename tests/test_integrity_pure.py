@@ -264,3 +264,15 @@ def test_repeat_offender_is_a_worker_all_of_whose_pairs_keep_failing() -> None:
         for pair in book.start_probations(now):
             book.record_comparison(pair, False, now, "mirror mismatch")
     assert book.repeat_offenders(FOUR) == {"d0": (3, "failed on probation: mirror mismatch")}
+
+
+def test_quarantines_on_text_findings_alone_never_make_a_repeat_offender() -> None:
+    book = IntegrityBook(QuarantinePolicy(threshold=1, probe_initial_s=1, report_after=2, comparisons_to_release=1))
+    now = 0.0
+    for _ in range(5):  # several independent clients keep provoking findings; probation finds the pair clean
+        now += 1000
+        book.record_failure(FOUR[0], "bad_text", now, FOUR, detector_only=True)
+        book.start_probations(now + 500)
+        assert book.record_comparison(FOUR[0], True, now + 500) is Transition.RELEASED
+    assert book.totals(FOUR[0]) == (5, 5)
+    assert book.repeat_offenders(FOUR) == {}

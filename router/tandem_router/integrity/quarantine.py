@@ -21,8 +21,9 @@ Life of a pair: SERVING -> QUARANTINED -> PROBATION -> SERVING (released), or PR
   and the next probation starts after twice the wait (exponential backoff). Garbling that only shows under
   load (the offload races) cannot pass a quiet probe this way.
 - A released pair is watched for ``watch_s``: one failure sends it straight back.
-- A worker whose pairs were quarantined ``report_after`` times (re-quarantines included) keeps failing across
-  cycles: it is reported as a repeat offender (the operator recreates its group).
+- A worker all of whose pairs were quarantined ``report_after`` times on confirmed evidence (re-quarantines after
+  a failed probation included; text findings alone never count) keeps failing across cycles: it is reported as a
+  repeat offender (the operator recreates its group).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class PairRecord:
     last_comparison_at: float = 0.0
     total_failures: int = 0
     total_quarantines: int = 0
+    confirmed_quarantines: int = 0  # caused by a canary, shadow or probation mismatch (not text findings alone)
     released_at: float | None = None
     last_failure_at: float | None = None
     last_confirmed_at: float | None = None  # last failure backed by a canary or shadow comparison
@@ -126,7 +128,7 @@ class IntegrityBook:
         if not detector_only:
             record.last_confirmed_at = now
         if record.probation_since is not None:
-            self._quarantine(record, f"failed on probation: {reason}", now)
+            self._quarantine(record, f"failed on probation: {reason}", now, confirmed=not detector_only)
             return FailureOutcome((pair,))
         if record.quarantined_at is not None:
             return FailureOutcome()
@@ -142,7 +144,7 @@ class IntegrityBook:
         if detector_only and not self._within_share(newly, known_pairs):
             return FailureOutcome(held_by_share_cap=True)
         for p in newly:
-            self._quarantine(self._record(p), reason if p in tipped else why, now)
+            self._quarantine(self._record(p), reason if p in tipped else why, now, confirmed=not detector_only)
         return FailureOutcome(tuple(newly))
 
     def _spread(self, pair: Pair, known_pairs: list[Pair], reason: str, now: float) -> tuple[list[Pair], str]:
@@ -177,7 +179,7 @@ class IntegrityBook:
             return 0.0
         return sum(self.is_quarantined(p) for p in known_pairs) / len(known_pairs)
 
-    def _quarantine(self, record: PairRecord, reason: str, now: float) -> None:
+    def _quarantine(self, record: PairRecord, reason: str, now: float, *, confirmed: bool) -> None:
         wait = min(self.policy.probe_initial_s * 2**record.total_quarantines, self.policy.probe_max_s)
         record.quarantined_at = now
         record.probation_since = None
@@ -185,6 +187,7 @@ class IntegrityBook:
         record.next_probe_at = now + wait
         record.clean_comparisons = 0
         record.total_quarantines += 1
+        record.confirmed_quarantines += confirmed
         record.failures.clear()
 
     def start_probations(self, now: float) -> list[Pair]:
@@ -208,7 +211,7 @@ class IntegrityBook:
         if not clean:
             record.total_failures += 1
             record.last_failure_at = record.last_confirmed_at = now
-            self._quarantine(record, f"failed on probation: {reason}", now)
+            self._quarantine(record, f"failed on probation: {reason}", now, confirmed=True)
             return Transition.QUARANTINED
         record.clean_comparisons += 1
         if record.clean_comparisons < self.policy.comparisons_to_release:
@@ -269,21 +272,23 @@ class IntegrityBook:
         return {worker for worker, all_bad in bad.items() if all_bad}
 
     def repeat_offenders(self, pairs: list[Pair]) -> dict[str, tuple[int, str]]:
-        """Workers whose pairs were quarantined ``report_after``+ times: worker -> (quarantines, last reason)."""
+        """Workers all of whose pairs were quarantined ``report_after``+ times on confirmed evidence (canary,
+        shadow or probation mismatches: text findings alone, which clients can provoke, do not count):
+        worker -> (quarantines, last reason)."""
         out: dict[str, tuple[int, str]] = {}
         for pair in pairs:
             rec = self._pairs.get(pair)
-            if rec is None or rec.total_quarantines < self.policy.report_after:
+            if rec is None or rec.confirmed_quarantines < self.policy.report_after:
                 continue
             for worker in pair:
                 if all(self._quarantines(p) >= self.policy.report_after for p in pairs if worker in p):
-                    count = max(out.get(worker, (0, ""))[0], rec.total_quarantines)
+                    count = max(out.get(worker, (0, ""))[0], rec.confirmed_quarantines)
                     out[worker] = (count, rec.reason or out.get(worker, (0, ""))[1])
         return out
 
     def _quarantines(self, pair: Pair) -> int:
         rec = self._pairs.get(pair)
-        return 0 if rec is None else rec.total_quarantines
+        return 0 if rec is None else rec.confirmed_quarantines
 
     def totals(self, pair: Pair) -> tuple[int, int]:
         """(integrity failures, quarantines) ever recorded for the pair."""
