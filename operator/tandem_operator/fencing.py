@@ -42,6 +42,7 @@ class FenceReason(StrEnum):
     CONTAINER_RESTARTED = "ContainerRestarted"
     NODE_LOST = "NodeLost"
     POD_NOT_READY = "PodNotReady"
+    INTEGRITY_REPEAT_OFFENDER = "IntegrityRepeatOffender"  # routers keep quarantining its pairs (not a pod event)
 
 
 @dataclass(frozen=True, order=True)

@@ -45,6 +45,7 @@ class ProxyRequest:
     request_id: str
     started: float  # monotonic time the request arrived
     prompt: str = ""  # the whole prompt as text, when an observer inspects responses
+    client: str = ""  # who sent it (API key, trusted header or peer address): integrity evidence is per client
 
 
 @dataclass
@@ -60,7 +61,7 @@ class _Failure:
 class ResponseObserver(Protocol):
     """Sees every request's prompt and the text the client received (the integrity monitor)."""
 
-    def started(self, request_id: str, prompt: str) -> None: ...
+    def started(self, request_id: str, prompt: str, client: str) -> None: ...
 
     def finished(self, pair: tuple[str, str], request_id: str, prompt: str, outputs: list[str]) -> object: ...
 
@@ -98,7 +99,7 @@ class Proxy:
     async def handle(self, req: ProxyRequest, http: web.Request) -> web.StreamResponse:
         if self.observer is None:
             return await self._handle(req, http)
-        self.observer.started(req.request_id, req.prompt)
+        self.observer.started(req.request_id, req.prompt, req.client)
         try:
             return await self._handle(req, http)
         finally:
