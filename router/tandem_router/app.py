@@ -81,13 +81,13 @@ def error(
     message: str,
     type_: ErrorType,
     *,
-    code: str | int | None = None,
+    code: str | None = None,
     param: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> web.Response:
     return web.Response(
         status=status,
-        body=error_body(message, type_, code=code if code is not None else status, param=param),
+        body=error_body(message, type_, code=code, param=param),
         content_type="application/json",
         headers=headers,
     )

@@ -119,12 +119,73 @@ async def test_stream_broken_after_first_byte_ends_with_openai_error_event() -> 
         assert "decode worker stream failed" in err["message"]
 
 
+SGLANG_400 = {"object": "error", "message": "top_p must be in (0, 1], got 0.0.", "type": "BadRequestError",
+              "param": None, "code": 400}  # fmt: skip
+
+
+def _openai_error(raw: bytes) -> dict[str, Any]:
+    doc = orjson.loads(raw)
+    assert set(doc) == {"error"}, doc
+    assert set(doc["error"]) == {"message", "type", "param", "code"}, doc
+    assert doc["error"]["code"] is None or isinstance(doc["error"]["code"], str), doc
+    error: dict[str, Any] = doc["error"]
+    return error
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+async def test_worker_4xx_is_an_openai_error_never_retried_nor_counted(side: str) -> None:
+    """Whichever side refuses first: same status, the worker's message, the parameter it names, no retry, no
+    pair failure; the other side's request is cancelled (issue 19 item 3)."""
+    async with stack(2, 2) as s:
+        for p in s.prefills:
+            await s.faults(p, status=400, count=10, body=SGLANG_400, delay_s=0.0 if side == "prefill" else 1.0)
+        for d in s.decodes:
+            await s.faults(d, status=400, count=10, body=SGLANG_400, delay_s=1.0 if side == "prefill" else 0.0)
+        for stream in (False, True, False, True, False):
+            status, raw = await s.post("/v1/completions", {"model": "instant-model", "prompt": "x", "top_p": 0,
+                                                           "stream": stream})  # fmt: skip
+            assert status == 400, raw
+            error = _openai_error(raw)
+            assert error == {"message": SGLANG_400["message"], "type": "invalid_request_error", "param": "top_p",
+                             "code": None}  # fmt: skip
+        prefills = [len(await s.received(p)) for p in s.prefills]
+        decodes = [len(await s.received(d)) for d in s.decodes]
+        assert sum(prefills) == sum(decodes) == 5  # never retried
+        metrics = await (await s.http.get(f"{s.router.url}/metrics")).text()
+        assert "tandem_router_pair_failures_total{" not in metrics
+        assert "tandem_router_retries_total{" not in metrics
+        assert 'tandem_router_requests_total{route="/v1/completions",status="400"} 5.0' in metrics
+        assert all(w.breaker.state.value == "closed" for w in s.state.pool.workers.values())
+
+
+async def test_stream_error_event_with_4xx_code_is_an_http_4xx() -> None:
+    async with stack(1, 2) as s:
+        await s.faults(s.decodes[0], stream_error=True, stream_error_code=400)
+        await s.faults(s.decodes[1], stream_error=True, stream_error_code=400)
+        status, raw = await s.post("/generate", {"text": "hi", "stream": True})
+        assert status == 400, raw
+        assert _openai_error(raw)["message"] == "injected KV transfer failure"
+        assert len(await s.received(s.decodes[0])) + len(await s.received(s.decodes[1])) == 1
+
+
+async def test_validation_error_names_the_parameter_from_pydantic_loc() -> None:
+    message = ("1 validation error: {'type': 'int_parsing', 'loc': ('body', 'top_logprobs'), 'msg': 'Input should "
+               "be a valid integer'}")  # fmt: skip
+    async with stack(1, 1) as s:
+        await s.faults(s.decodes[0], status=400, count=1, body={"object": "error", "message": message, "code": 400})
+        status, raw = await s.post("/v1/chat/completions", CHAT)
+        assert status == 400
+        assert _openai_error(raw)["param"] == "top_logprobs"
+
+
 async def test_non_retryable_worker_error_is_relayed() -> None:
     async with stack(1, 1) as s:
-        await s.faults(s.decodes[0], status=400, count=1)
+        await s.faults(s.decodes[0], status=404, count=1)
         status, raw = await s.post("/generate", {"text": "hi"})
-        assert status == 400
-        assert b"injected failure 400" in raw
+        assert status == 404
+        error = _openai_error(raw)
+        assert error["message"] == "injected failure 404"
+        assert error["type"] == "not_found_error"
         assert len(await s.received(s.decodes[0])) == 1
 
 
