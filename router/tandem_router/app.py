@@ -28,6 +28,7 @@ from tandem_router.integrity.monitor import IntegrityConfig, IntegrityMonitor
 from tandem_router.integrity.quarantine import QuarantinePolicy
 from tandem_router.integrity_publisher import IntegrityPublisher
 from tandem_router.metrics import RouterMetrics
+from tandem_router.openai.requests import canonical, param_path, refusal
 from tandem_router.openapi import document
 from tandem_router.policy.breaker import BreakerConfig
 from tandem_router.policy.retry import RetryConfig
@@ -258,7 +259,7 @@ def _proxied(route: Route) -> Handler:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return error(413, f"request body exceeds {s.settings.max_body_bytes} bytes", ErrorType.INVALID_REQUEST)
-        body, problem = _parse(raw, model_cls)
+        body, problem = _parse(raw, route, model_cls)
         if problem is not None:
             return problem
         model = body.get("model")
@@ -288,21 +289,26 @@ def _proxied(route: Route) -> Handler:
     return handle
 
 
-def _parse(raw: bytes, model_cls: type[pydantic.BaseModel]) -> tuple[dict[str, Any], web.Response | None]:
+def _parse(raw: bytes, route: Route, model_cls: type[pydantic.BaseModel]) -> tuple[dict[str, Any], web.Response | None]:
+    """The canonical body to forward (``openai.requests.canonical``), or the OpenAI error that refuses it."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as err:
         return {}, error(400, f"request body is not valid JSON: {err}", ErrorType.INVALID_REQUEST)
     if not isinstance(body, dict):
         return {}, error(400, "request body must be a JSON object", ErrorType.INVALID_REQUEST)
+    body = canonical(route, body)
     try:
         model_cls.model_validate(body)
     except pydantic.ValidationError as err:
         first = err.errors(include_url=False)[0]
-        where = ".".join(str(p) for p in first["loc"]) or None
+        where = param_path(first["loc"])
         return {}, error(
             400, f"{where}: {first['msg']}" if where else first["msg"], ErrorType.INVALID_REQUEST, param=where
         )
+    refused = refusal(route, body)
+    if refused is not None:
+        return {}, error(400, refused.message, ErrorType.INVALID_REQUEST, param=refused.param)
     return body, None
 
 

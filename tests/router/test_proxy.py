@@ -295,3 +295,43 @@ async def test_unknown_path_is_openai_404() -> None:
         resp = await s.http.get(f"{s.router.url}/nope")
         assert resp.status == 404
         assert (await resp.json())["error"]["type"] == "not_found_error"
+
+
+async def test_valid_openai_requests_are_forwarded_canonical() -> None:
+    """null means absent and whole floats are integers (OpenAI's parsing; SGLang refuses ``"n": null``), the rest
+    of the body exactly as sent (issue 19 item 4)."""
+    completion = {"model": "instant-model", "prompt": ["a", "b"], "n": 2.0, "max_tokens": 8.0, "seed": 8811.0,
+                  "logprobs": 3, "echo": True, "suffix": "s", "stream": None, "user": None,
+                  "temperature": 0.5}  # fmt: skip
+    chat = {**CHAT, "n": None, "stream": None, "max_tokens": 4.0, "tools": None, "tool_choice": None, "seed": 1.0}
+    async with stack(1, 1) as s:
+        status, raw = await s.post("/v1/completions", completion)
+        assert status == 200, raw
+        status, raw = await s.post("/v1/chat/completions", chat)
+        assert status == 200, raw
+        got = [r["body"] for r in await s.received(s.decodes[0])]
+    sent = {k: v for k, v in got[0].items() if not k.startswith("bootstrap_")}
+    assert sent == {"model": "instant-model", "prompt": ["a", "b"], "n": 2, "max_tokens": 8, "seed": 8811,
+                    "logprobs": 3, "echo": True, "suffix": "s", "temperature": 0.5}  # fmt: skip
+    assert all(type(sent[k]) is int for k in ("n", "max_tokens", "seed"))
+    assert len(got[0]["bootstrap_room"]) == 4  # 2 prompts x n=2
+    assert {k: v for k, v in got[1].items() if not k.startswith("bootstrap_")} == {**CHAT, "max_tokens": 4, "seed": 1}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"model": "instant-model", "prompt": None}, "prompt"),
+        ("/v1/completions", {"model": "instant-model", "prompt": [[]]}, "prompt"),
+        ("/v1/completions", {"model": "instant-model", "prompt": "x", "n": 2.5}, "n"),
+        ("/v1/completions", {"model": "instant-model", "prompt": "x", "best_of": 3}, "best_of"),
+        ("/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"]}, "modalities"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"content": "x"}]}, "messages[0].role"),
+    ],
+)
+async def test_what_tandem_does_not_serve_is_refused_by_name(path: str, body: dict[str, Any], param: str) -> None:
+    async with stack(1, 1) as s:
+        status, raw = await s.post(path, body)
+        assert status == 400, raw
+        assert _openai_error(raw)["param"] == param
+        assert await s.received(s.decodes[0]) == []
