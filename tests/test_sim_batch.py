@@ -234,6 +234,7 @@ async def test_completions_batch_prompts_echo_and_integer_logprobs(
     status, got = await _post(sess, f"{reference.url}/v1/completions", dict(single, prompt=ids))
     assert status == 200, got
     assert len(got["choices"]) == 2
-    for empty in ("", [], [""], [[]]):
+    empties: list[Any] = ["", [], [""], [[]]]
+    for empty in empties:
         status, err = await _post(sess, f"{reference.url}/v1/completions", dict(single, prompt=empty))
         assert (status, err["message"]) == (400, "Prompt cannot be empty")
