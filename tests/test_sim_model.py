@@ -73,6 +73,11 @@ def test_prompt_words_come_back_exactly_as_sglang_detokenizes_them() -> None:
     assert len(copied) >= 4, copied
 
 
+def test_whitespace_only_text_is_one_token_and_empty_text_none() -> None:
+    assert model.tokenize("\n \t").words == ["\n \t"]
+    assert model.tokenize("").ids == []
+
+
 def test_only_invalid_utf8_detokenizes_to_the_replacement_character() -> None:
     assert model.detokenize("zero\u200bwidth".encode()) == "zero\u200bwidth"
     assert model.detokenize(b"ab\xffcd") == "ab\ufffdcd"

@@ -28,6 +28,7 @@ from aiohttp import web
 from tandem_router.integrity.textextract import StreamTexts, body_texts
 from tandem_router.metrics import RouterMetrics
 from tandem_router.openai.errors import client_error_body, stream_error_status
+from tandem_router.openai.responses import StreamConformer, conform_body
 from tandem_router.policy import bootstrap, retry
 from tandem_router.pool import Pair, WorkerPool
 from tandem_router.schema import ErrorType, Route, error_body, stream_error_event
@@ -295,7 +296,7 @@ class Proxy:
                     self._finished(pair, req, body_texts(route, first))
                 self.metrics.ttft.labels(route).observe(time.monotonic() - req.started)
                 return web.Response(
-                    body=first,
+                    body=conform_body(req.route, first),
                     status=200,
                     headers={
                         "Content-Type": resp.headers.get("Content-Type", "application/json"),
@@ -312,9 +313,10 @@ class Proxy:
             )
             if texts is not None:
                 texts.feed(first)
+            shaped = StreamConformer(req.route) if req.route is not Route.GENERATE else None
             try:
                 await out.prepare(http)
-                await out.write(first)
+                await out.write(first if shaped is None else shaped.feed(first))
             except ConnectionResetError:
                 client_gone = True
                 return out
@@ -329,6 +331,9 @@ class Proxy:
                     ok = True
                     if texts is not None:
                         self._finished(pair, req, texts.texts())
+                    if shaped is not None:
+                        with contextlib.suppress(ConnectionResetError):
+                            await out.write(shaped.flush())
                     break
                 except (TimeoutError, aiohttp.ClientError) as err:
                     self.metrics.stream_errors.labels(route).inc()
@@ -343,7 +348,7 @@ class Proxy:
                 if texts is not None:
                     texts.feed(chunk)
                 try:
-                    await out.write(chunk)
+                    await out.write(chunk if shaped is None else shaped.feed(chunk))
                 except ConnectionResetError:
                     client_gone = True  # the client left: stop the decode (closing its connection aborts it)
                     return out

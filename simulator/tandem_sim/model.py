@@ -75,9 +75,9 @@ def _hashed_id(word: str) -> int:
 
 def tokenize(text: str) -> Tokens:
     """Whitespace word tokenizer: vocabulary words map to their id, any other word to a hashed word id; every
-    token keeps its surface word."""
+    token keeps its surface word. Text of whitespace only is one token (a real tokenizer encodes it too)."""
     known = _word_ids()
-    words = text.split()
+    words = text.split() or ([text] if text else [])
     ids = [known.get(w, -1) for w in words]
     return Tokens([i if i >= 0 else _hashed_id(w) for i, w in zip(ids, words, strict=True)], words)
 

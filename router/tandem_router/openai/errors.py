@@ -27,6 +27,7 @@ _TYPES = {
 # pydantic's location in a FastAPI validation message: "'loc': ('body', 'top_logprobs')".
 _LOC = re.compile(r"'loc': \('body', '([^']+)'")
 _LEADING_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_PROMPT_NAMES = frozenset({"input_ids", "text", "input"})
 MAX_MESSAGE_CHARS = 2000
 
 
@@ -55,17 +56,25 @@ def worker_message(raw: bytes) -> tuple[str, str | None]:
 
 
 def param_named(message: str, body: dict[str, Any]) -> str | None:
-    """The request field a worker's message is about: pydantic's ``loc``, or a message that starts with the name of
-    a field the client sent (SGLang's sampling checks: ``"top_p must be in (0, 1], got 0.0."``,
+    """The request field a worker's message is about: pydantic's ``loc``; for the context-length checks of
+    ``TokenizerManager._validate_one_request``, the output limit (or the prompt when it alone is too long); or the
+    field the message starts with (SGLang's sampling checks: ``"top_p must be in (0, 1], got 0.0."``,
     ``"Prompt cannot be empty"``)."""
     loc = _LOC.search(message)
     if loc is not None:
         return loc.group(1)
+    prompt = next((p for p in ("prompt", "messages") if p in body), None)
+    if "maximum context length" in message:
+        return next((p for p in ("max_completion_tokens", "max_tokens") if p in body), prompt)
+    if "longer than the model's context length" in message:
+        return prompt
     lead = _LEADING_NAME.match(message)
-    if lead is not None:
-        fields = {k.lower(): k for k in body}
-        return fields.get(lead.group(0).lower())
-    return None
+    if lead is None:
+        return None
+    name = lead.group(0).lower()
+    if name in _PROMPT_NAMES:  # SGLang's internal names of what the client sent as the prompt
+        return prompt
+    return {k.lower(): k for k in body}.get(name)
 
 
 def client_error_body(status: int, raw: bytes, body: dict[str, Any]) -> bytes:

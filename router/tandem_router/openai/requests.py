@@ -49,6 +49,13 @@ def refusal(route: Route, body: dict[str, Any]) -> Refusal | None:
         prompt = body.get("prompt")
         if not prompt or (isinstance(prompt, list) and all(not p for p in prompt)):
             return Refusal("prompt", "Prompt cannot be empty")  # SGLang's ``_validate_request`` says the same
+        if isinstance(prompt, list) and isinstance(prompt[0], str | list):
+            empty = next((i for i, p in enumerate(prompt) if not p), None)
+            if empty is not None:
+                return Refusal("prompt", f"prompt[{empty}] is empty: every prompt of a batch needs a token")
+        if _negative_token_id(prompt):
+            # SGLang 0.5.23 does not range-check prompt token ids; a negative one would index the embedding.
+            return Refusal("prompt", "token ids must be >= 0")
         best_of, n = body.get("best_of"), body.get("n", 1)
         if isinstance(best_of, int) and isinstance(n, int) and best_of > n:
             return Refusal("best_of", "best_of > n is not supported (SGLang generates exactly n choices); use n")
@@ -57,6 +64,11 @@ def refusal(route: Route, body: dict[str, Any]) -> Refusal | None:
         if body.get("audio") is not None or (isinstance(modalities, list) and "audio" in modalities):
             return Refusal("audio" if body.get("audio") is not None else "modalities", "audio output is not supported")
     return None
+
+
+def _negative_token_id(prompt: Any) -> bool:
+    lists = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else [prompt]
+    return any(isinstance(ids, list) and ids and isinstance(ids[0], int) and min(ids) < 0 for ids in lists)
 
 
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none)$|[\[(]")  # pydantic's union-member location parts
