@@ -179,3 +179,50 @@ def test_official_openai_spec_fuzz(stack: LocalStack) -> None:
     report = out.report()
     print(f"\nOpenAI spec fuzz: {sum(out.statuses.values())} requests in {elapsed:.0f} s\n{report}")
     assert not out.failures, report
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"prompt": "", "max_tokens": 8}, 400, "prompt"),
+        ({"prompt": "a", "max_tokens": 8, "top_p": 0}, 400, "top_p"),
+        ({"prompt": ["a", "b"], "max_tokens": 8}, 200, None),
+        ({"prompt": "a", "max_tokens": 8.0, "n": 2.0, "seed": 8811.0, "logprobs": 3, "stream": None}, 200, None),
+    ],
+)
+def test_issue_reproductions_answer_the_same_every_time(
+    stack: LocalStack, body: dict[str, Any], status: int, param: str | None
+) -> None:
+    """Issue 19's examples, ten times each: one status every time (no 502 when the prefill answers first)."""
+    url = f"{stack.router_url}/v1/completions"
+    for _ in range(10):
+        resp = requests.post(url, json={"model": MODEL, **body}, timeout=REQUEST_TIMEOUT_S)
+        assert resp.status_code == status, resp.text
+        if status == 200:
+            assert violations("CreateCompletionResponse", resp.json()) == []
+        else:
+            assert violations("ErrorResponse", resp.json()) == []
+            assert resp.json()["error"]["param"] == param
+
+
+def test_chat_tool_choice_required_without_tools_is_refused_by_name(stack: LocalStack) -> None:
+    body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}
+    for _ in range(10):
+        resp = requests.post(f"{stack.router_url}/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT_S)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"] == "tool_choice"
+
+
+def test_invisible_characters_are_copied_not_replaced(stack: LocalStack) -> None:
+    """A prompt word with a zero-width space comes back as itself, never as U+FFFD (issue 19 item 2)."""
+    word = "zero\u200bwidth"
+    copied = 0
+    for seed in range(6):
+        body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": f"{word} " * 12}],
+                                "max_tokens": 24, "seed": seed}  # fmt: skip
+        resp = requests.post(f"{stack.router_url}/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT_S)
+        assert resp.status_code == 200, resp.text
+        text = resp.json()["choices"][0]["message"]["content"]
+        assert "\ufffd" not in text
+        copied += word in text
+    assert copied >= 3
