@@ -19,6 +19,7 @@ values, which the workers refuse, are sent as generated.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -40,7 +41,9 @@ from tests.router.openai_spec import document, response_schema, violations
 pytestmark = pytest.mark.netns
 
 OPERATIONS = ("createChatCompletion", "createCompletion", "listModels")
-EXAMPLES = {GenerationMode.POSITIVE: 60, GenerationMode.NEGATIVE: 30}  # per operation
+# Per operation; TANDEM_FUZZ_EXAMPLES=N runs N valid and N/2 invalid ones (a deeper run by hand).
+_N = int(os.environ.get("TANDEM_FUZZ_EXAMPLES", "60"))
+EXAMPLES = {GenerationMode.POSITIVE: _N, GenerationMode.NEGATIVE: max(1, _N // 2)}
 REQUEST_TIMEOUT_S = 60.0
 MAX_OUTPUT_TOKENS = 32
 CONTEXT_LENGTH = 32768  # the simulator's default

@@ -111,10 +111,14 @@ def test_sglang_responses_conform_to_openai_schemas() -> None:
         conformer = responses.StreamConformer(route)
         event = b"data: " + orjson.dumps(chunk) + b"\n\n"
         stream = event * 2 + b"data: [DONE]\n\n"
-        out = b"".join(conformer.feed(stream[i : i + 7]) for i in range(0, len(stream), 7)) + conformer.flush()
-        events = out.split(b"\n\n")
+        split = b"".join(conformer.feed(stream[i : i + 7]) for i in range(0, len(stream), 7)) + conformer.flush()
+        whole = conformer.feed(event) + conformer.feed(event + b"data: [DONE]\n\n")  # one event a chunk, or two
+        assert split == whole
+        events = split.split(b"\n\n")
         assert events[-2:] == [b"data: [DONE]", b""]
         for e in events[:-2]:
             assert violations(schema, orjson.loads(e.removeprefix(b"data: "))) == []
+    spaced = b'data: {"choices": [{"delta": {"tool_calls": null}}], "usage": {"prompt_tokens_details": null}}\n\n'
+    assert responses.StreamConformer(Route.CHAT).feed(spaced) == b'data: {"choices":[{"delta":{}}],"usage":{}}\n\n'
     assert responses.conform_body(Route.GENERATE, b'{"text": null}') == b'{"text": null}'
     assert responses.conform_body(Route.CHAT, b"not json") == b"not json"

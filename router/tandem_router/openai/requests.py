@@ -54,7 +54,7 @@ def refusal(route: Route, body: dict[str, Any]) -> Refusal | None:
             if empty is not None:
                 return Refusal("prompt", f"prompt[{empty}] is empty: every prompt of a batch needs a token")
         if _negative_token_id(prompt):
-            # SGLang 0.5.23 does not range-check prompt token ids; a negative one would index the embedding.
+            # No tokenizer has one, and SGLang 0.5.23 does not range-check prompt ids (``_validate_one_request``).
             return Refusal("prompt", "token ids must be >= 0")
         best_of, n = body.get("best_of"), body.get("n", 1)
         if isinstance(best_of, int) and isinstance(n, int) and best_of > n:

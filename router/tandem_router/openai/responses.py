@@ -10,6 +10,7 @@ the same) and adds ``refusal: null``; every other byte of the worker's answer is
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -18,6 +19,13 @@ from tandem_router.schema import Route
 
 _EVENT_END = b"\n\n"
 _DATA = b"data: "
+# Stream chunks come from pydantic's ``model_dump_json()`` (compact): the usual null is cut as bytes, and an event
+# is parsed only when a null OpenAI does not allow is still in it (another spelling, or the final usage chunk).
+_COMPACT_NULLS = {Route.CHAT: b',"tool_calls":null', Route.COMPLETIONS: b',"usage":null'}
+_STREAM_NULLS = {
+    Route.CHAT: re.compile(rb'"(?:tool_calls|prompt_tokens_details|completion_tokens_details)"\s*:\s*null'),
+    Route.COMPLETIONS: re.compile(rb'"(?:usage|prompt_tokens_details|completion_tokens_details)"\s*:\s*null'),
+}
 
 
 def _drop_nulls(doc: dict[str, Any], *keys: str) -> None:
@@ -64,10 +72,14 @@ class StreamConformer:
     """
 
     def __init__(self, route: Route) -> None:
+        if route is Route.GENERATE:
+            raise ValueError("/generate streams are SGLang's own shape: relay them as they come")
         self.route = route
         self._tail = b""
 
     def feed(self, chunk: bytes) -> bytes:
+        if not self._tail and chunk.find(_EVENT_END) == len(chunk) - 2:  # the usual chunk: exactly one event
+            return self._event(chunk[:-2]) + _EVENT_END
         data = self._tail + chunk
         end = data.rfind(_EVENT_END)
         if end < 0:
@@ -84,6 +96,9 @@ class StreamConformer:
 
     def _event(self, event: bytes) -> bytes:
         if not event.startswith(_DATA) or event == b"data: [DONE]":
+            return event
+        event = event.replace(_COMPACT_NULLS[self.route], b"")
+        if _STREAM_NULLS[self.route].search(event) is None:
             return event
         try:
             doc = orjson.loads(event[len(_DATA) :])
