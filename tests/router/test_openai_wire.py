@@ -21,6 +21,7 @@ def test_null_means_absent_and_whole_floats_are_integers() -> None:
                    "temperature": 1.0, "top_p": 0.5}  # fmt: skip
     assert type(got["temperature"]) is float  # a float field stays a float
     assert requests.canonical(Route.CHAT, {"n": 2.5})["n"] == 2.5  # not whole: the model refuses it by name
+    assert requests.canonical(Route.CHAT, {"max_tokens": 8.5e20})["max_tokens"] == 8.5e20  # beyond 64 bits: refused
     assert requests.canonical(Route.GENERATE, {"text": None}) == {"text": None}  # SGLang's own API: as sent
 
 
@@ -35,6 +36,8 @@ def test_null_means_absent_and_whole_floats_are_integers() -> None:
         ({"prompt": "a", "best_of": 3, "n": 2}, "best_of"),
         ({"prompt": "a", "best_of": 2, "n": 2}, None),
         ({"prompt": [[1, 2], [3]]}, None),
+        ({"prompt": "a", "seed": 2.5}, "seed"),
+        ({"prompt": "a", "logprobs": True}, "logprobs"),
     ],
 )
 def test_completions_refusals_name_the_parameter(body: dict[str, Any], param: str | None) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from tandem_router.schema import Route
 
+_INT64 = 2**63  # a JSON integer beyond 64 bits reaches the router as a float (orjson): it is refused, not rounded
 INTEGER_FIELDS: dict[Route, tuple[str, ...]] = {
     Route.CHAT: ("n", "max_tokens", "max_completion_tokens", "seed", "top_logprobs"),
     Route.COMPLETIONS: ("n", "max_tokens", "seed", "logprobs", "best_of"),
@@ -38,13 +39,17 @@ def canonical(route: Route, body: dict[str, Any]) -> dict[str, Any]:
     out = {key: value for key, value in body.items() if value is not None}
     for name in INTEGER_FIELDS[route]:
         value = out.get(name)
-        if isinstance(value, float) and value.is_integer():
+        if isinstance(value, float) and value.is_integer() and -_INT64 <= value < _INT64:
             out[name] = int(value)
     return out
 
 
 def refusal(route: Route, body: dict[str, Any]) -> Refusal | None:
     """Why Tandem refuses this (canonical, otherwise valid) request, naming the parameter; None to serve it."""
+    for name in INTEGER_FIELDS.get(route, ()):
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            return Refusal(name, f"{name} must be an integer of at most 64 bits, got {value!r}")
     if route is Route.COMPLETIONS:
         prompt = body.get("prompt")
         if not prompt or (isinstance(prompt, list) and all(not p for p in prompt)):
