@@ -66,10 +66,12 @@ class _Failure:
 
 
 def _http_failure(side: str, status: int, body: bytes) -> _Failure:
-    """A worker's non-200 answer: 5xx, 408 and 429 are retryable (the worker's trouble), other 4xx the client's."""
+    """A worker's non-200 answer: 408, 429, 500, 502-504 (any 5xx from the prefill, whose KV the decode waits for)
+    are retryable, the worker's trouble; other 4xx are the client's."""
     if status < 400:
         return _Failure(f"{side}_http_{status}", False, 502, detail="unexpected status")
-    return _Failure(f"{side}_http_{status}", retry.is_retryable_status(status) or status >= 500, status, body)
+    retryable = retry.is_retryable_status(status) or (side == "prefill" and status >= 500)
+    return _Failure(f"{side}_http_{status}", retryable, status, body)
 
 
 class ResponseObserver(Protocol):
