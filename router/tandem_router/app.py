@@ -29,6 +29,7 @@ from tandem_router.integrity.quarantine import QuarantinePolicy
 from tandem_router.integrity_hooks import IntegrityHooks, build_hooks
 from tandem_router.integrity_publisher import IntegrityPublisher, integrity_document
 from tandem_router.metrics import RouterMetrics
+from tandem_router.openai.requests import canonical, param_path, refusal
 from tandem_router.openapi import document
 from tandem_router.policy.breaker import BreakerConfig
 from tandem_router.policy.retry import RetryConfig
@@ -80,13 +81,13 @@ def error(
     message: str,
     type_: ErrorType,
     *,
-    code: str | int | None = None,
+    code: str | None = None,
     param: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> web.Response:
     return web.Response(
         status=status,
-        body=error_body(message, type_, code=code if code is not None else status, param=param),
+        body=error_body(message, type_, code=code, param=param),
         content_type="application/json",
         headers=headers,
     )
@@ -245,7 +246,7 @@ def _proxied(route: Route) -> Handler:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return error(413, f"request body exceeds {s.settings.max_body_bytes} bytes", ErrorType.INVALID_REQUEST)
-        body, problem = _parse(raw, model_cls)
+        body, problem = _parse(raw, route, model_cls)
         if problem is not None:
             return problem
         model = body.get("model")
@@ -289,21 +290,26 @@ def client_identity(request: web.Request, settings: RouterSettings) -> str:
     return f"peer:{request.remote or 'unknown'}"
 
 
-def _parse(raw: bytes, model_cls: type[pydantic.BaseModel]) -> tuple[dict[str, Any], web.Response | None]:
+def _parse(raw: bytes, route: Route, model_cls: type[pydantic.BaseModel]) -> tuple[dict[str, Any], web.Response | None]:
+    """The canonical body to forward (``openai.requests.canonical``), or the OpenAI error that refuses it."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as err:
         return {}, error(400, f"request body is not valid JSON: {err}", ErrorType.INVALID_REQUEST)
     if not isinstance(body, dict):
         return {}, error(400, "request body must be a JSON object", ErrorType.INVALID_REQUEST)
+    body = canonical(route, body)
     try:
         model_cls.model_validate(body)
     except pydantic.ValidationError as err:
         first = err.errors(include_url=False)[0]
-        where = ".".join(str(p) for p in first["loc"]) or None
+        where = param_path(first["loc"])
         return {}, error(
             400, f"{where}: {first['msg']}" if where else first["msg"], ErrorType.INVALID_REQUEST, param=where
         )
+    refused = refusal(route, body)
+    if refused is not None:
+        return {}, error(400, refused.message, ErrorType.INVALID_REQUEST, param=refused.param)
     return body, None
 
 

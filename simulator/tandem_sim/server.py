@@ -187,7 +187,7 @@ class Server:
             return _json(
                 responses.chat_body(outs, name, self.created, req.tool_call)
                 if chat
-                else responses.completion_body(outs, name, self.created)
+                else responses.completion_body(outs, name, self.created, req.n, req.echo)
             )
         resp = await self._start_stream(request)
         stream = OpenAIStream(resp, name, self.created, chat, req)
@@ -196,7 +196,7 @@ class Server:
             for index, out in enumerate(outs):
                 await stream.emit(index, out, final=True)
             if req.include_usage:
-                await resp.write(responses.sse(responses.usage_chunk(outs, name, self.created, chat)))
+                await resp.write(responses.sse(responses.usage_chunk(outs, name, self.created, chat, req.n)))
         except GenerationError as err:
             await resp.write(responses.sse({"error": responses.openai_error(str(err), err.status)}))
         await resp.write(responses.SSE_DONE)
