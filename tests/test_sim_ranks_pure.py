@@ -109,6 +109,8 @@ def test_ports_per_rank() -> None:
     assert (ports_per_rank("rdma"), ports_per_rank("tcp")) == (1, 2)
     assert MooncakeEnv.from_env({"MC_FORCE_TCP": "true", "MOONCAKE_PROTOCOL": "rdma"}).protocol == "tcp"
     assert MooncakeEnv.from_env({}) == MooncakeEnv("rdma", (15000, 17000))
+    # Mooncake ignores a range outside [1024, 32767] (measured): the engines then use its default range.
+    assert MooncakeEnv.from_env({"MC_MIN_RPC_PORT": "40000", "MC_MAX_RPC_PORT": "40007"}).ports == (15000, 17000)
 
 
 @pytest.mark.parametrize(

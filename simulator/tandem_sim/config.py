@@ -19,8 +19,11 @@ from tandem_sim.model import MIN_KV_BYTES
 from tandem_sim.ranks import KVLayout, Topology, check_parallel_flags, layout_error
 
 HICACHE_BACKENDS_SIMULATED = ("file", "mooncake")
-# Mooncake 0.3.13's own RPC port range when ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT`` are unset.
+# Mooncake 0.3.13's own RPC port range when ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT`` are unset or invalid.
 MOONCAKE_DEFAULT_PORTS = (15000, 17000)
+# Measured (mooncake-transfer-engine 0.3.13, config.cpp): a range outside [1024, 32767] or with min > max logs
+# "Invalid port range [min, max], falling back to default [15000, 17000]" and uses the default.
+MOONCAKE_VALID_PORTS = (1024, 32767)
 
 
 class ConfigError(ValueError):
@@ -80,6 +83,8 @@ class MooncakeEnv:
         protocol = "tcp" if force_tcp else (env.get("MOONCAKE_PROTOCOL") or "rdma").strip().lower()
         low = int(env.get("MC_MIN_RPC_PORT") or MOONCAKE_DEFAULT_PORTS[0])
         high = int(env.get("MC_MAX_RPC_PORT") or MOONCAKE_DEFAULT_PORTS[1])
+        if not MOONCAKE_VALID_PORTS[0] <= low <= high <= MOONCAKE_VALID_PORTS[1]:
+            low, high = MOONCAKE_DEFAULT_PORTS
         return cls(protocol, (low, high))
 
 
