@@ -193,7 +193,7 @@ def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> SimConfig:
         )
     attn_dp, dp_size = int(ns.attn_dp_size), int(ns.dp_size)
     if ns.enable_dp_attention and attn_dp == 1:
-        attn_dp, dp_size = dp_size, 1  # _handle_deprecated_dp_attention: --dp-size N --enable-dp-attention
+        attn_dp, dp_size = dp_size, 1  # handle_deprecated_dp_attention: --dp-size N --enable-dp-attention
     nnodes = _positive("--nnodes", int(ns.nnodes))
     if not 0 <= int(ns.node_rank) < nnodes:
         raise ConfigError(f"--node-rank {ns.node_rank} must be in [0, {nnodes})")
