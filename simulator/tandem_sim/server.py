@@ -25,7 +25,7 @@ from tandem_sim.openai_requests import parse_openai
 from tandem_sim.requests import BadRequestError, GenerateInput, parse_generate
 from tandem_sim.responses import Outcome
 from tandem_sim.streaming import OpenAIStream
-from tandem_sim.worker import GenerationError, OnProgress, Worker
+from tandem_sim.worker import GenerationError, OnProgress, Worker, run_together
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -82,18 +82,12 @@ class Server:
 
     async def _run_all(self, items: list[GenerateInput], progress: list[OnProgress] | None = None) -> list[Outcome]:
         """Run every item (batch entry or choice) concurrently; the first failure fails the request."""
-        jobs = [
-            self._track(inp, self.worker.run(inp, None if progress is None else progress[i]))
-            for i, inp in enumerate(items)
-        ]
-        if len(jobs) == 1:
-            return [await jobs[0]]
-        tasks = [asyncio.ensure_future(job) for job in jobs]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            for task in tasks:
-                task.cancel()
+        return await run_together(
+            [
+                self._track(inp, self.worker.run(inp, None if progress is None else progress[i]))
+                for i, inp in enumerate(items)
+            ]
+        )
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:

@@ -65,8 +65,9 @@ class RankStartError(RuntimeError):
         self.cause = cause
 
 
-async def all_ranks(jobs: list[Coroutine[Any, Any, T]]) -> list[T]:
-    """Run one job per rank; the first failure cancels the others and is raised."""
+async def run_together(jobs: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run the jobs (one per rank, or per batch item) concurrently; the first failure cancels the others and is
+    raised."""
     if len(jobs) == 1:
         return [await jobs[0]]
     tasks = [asyncio.ensure_future(job) for job in jobs]
@@ -146,7 +147,7 @@ class Worker:
             self.metrics.prompt_tokens.inc(n)
             message = {"op": "prefill", "room": room, "ids": inp.prompt.ids, "words": inp.prompt.words}
             remote = [self._call(node, message, TransferFailedError) for node in self._remote_nodes[dp_rank]]
-            await all_ranks([self._prefill_here(dp_rank, room, inp.prompt), *remote])
+            await run_together([self._prefill_here(dp_rank, room, inp.prompt), *remote])
         except TransferFailedError as err:
             raise GenerationError(
                 f"Prefill transfer failed for request rank=0 req.rid={inp.rid!r} req.bootstrap_room={room} "
@@ -212,7 +213,7 @@ class Worker:
         group = self._prefill_by_dp.get(dp_rank)
         if group:
             kv = group[0].prompt_kv(prompt)  # every rank computes the same rows; each sends its part
-            await all_ranks([rank.prefill(room, kv) for rank in group])
+            await run_together([rank.prefill(room, kv) for rank in group])
 
     async def _call(self, node: int, message: dict[str, Any], error: Callable[[str], Exception]) -> dict[str, Any]:
         """Run ``message`` on the ranks of ``node`` (SGLang: TP rank 0 broadcasts the batch to the TP group)."""
@@ -237,7 +238,7 @@ class Worker:
         pages = [int(p) for p in message["pages"]]
         ranks = self._decode_by_dp[dp_rank]
         try:
-            await all_ranks(
+            await run_together(
                 [r.receive_kv(int(message["room"]), message["host"], int(message["port"]), pages) for r in ranks]
             )
         except KVTransferError as err:
@@ -277,7 +278,7 @@ class Worker:
         local = [rank.receive_kv(b.room, b.host, port, req.pages) for rank in self._decode_by_dp[dp_rank]]
         remote = [self._receive_remote(node, message, b.room, req.pages) for node in self._remote_nodes[dp_rank]]
         try:
-            await all_ranks([*local, *remote])
+            await run_together([*local, *remote])
         except KVTransferError as err:
             raise GenerationError(
                 f"Decode transfer failed for request rank=0 decode_req.req.rid={inp.rid!r} "
