@@ -21,6 +21,7 @@ from tandem.procs import ManagedProcess
 from tandem_operator.recovery import fence_annotation
 from tests.devcluster_fixtures import eventually
 from tests.operator.live import (
+    SIM_SPEC,
     Registry,
     create_pdcluster,
     operator_process,
@@ -114,6 +115,16 @@ async def test_a_pdcluster_becomes_ready_with_the_right_pods_and_scales(
         ({"decode": {"groups": 1, "nodesPerGroup": 2, "gpusPerNode": 1, "tpSize": 4}}, "spec.decode", "tpSize"),
         ({"transfer": {"protocol": "rdma"}}, "spec.transfer.ibDevices", "protocol rdma needs ibDevices"),
         ({"router": {"policy": "least_load"}}, "spec.router.policy", "Unsupported value"),
+        (  # tcp, 1 GPU per pod: [32767, 32768] leaves Mooncake's valid range
+            {
+                "decode": {
+                    **SIM_SPEC["decode"],
+                    "ports": {"http": 30001, "bootstrap": 8999, "distInit": 5001, "mooncakeRpc": 32767},
+                }
+            },
+            "spec.decode.ports.mooncakeRpc",
+            "must lie inside [1024, 32767]",
+        ),
     ],
 )
 async def test_invalid_specs_are_rejected_by_the_api_server_with_field_paths(
