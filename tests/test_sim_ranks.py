@@ -24,7 +24,7 @@ import pytest
 
 from tandem.procs import ManagedProcess, free_port
 from tandem_sim.mooncake_ports import RDMA_NO_PORT
-from tandem_sim.testing import HOST, SimWorker, start_decode, start_worker
+from tandem_sim.testing import HOST, SimWorker, pd_fields, start_decode, start_worker
 from tandem_sim.transfer import INIT_FAILED
 from tests.simhelpers import pd_generate, prompts, start_group
 
@@ -221,3 +221,21 @@ def test_flags_sglang_refuses_exit_2_with_its_message(flags: list[str], message:
     )
     assert proc.returncode == 2
     assert message in proc.stderr
+
+
+async def test_a_page_size_mismatch_kills_the_decode_as_sglang_does(tmp_path: Path) -> None:
+    """``try_ensure_parallel_info`` raises in the decode scheduler's loop: SGLang's decode server dies."""
+    prefill = start_worker("ps-prefill", tmp_path, _prefill_args())
+    decode = start_decode("ps-decode", tmp_path, ["--page-size", "4"])
+    try:
+        body = dict(prompts(1)[0], **pd_fields(prefill, 5))  # the decode side alone: it reads the prefill's layout
+        async with aiohttp.ClientSession() as sess, sess.post(f"{decode.url}/generate", json=body) as resp:
+            status, body = resp.status, await resp.json()
+        assert status == 500
+        assert "Page size mismatch: prefill server has page_size=1, but decode server has page_size=4" in str(body)
+        assert decode.proc.popen is not None
+        assert decode.proc.popen.wait(timeout=30) == 1
+        assert "Scheduler hit an exception: RuntimeError: Page size mismatch" in decode.proc.log_tail(100)
+    finally:
+        prefill.proc.stop()
+        decode.proc.stop()

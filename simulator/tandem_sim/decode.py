@@ -37,6 +37,11 @@ PD_PATH = "/tandem/pd"
 MAX_MESSAGE = 64 * 1024 * 1024  # a hand-over lists the room's destination pages
 
 
+class SchedulerCrashError(RuntimeError):
+    """An error SGLang raises inside the decode scheduler's loop, which kills the server (``Scheduler hit an
+    exception``), e.g. the page-size check of ``CommonKVManager.try_ensure_parallel_info``."""
+
+
 class KVTransferError(RuntimeError):
     """SGLang's ``KVTransferError``: str() is ``KVTransferError(bootstrap_room=R): reason``."""
 
@@ -135,10 +140,9 @@ class DecodeSide:
                     -1, f"Could not fetch prefill parallel info from bootstrap_addr: {bootstrap_addr} ({err})"
                 ) from None
             if int(info["page_size"]) != self.pool.page_size:
-                raise KVTransferError(
-                    -1,
+                raise SchedulerCrashError(
                     f"Page size mismatch: prefill server has page_size={info['page_size']}, but decode server has "
-                    f"page_size={self.pool.page_size}. Both servers must use the same --page-size value.",
+                    f"page_size={self.pool.page_size}. Both servers must use the same --page-size value."
                 )
             mapping = rank_mapping(
                 int(info["attn_tp_size"]), self.layout.attn_tp, self.rank.attn_tp_rank, self.layout.is_mla

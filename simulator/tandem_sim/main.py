@@ -159,6 +159,7 @@ async def serve(cfg: SimConfig) -> int:
     if worker is None:
         return 1
     worker_ready.set_result(worker)
+    loop.create_task(_exit_on(worker.crashed, stop)).add_done_callback(lambda _: None)
 
     def ready() -> bool:
         return group is None or (group.all_connected.is_set() and not group.lost.is_set())
@@ -186,7 +187,7 @@ async def serve(cfg: SimConfig) -> int:
     for rank_server in rank_servers:
         await rank_server.close()
     await worker.close()
-    return _exit_code(group)
+    return 1 if worker.crashed.is_set() else _exit_code(group)
 
 
 async def _serve_other_node(
@@ -205,6 +206,8 @@ async def _serve_other_node(
     if worker is None:
         return 1
     worker_ready.set_result(worker)
+    loop = asyncio.get_running_loop()
+    loop.create_task(_exit_on(worker.crashed, stop)).add_done_callback(lambda _: None)
     runner = await _dummy_health(cfg, group)
     rank_servers = await _start_rank_servers(cfg, worker, host)
     background = _background(worker)
@@ -219,7 +222,7 @@ async def _serve_other_node(
     for rank_server in rank_servers:
         await rank_server.close()
     await worker.close()
-    return _exit_code(group)
+    return 1 if worker.crashed.is_set() else _exit_code(group)
 
 
 def _exit_code(group: Rendezvous | None) -> int:

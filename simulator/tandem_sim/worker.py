@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -23,7 +24,7 @@ import numpy as np
 
 from tandem_sim import model
 from tandem_sim.config import SimConfig
-from tandem_sim.decode import DecodeSide, KVTransferError
+from tandem_sim.decode import DecodeSide, KVTransferError, SchedulerCrashError
 from tandem_sim.engine import Engine, RunningRequest
 from tandem_sim.kvpool import OutOfPagesError
 from tandem_sim.metrics import Metrics
@@ -47,6 +48,7 @@ OnProgress = Callable[[Outcome], Awaitable[None]]
 
 
 T = TypeVar("T")
+log = logging.getLogger("tandem_sim.worker")
 
 
 def remote_nodes(topology: Topology, dp_rank: int) -> list[int]:
@@ -119,6 +121,7 @@ class Worker:
                     self._decode_by_dp[rank.attn_dp_rank].append(decode)
         self.tasks: dict[str, asyncio.Task[Any]] = {}
         self._background: set[asyncio.Task[None]] = set()
+        self.crashed = asyncio.Event()  # a scheduler hit an exception: SGLang's server goes down with it
 
     @property
     def session_ids(self) -> list[str]:
@@ -241,6 +244,10 @@ class Worker:
             await run_together(
                 [r.receive_kv(int(message["room"]), message["host"], int(message["port"]), pages) for r in ranks]
             )
+        except SchedulerCrashError as err:
+            log.error(f"Scheduler hit an exception: RuntimeError: {err}")
+            self.crashed.set()
+            return {"error": str(err)}
         except KVTransferError as err:
             return {"error": err.reason}
         n = int(message["tokens"])
@@ -279,6 +286,10 @@ class Worker:
         remote = [self._receive_remote(node, message, b.room, req.pages) for node in self._remote_nodes[dp_rank]]
         try:
             await run_together([*local, *remote])
+        except SchedulerCrashError as err:
+            log.error(f"Scheduler hit an exception: RuntimeError: {err}")
+            self.crashed.set()
+            raise GenerationError(str(err), 500) from None
         except KVTransferError as err:
             raise GenerationError(
                 f"Decode transfer failed for request rank=0 decode_req.req.rid={inp.rid!r} "
