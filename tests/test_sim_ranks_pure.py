@@ -10,7 +10,6 @@ import pytest
 
 from tandem_sim.config import ConfigError, MooncakeEnv, parse
 from tandem_sim.kvpool import ShardedPool
-from tandem_sim.mooncake_ports import ports_per_rank
 from tandem_sim.prefill import RowSlice, transfer_segments
 from tandem_sim.ranks import KVLayout, RankMapping, Topology, head_slice, heads_of_rank, rank_mapping
 
@@ -105,8 +104,7 @@ def test_head_slice_moves_token_by_token() -> None:
     assert whole == ([0], [64], [64])
 
 
-def test_ports_per_rank() -> None:
-    assert (ports_per_rank("rdma"), ports_per_rank("tcp")) == (1, 2)
+def test_mooncake_env_as_sglang_and_mooncake_read_it() -> None:
     assert MooncakeEnv.from_env({"MC_FORCE_TCP": "true", "MOONCAKE_PROTOCOL": "rdma"}).protocol == "tcp"
     assert MooncakeEnv.from_env({}) == MooncakeEnv("rdma", (15000, 17000))
     # Mooncake ignores a range outside [1024, 32767] (measured): the engines then use its default range.

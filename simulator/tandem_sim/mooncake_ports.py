@@ -10,6 +10,7 @@ The simulator always moves bytes over Mooncake's TCP transport. For a pod that d
 range as RDMA would use it (one port per rank) and then widens the range of its own stand-in engines by one port
 per rank above ``MC_MAX_RPC_PORT`` for their TCP data ports (Mooncake reads the range once, at import, so this
 happens before the first engine is made). Session ids of simulated RDMA ranks can therefore lie in that extension.
+(The operator sizes pod ranges from the same facts: ``tandem_operator.api.mooncake_ports.ports_needed``.)
 """
 
 from __future__ import annotations
@@ -21,11 +22,6 @@ import socket
 from tandem_sim.config import MooncakeEnv
 
 RDMA_NO_PORT = "P2P: No valid port found for local TCP service."
-
-
-def ports_per_rank(protocol: str) -> int:
-    """Ports one engine takes from the range: RPC only (rdma), RPC + TCP data port (tcp)."""
-    return 2 if protocol == "tcp" else 1
 
 
 def _bindable(host: str, port: int) -> bool:
