@@ -148,7 +148,8 @@ def _start_fails(tmp_path: Path, name: str, extra: list[str], env: dict[str, str
 
 
 def _port_base() -> int:
-    """A port in Mooncake's valid range [1024, 32767], outside its default range, with the 7 after it free."""
+    """A port below the ephemeral ports (Mooncake's valid range), outside its default range, with the 7 after it
+    free."""
     rng = random.Random()
     while True:
         base = rng.randrange(20000, 32000)

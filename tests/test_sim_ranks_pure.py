@@ -107,8 +107,10 @@ def test_head_slice_moves_token_by_token() -> None:
 def test_mooncake_env_as_sglang_and_mooncake_read_it() -> None:
     assert MooncakeEnv.from_env({"MC_FORCE_TCP": "true", "MOONCAKE_PROTOCOL": "rdma"}).protocol == "tcp"
     assert MooncakeEnv.from_env({}) == MooncakeEnv("rdma", (15000, 17000))
-    # Mooncake ignores a range outside [1024, 32767] (measured): the engines then use its default range.
+    # Mooncake ignores a range that touches the ephemeral ports (measured): the engines then use its default range.
     assert MooncakeEnv.from_env({"MC_MIN_RPC_PORT": "40000", "MC_MAX_RPC_PORT": "40007"}).ports == (15000, 17000)
+    assert MooncakeEnv.from_env({"MC_MIN_RPC_PORT": "32760", "MC_MAX_RPC_PORT": "32770"}).ports == (15000, 17000)
+    assert MooncakeEnv.from_env({"MC_MIN_RPC_PORT": "62000", "MC_MAX_RPC_PORT": "62007"}).ports == (62000, 62007)
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import argparse
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tandem.sglang_args import SGLANG_VERSION, add_sglang_flags
@@ -21,9 +22,23 @@ from tandem_sim.ranks import KVLayout, Topology, check_parallel_flags, layout_er
 HICACHE_BACKENDS_SIMULATED = ("file", "mooncake")
 # Mooncake 0.3.13's own RPC port range when ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT`` are unset or invalid.
 MOONCAKE_DEFAULT_PORTS = (15000, 17000)
-# Measured (mooncake-transfer-engine 0.3.13, config.cpp): a range outside [1024, 32767] or with min > max logs
-# "Invalid port range [min, max], falling back to default [15000, 17000]" and uses the default.
-MOONCAKE_VALID_PORTS = (1024, 32767)
+# Linux's default ``net.ipv4.ip_local_port_range``, when /proc does not say.
+EPHEMERAL_PORTS = (32768, 60999)
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return EPHEMERAL_PORTS
+
+
+def mooncake_range_valid(low: int, high: int, ephemeral: tuple[int, int]) -> bool:
+    """Measured (mooncake-transfer-engine 0.3.13, config.cpp): a range below 1024, with min > max or touching the
+    kernel's ephemeral ports logs "Invalid port range [min, max], falling back to default [15000, 17000]" and
+    Mooncake uses the default."""
+    return 1024 <= low <= high <= 65535 and (high < ephemeral[0] or low > ephemeral[1])
 
 
 class ConfigError(ValueError):
@@ -78,12 +93,12 @@ class MooncakeEnv:
     ports: tuple[int, int] = MOONCAKE_DEFAULT_PORTS
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> MooncakeEnv:
+    def from_env(cls, env: Mapping[str, str], ephemeral: tuple[int, int] = EPHEMERAL_PORTS) -> MooncakeEnv:
         force_tcp = env.get("MC_FORCE_TCP", "").strip().lower() in {"1", "true", "yes", "on"}
         protocol = "tcp" if force_tcp else (env.get("MOONCAKE_PROTOCOL") or "rdma").strip().lower()
         low = int(env.get("MC_MIN_RPC_PORT") or MOONCAKE_DEFAULT_PORTS[0])
         high = int(env.get("MC_MAX_RPC_PORT") or MOONCAKE_DEFAULT_PORTS[1])
-        if not MOONCAKE_VALID_PORTS[0] <= low <= high <= MOONCAKE_VALID_PORTS[1]:
+        if not mooncake_range_valid(low, high, ephemeral):
             low, high = MOONCAKE_DEFAULT_PORTS
         return cls(protocol, (low, high))
 
@@ -248,7 +263,7 @@ def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> SimConfig:
         dist_init_addr=ns.dist_init_addr,
         dist_timeout_s=float(ns.dist_timeout or 600),  # None: torch.distributed's default (10 minutes)
         kv_heads=int(ns.sim_kv_heads),
-        mooncake=MooncakeEnv.from_env(env),
+        mooncake=MooncakeEnv.from_env(env, ephemeral_ports()),
         page_size=page_size,
         max_total_tokens=max_total,
         host_pool_tokens=int(ns.sim_host_pool_tokens or 4 * max_total),

@@ -65,7 +65,8 @@ class PortSet(CrdModel):
         description="First port of the pod's Mooncake range [MC_MIN_RPC_PORT, MC_MAX_RPC_PORT]. Every GPU rank runs "
         "its own Mooncake transfer engine, which takes its RPC port (the session id 'ip:port') from the range, and "
         "with protocol tcp also its TCP data port: the range is gpusPerNode ports for rdma, 2 x gpusPerNode for tcp. "
-        "It must lie inside [1024, 32767] (Mooncake silently ignores any other range)."
+        "It must lie within 1024-32767 or 61000-65535 (Mooncake silently ignores a range that touches the "
+        "ephemeral ports)."
     )
 
     cel_rules = (

@@ -6,13 +6,16 @@ mode (``MooncakeKVManager.init_engine`` -> ``init_mooncake_transfer_engine`` in
 ``sglang/srt/distributed/device_communicators/mooncake_transfer_engine.py``); a pod runs ``tpSize / nodesPerGroup``
 ranks. Measured with mooncake-transfer-engine 0.3.13 (``tests/operator/test_mooncake_ports.py``,
 ``tests/test_sim_ranks.py``): every engine takes its RPC port (the session id ``ip:port``) from the range, and the
-TCP transport also its data port; RDMA needs no data port. Mooncake accepts only ranges inside [1024, 32767]:
-anything else logs "Invalid port range" and silently uses [15000, 17000].
+TCP transport also its data port; RDMA needs no data port. Mooncake refuses a range below 1024 or touching the
+kernel's ephemeral ports (Linux's default ``ip_local_port_range`` 32768-60999): it logs "Invalid port range" and
+silently uses [15000, 17000].
 """
 
 from __future__ import annotations
 
-MOONCAKE_VALID_PORTS = (1024, 32767)
+MOONCAKE_MIN_PORT = 1024
+EPHEMERAL_PORTS = (32768, 60999)  # Linux's default net.ipv4.ip_local_port_range
+VALID_RANGES = "1024-32767 or 61000-65535"
 MAX_PORTS_PER_POD = 32  # 16 GPUs per node (gpusPerNode's maximum) x 2 ports with tcp
 
 

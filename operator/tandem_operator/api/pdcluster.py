@@ -32,7 +32,13 @@ from tandem_operator.api.common import (
     Resources,
     Toleration,
 )
-from tandem_operator.api.mooncake_ports import MOONCAKE_VALID_PORTS, ports_needed, ports_needed_cel
+from tandem_operator.api.mooncake_ports import (
+    EPHEMERAL_PORTS,
+    MOONCAKE_MIN_PORT,
+    VALID_RANGES,
+    ports_needed,
+    ports_needed_cel,
+)
 from tandem_operator.api.rules import CrdModel, Rule, immutable
 
 # Flags the operator computes from the spec; extraArgs may not set them (they would silently fight).
@@ -313,8 +319,15 @@ def _fixed_ports_outside_range(role: Role) -> Callable[[Any], bool]:
 
 
 def _range_valid_for_mooncake(role: Role) -> Callable[[Any], bool]:
-    low, high = MOONCAKE_VALID_PORTS
-    return lambda spec: low <= spec.mooncake_range(role).start and spec.mooncake_range(role).stop - 1 <= high
+    def valid(spec: Any) -> bool:
+        ports: range = spec.mooncake_range(role)
+        return (
+            ports.start >= MOONCAKE_MIN_PORT
+            and ports.stop - 1 <= 65535
+            and (ports.stop - 1 < EPHEMERAL_PORTS[0] or ports.start > EPHEMERAL_PORTS[1])
+        )
+
+    return valid
 
 
 def _size_cel(role: str) -> str:
@@ -361,11 +374,13 @@ class PDClusterSpec(CrdModel):
                     field_path=f".{role}.ports",
                 ),
                 Rule(
-                    cel=f"self.{role}.ports.mooncakeRpc >= {MOONCAKE_VALID_PORTS[0]} && "
-                    f"self.{role}.ports.mooncakeRpc + {_size_cel(role)} - 1 <= {MOONCAKE_VALID_PORTS[1]}",
+                    cel=f"self.{role}.ports.mooncakeRpc >= {MOONCAKE_MIN_PORT} && "
+                    f"self.{role}.ports.mooncakeRpc + {_size_cel(role)} - 1 <= 65535 && "
+                    f"(self.{role}.ports.mooncakeRpc + {_size_cel(role)} - 1 < {EPHEMERAL_PORTS[0]} || "
+                    f"self.{role}.ports.mooncakeRpc > {EPHEMERAL_PORTS[1]})",
                     message=f"{role}.ports: the Mooncake range [mooncakeRpc, mooncakeRpc + gpusPerNode x (2 with tcp, "
-                    f"else 1) - 1] must lie inside [{MOONCAKE_VALID_PORTS[0]}, {MOONCAKE_VALID_PORTS[1]}] (Mooncake "
-                    "ignores any other range and falls back to [15000, 17000])",
+                    f"else 1) - 1] must lie within {VALID_RANGES} (Mooncake ignores a range that touches the "
+                    "ephemeral ports and falls back to [15000, 17000])",
                     check=_range_valid_for_mooncake(Role(role)),
                     field_path=f".{role}.ports.mooncakeRpc",
                 ),
