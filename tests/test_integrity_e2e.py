@@ -51,7 +51,8 @@ class Stack:
 def _start_stack(
     tmp_path: Path, procs: list[ManagedProcess], race: Sequence[bool], router_flags: Sequence[str]
 ) -> Stack:
-    prefills = [start_prefill(f"prefill{i}", tmp_path, SPEED) for i in range(2)]
+    # SGLang's decode refuses (and its scheduler dies on) a prefill with another --page-size
+    prefills = [start_prefill(f"prefill{i}", tmp_path, [*SPEED, *DECODE_POOL[2:]]) for i in range(2)]
     decodes = [
         start_decode(f"decode{i}", tmp_path, [*DECODE_POOL, *OFFLOAD, *SPEED] + (["--sim-inject-offload-race"] * r))
         for i, r in enumerate(race)

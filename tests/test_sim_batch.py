@@ -1,7 +1,8 @@
 """Batch ``/generate`` (one bootstrap room per item), OpenAI ``n`` > 1 (one room per choice), tool-call and reasoning
 fields, attention-DP routing (``room % dp_size``) and stream error chunks, in aggregated and PD mode.
 
-Real processes on loopback: a prefill with ``--attn-dp-size 2``, a decode and an aggregated reference worker.
+Real processes on loopback: a prefill with ``--tp-size 2 --attn-dp-size 2`` (two ranks), a decode and an aggregated
+reference worker.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SimWorke
     started: list[SimWorker] = []
     try:
         extra = ["--enable-metrics", "--tool-call-parser", "kimi_k2", "--reasoning-parser", "kimi_k2"]
-        started.append(start_prefill("prefill", log_dir, [*extra, "--attn-dp-size", str(DP)]))
+        started.append(start_prefill("prefill", log_dir, [*extra, "--tp-size", str(DP), "--attn-dp-size", str(DP)]))
         started.append(start_decode("decode", log_dir, extra))
         started.append(start_worker("aggregated", log_dir, extra))
         yield started[0], started[1], started[2]

@@ -237,7 +237,7 @@ def test_multinode_group_rank0_waits_for_ranks_and_dies_with_them(tmp_path: Path
     from tandem.procs import free_port
 
     addr = f"127.0.0.1:{free_port()}"
-    group = ["--nnodes", "2", "--dist-init-addr", addr]
+    group = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr]
     rank0 = start_worker("rank0", tmp_path, [*group, "--node-rank", "0"], wait=False)
     procs: list[ManagedProcess] = [rank0.proc]
     try:
