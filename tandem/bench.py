@@ -26,6 +26,7 @@ SECTIONS: dict[str, str] = {
     "sim": "tandem_sim.bench",
     "router": "tandem_router.bench",
     "operator": "tandem_operator.bench",
+    "images": "tandem.images.bench",
 }
 NOT_MEASURED = "not measured"
 
