@@ -5,6 +5,8 @@ The simulated workers run outside the image, as SGLang pods would next to the ro
 
 from __future__ import annotations
 
+import importlib.metadata
+import re
 import subprocess
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import aiohttp
 import pytest
 
 from tandem.images.run import Unpacked, container_argv
+from tandem.images.spec import ROOT, project_version, read_debian_lock
 from tandem.procs import ManagedProcess, free_port
 from tandem_sim.testing import start_decode, start_prefill
 from tests.imagehelpers import UID, process_ids, tandem_image
@@ -42,6 +45,26 @@ def test_the_image_cannot_write_outside_tmp_as_its_user(tandem_image: Unpacked) 
     assert out.stdout.split() == [str(UID)]
 
 
+def _dist_versions(site: Path) -> dict[str, str]:
+    return {d.name.lower().replace("_", "-"): d.version for d in importlib.metadata.distributions(path=[str(site)])}
+
+
+def test_the_image_holds_the_pinned_python_and_debian_packages_and_no_dev_tooling(tandem_image: Unpacked) -> None:
+    root = tandem_image.rootfs
+    installed = _dist_versions(root / "opt/tandem/lib/python3.11/site-packages")
+    pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().split() if "==" in line)
+    pins = {k.lower().replace("_", "-"): v for k, v in pins.items()}
+    assert installed.pop("tandem") == project_version()
+    assert {name: version for name, version in installed.items() if pins.get(name) != version} == {}
+    for dev in ("pip", "setuptools", "pytest", "mypy", "ruff", "mooncake-transfer-engine-non-cuda"):
+        assert dev not in installed
+    status = (root / "var/lib/dpkg/status").read_text().split("\n\n")
+    debs = {f["Package"]: f["Version"] for f in (dict(re.findall(r"^(\w[\w-]*): (.*)$", s, re.M)) for s in status) if f}
+    assert {name: debs.get(name) for name in read_debian_lock()} == read_debian_lock()
+    assert not [name for name in debs if name.endswith("-dev") or name in ("gcc", "make", "build-essential")]
+    assert (root / "etc/passwd").read_text().splitlines()[-1] == "tandem:x:65532:65532::/nonexistent:/usr/sbin/nologin"
+
+
 async def test_the_router_serves_readiness_in_front_of_simulated_workers(
     tandem_image: Unpacked, tmp_path: Path, proc_factory: list[ManagedProcess]
 ) -> None:
@@ -59,7 +82,7 @@ async def test_the_router_serves_readiness_in_front_of_simulated_workers(
     assert (uid, gid) == (UID, UID)
     assert cwd == str(tandem_image.rootfs)  # WorkingDir "/" of the image
     async with aiohttp.ClientSession() as sess:
-        body = {"model": "sim", "prompt": "The image runs", "max_tokens": 8}
+        body = {"model": "sim/model", "prompt": "The image runs", "max_tokens": 8}
         async with sess.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
             doc = await resp.json()
             assert resp.status == 200, doc

@@ -2,10 +2,10 @@
 
 No container runtime works in this sandbox (podman and crun: setrlimit refused, hybrid cgroups), so a container
 is approximated with what does: a private mount namespace (``unshare --mount``), /proc, /tmp and /run mounted
-fresh, the requested volumes bind-mounted read-only, then ``chroot --userspec`` with the image's uid:gid and an
-environment made only of the image's Env plus what the caller adds (as Kubernetes adds KUBERNETES_SERVICE_*).
-Not modelled: cgroup limits, seccomp, capabilities dropping beyond the uid change, a network namespace of its own
-(the caller runs it in the test's loopback-only namespace).
+fresh, a /dev with the devices runc gives every container, the requested volumes bind-mounted read-only, then
+``chroot --userspec`` with the image's uid:gid and an environment made only of the image's Env plus what the
+caller adds (as Kubernetes adds KUBERNETES_SERVICE_*). Not modelled: cgroup limits, seccomp, capabilities beyond
+the uid change, a network namespace of its own (the caller runs it in the test's loopback-only namespace).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from typing import Any
 
 from tandem.images import oci
 from tandem.images.build import CACHE
+
+RUNTIME_DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,11 @@ def container_argv(
         f"mount -t proc proc {root}/proc",
         f"mount -t tmpfs -o mode=1777 tmpfs {root}/tmp",
         f"mount -t tmpfs -o mode=755 tmpfs {root}/run",
+        f"mount -t tmpfs -o mode=755 tmpfs {root}/dev",
+        f"mkdir {root}/dev/shm && mount -t tmpfs -o mode=1777 tmpfs {root}/dev/shm",
     ]
+    for device in RUNTIME_DEVICES:  # what runc gives every container (grpc reads /dev/urandom)
+        steps.append(f"touch {root}/dev/{device} && mount --bind /dev/{device} {root}/dev/{device}")
     for host, inside in (volumes or {}).items():
         target = shlex.quote(str(resolve_inside(root, inside)))
         steps += [f"mkdir -p {target}", f"mount --bind -o ro {shlex.quote(str(host))} {target}"]

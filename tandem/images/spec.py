@@ -77,7 +77,8 @@ def install_commands() -> tuple[str, ...]:
         f"{pip} install --disable-pip-version-check --no-cache-dir --no-index --find-links {WHEELS_DIR}"
         f" -c {WHEELS_DIR}/constraints.txt tandem",
         f"rm -rf {WHEELS_DIR}",
-        f"useradd --uid {UID} --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin tandem",
+        f"groupadd --gid {UID} tandem",
+        f"useradd --uid {UID} --gid {UID} --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin tandem",
         "rm -f /etc/passwd- /etc/group- /etc/shadow- /etc/gshadow- /var/log/lastlog /var/log/faillog",
     )
 
