@@ -51,12 +51,12 @@ def _write_volume(into: Path, ca: Path, files: dict[str, str]) -> Path:
     return into
 
 
+@pytest.mark.usefixtures("tandem_crds")
 async def test_the_operator_from_the_image_reconciles_a_pdcluster_with_in_cluster_config(
     tandem_image: Unpacked,
     k8s_cluster: DevCluster,
     k8s_api: client.ApiClient,
     k8s_namespace: str,
-    tandem_crds: None,
     etcd_endpoint: str,
     tmp_path: Path,
 ) -> None:
