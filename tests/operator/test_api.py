@@ -71,7 +71,7 @@ def test_wire_form_is_camel_case_and_round_trips() -> None:
                 "transfer": {"protocol": "tcp", "hostNetwork": True},
                 "decode": {"ports": {"http": 30000, "bootstrap": 2, "distInit": 3, "mooncakeRpc": 4}},
             },
-            "with transfer.hostNetwork, prefill.ports and decode.ports must not share a port",
+            "with transfer.hostNetwork, prefill.ports and decode.ports must not share a port, Mooncake ranges included",
         ),
         ({"etcd": {"endpoints": []}}, "at least 1 item"),
         ({"prefill": {"gpusPerNode": 0}}, "greater than or equal to 1"),

@@ -33,7 +33,8 @@ def test_pod_facts_of_a_worker_pod() -> None:
     facts = pod_facts(live_pod(SPEC, Role.DECODE, 0, 1, epoch=3, ip="10.1.2.3"))
     assert facts is not None
     assert (facts.cluster, facts.group, facts.rank, facts.epoch, facts.ip) == ("kimi", DECODE_0, 1, 3, "10.1.2.3")
-    assert (facts.mooncake_ports, facts.mooncake_rpc_port) == ((15002, 15003), None)  # tcp: rpc + data port
+    # tcp: rpc + data port, in the window of epoch 3 (the fourth of the declared range)
+    assert (facts.mooncake_ports, facts.mooncake_rpc_port) == ((15106, 15107), None)
     assert facts.env["MC_METADATA_CLUSTER_ID"] == "serving.kimi"
 
 

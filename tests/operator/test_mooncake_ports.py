@@ -53,11 +53,11 @@ def initialize(ip: str, env: dict[str, str]) -> tuple[dict[str, Any], str]:
 def test_the_pods_tcp_range_initializes_and_uses_both_ports() -> None:
     ctx = RoleContext.build(CLUSTER, TCP, Role.DECODE, POOL)
     low, high = mooncake_port_range(ctx)
-    assert (low, high) == (15002, 15003)
+    assert (low, high) == (15100, 15101)
     env = pod_env(group_pod(ctx, 0, 0), "127.0.0.2")
     assert (env["MC_MIN_RPC_PORT"], env["MC_MAX_RPC_PORT"], env["MC_TCP_BIND_ADDRESS"]) == (
-        "15002",
-        "15003",
+        "15100",
+        "15101",
         "127.0.0.2",
     )
     result, log = initialize("127.0.0.2", env)

@@ -48,7 +48,7 @@ def test_leader_endpoint_of_a_prefill_group() -> None:
         group="prefill-0",
         url="http://10.0.0.7:30000",
         bootstrap_port=8998,
-        mooncake_session="10.0.0.7:15000",
+        mooncake_sessions=("10.0.0.7:15002",),  # rdma: one port, the window of epoch 2
         ib_devices=("mlx5_0", "mlx5_1"),
         attn_dp_size=1,
         model="kimi-k2.6",
@@ -59,14 +59,13 @@ def test_leader_endpoint_of_a_prefill_group() -> None:
 
 def test_leader_endpoint_of_a_decode_group_over_tcp() -> None:
     spec = kimi_spec(transfer={"protocol": "tcp"})
-    endpoint = leader_endpoint(spec, Role.DECODE, live_pod(spec, Role.DECODE, 3, 0, ip="10.2.0.5"))
+    members = [live_pod(spec, Role.DECODE, 3, rank, epoch=1, ip=f"10.2.0.{5 + rank}") for rank in (1, 0)]
+    endpoint = leader_endpoint(spec, Role.DECODE, members[1], members)
     assert endpoint is not None
     assert (endpoint.group, endpoint.url, endpoint.bootstrap_port) == ("decode-3", "http://10.2.0.5:30001", None)
-    assert (endpoint.mooncake_session, endpoint.ib_devices, endpoint.attn_dp_size) == (
-        None,
-        (),
-        16,
-    )  # tcp: 2-port range
+    assert (endpoint.ib_devices, endpoint.attn_dp_size) == ((), 16)
+    # tcp: each rank's window of epoch 1 is two ports (RPC and data, either may be the session), rank by rank
+    assert endpoint.mooncake_sessions == ("10.2.0.5:15102", "10.2.0.5:15103", "10.2.0.6:15102", "10.2.0.6:15103")
 
 
 def test_no_endpoint_without_ip_or_for_a_follower() -> None:

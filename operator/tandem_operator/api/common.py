@@ -62,25 +62,40 @@ class PortSet(CrdModel):
     bootstrap: Port = Field(description="PD bootstrap server (--disaggregation-bootstrap-port, prefill leaders).")
     dist_init: Port = Field(description="torch.distributed rendezvous on the group leader (--dist-init-addr).")
     mooncake_rpc: Port = Field(
-        description="Mooncake transfer-engine RPC port. With protocol rdma the pod's range is this one port "
-        "(MC_MIN_RPC_PORT = MC_MAX_RPC_PORT), so the session id 'ip:port' is known before the pod starts; with tcp "
-        "it is [mooncakeRpc, mooncakeRpc + 1], because Mooncake's TCP transport takes its data port from the same "
-        "range (the session id is then 'ip:mooncakeRpc' or 'ip:mooncakeRpc+1')."
+        description="First port of the Mooncake transfer engine's declared range [mooncakeRpc, mooncakeRpc + "
+        "mooncakePorts). A pod gets one window of it (MC_MIN_RPC_PORT..MC_MAX_RPC_PORT): one port per engine with "
+        "protocol rdma, two with tcp (Mooncake's TCP transport takes its data port from the same range)."
+    )
+    mooncake_ports: int = Field(
+        default=16,
+        ge=1,
+        le=4096,
+        description="Size of the declared Mooncake range. Each recreation of a group (epoch) moves its pods to the "
+        "next window of the range, so peers never meet a new incarnation under a session id 'ip:port' they still "
+        "hold for the dead one; a range of one window reuses the session ids.",
     )
 
     cel_rules = (
         Rule(
-            cel="[self.http, self.bootstrap, self.distInit, self.mooncakeRpc, self.mooncakeRpc + 1].all(p, "
-            "[self.http, self.bootstrap, self.distInit, self.mooncakeRpc, self.mooncakeRpc + 1]"
-            ".filter(q, q == p).size() == 1)",
-            message="ports must be pairwise different (mooncakeRpc + 1 is Mooncake's TCP data port)",
-            check=lambda s: len(set(s.all())) == 5,
+            cel="[self.http, self.bootstrap, self.distInit].all(p, "
+            "[self.http, self.bootstrap, self.distInit].filter(q, q == p).size() == 1 && "
+            "(p < self.mooncakeRpc || p >= self.mooncakeRpc + self.mooncakePorts))",
+            message="ports must be pairwise different and outside the Mooncake range "
+            "[mooncakeRpc, mooncakeRpc + mooncakePorts)",
+            check=lambda s: len(set(s.all())) == 3 + s.mooncake_ports,
+        ),
+        Rule(
+            cel="self.mooncakeRpc + self.mooncakePorts <= 65536",
+            message="the Mooncake range [mooncakeRpc, mooncakeRpc + mooncakePorts) must end at or below port 65535",
+            check=lambda s: s.mooncake_rpc + s.mooncake_ports <= 65536,
+            field_path=".mooncakePorts",
         ),
     )
 
     def all(self) -> tuple[int, ...]:
-        """Every port a pod of the role may listen on, Mooncake's TCP data port (mooncakeRpc + 1) included."""
-        return (self.http, self.bootstrap, self.dist_init, self.mooncake_rpc, self.mooncake_rpc + 1)
+        """Every port a pod of the role may listen on, the whole Mooncake range included."""
+        mooncake = range(self.mooncake_rpc, self.mooncake_rpc + self.mooncake_ports)
+        return (self.http, self.bootstrap, self.dist_init, *mooncake)
 
 
 class Condition(CrdModel):

@@ -195,7 +195,7 @@ def _prefill_ports() -> PortSet:
 
 
 def _decode_ports() -> PortSet:
-    return PortSet(http=30001, bootstrap=8999, dist_init=5001, mooncake_rpc=15002)
+    return PortSet(http=30001, bootstrap=8999, dist_init=5001, mooncake_rpc=15100)
 
 
 class PrefillSpec(PoolSpec):
@@ -272,14 +272,36 @@ class TransferSpec(CrdModel):
     )
     host_network: bool = Field(default=False, description="Run workers in the node's network namespace.")
     metadata_refresh_seconds: int = Field(
-        default=5,
+        default=2,
         ge=1,
         le=300,
-        description="MC_TE_METADATA_REFRESH_INTERVAL_SECONDS: how soon peers re-read a restarted pod's metadata.",
+        description="MC_TE_METADATA_REFRESH_INTERVAL_SECONDS: how often every engine re-reads the descriptors of the "
+        "peers it cached (Mooncake's default, 0, never does): a peer that came back under the same session id with "
+        "another TCP data port or other buffers is reached again within this time.",
     )
     disable_metadata_cache: bool = Field(default=False, description="MC_DISABLE_METACACHE.")
+    failed_session_probe_seconds: int = Field(
+        default=1,
+        ge=1,
+        le=300,
+        description="SGLANG_FAILED_SESSION_PROBE_INTERVAL_S (SGLang's default: 30): how soon a prefill probes a decode "
+        "session it blacklisted after a failed send, and un-blacklists it when the probe succeeds.",
+    )
+    failed_session_probe_max_seconds: int = Field(
+        default=4,
+        ge=1,
+        le=3600,
+        description="SGLANG_FAILED_SESSION_PROBE_MAX_INTERVAL_S (SGLang's default: 300): the probe interval doubles "
+        "per failed probe up to this.",
+    )
 
     cel_rules = (
+        Rule(
+            cel="self.failedSessionProbeSeconds <= self.failedSessionProbeMaxSeconds",
+            message="failedSessionProbeSeconds must not exceed failedSessionProbeMaxSeconds",
+            check=lambda s: s.failed_session_probe_seconds <= s.failed_session_probe_max_seconds,
+            field_path=".failedSessionProbeSeconds",
+        ),
         Rule(
             cel="self.protocol != 'rdma' || (has(self.ibDevices) && self.ibDevices.size() > 0)",
             message="protocol rdma needs ibDevices (e.g. [mlx5_0]); use protocol tcp without RDMA",
@@ -306,6 +328,22 @@ class EtcdSpec(CrdModel):
     endpoints: list[EtcdEndpoint] = Field(min_length=1, max_length=16)
 
 
+def _outside_range(port: str, ports: str) -> str:
+    return f"({port} < {ports}.mooncakeRpc || {port} >= {ports}.mooncakeRpc + {ports}.mooncakePorts)"
+
+
+def _fixed(ports: str) -> str:
+    return f"[{ports}.http, {ports}.bootstrap, {ports}.distInit]"
+
+
+_P, _D = "self.prefill.ports", "self.decode.ports"
+_HOST_NETWORK_PORTS_CEL = (
+    f"!self.transfer.hostNetwork || ({_fixed(_P)}.all(p, !(p in {_fixed(_D)}) && {_outside_range('p', _D)}) && "
+    f"{_fixed(_D)}.all(p, {_outside_range('p', _P)}) && ({_P}.mooncakeRpc + {_P}.mooncakePorts <= {_D}.mooncakeRpc "
+    f"|| {_D}.mooncakeRpc + {_D}.mooncakePorts <= {_P}.mooncakeRpc))"
+)
+
+
 class PDClusterSpec(CrdModel):
     """Desired state of a prefill/decode-disaggregated deployment."""
 
@@ -319,13 +357,21 @@ class PDClusterSpec(CrdModel):
 
     cel_rules = (
         Rule(
-            cel="!self.transfer.hostNetwork || [self.prefill.ports.http, self.prefill.ports.bootstrap, "
-            "self.prefill.ports.distInit, self.prefill.ports.mooncakeRpc, self.prefill.ports.mooncakeRpc + 1]"
-            ".all(p, !(p in [self.decode.ports.http, self.decode.ports.bootstrap, self.decode.ports.distInit, "
-            "self.decode.ports.mooncakeRpc, self.decode.ports.mooncakeRpc + 1]))",
-            message="with transfer.hostNetwork, prefill.ports and decode.ports must not share a port",
+            cel=_HOST_NETWORK_PORTS_CEL,
+            message="with transfer.hostNetwork, prefill.ports and decode.ports must not share a port, Mooncake "
+            "ranges included",
             check=lambda s: not s.transfer.host_network or not set(s.prefill.ports.all()) & set(s.decode.ports.all()),
             field_path=".decode.ports",
+        ),
+        Rule(
+            cel="self.transfer.protocol != 'tcp' || "
+            "(self.prefill.ports.mooncakePorts >= 2 && self.decode.ports.mooncakePorts >= 2)",
+            message="protocol tcp needs ports.mooncakePorts >= 2 (Mooncake's TCP data port comes from the same range)",
+            check=lambda s: (
+                s.transfer.protocol != TransferProtocol.TCP
+                or min(s.prefill.ports.mooncake_ports, s.decode.ports.mooncake_ports) >= 2
+            ),
+            field_path=".transfer.protocol",
         ),
     )
 
