@@ -69,7 +69,7 @@ def test_wire_form_is_camel_case_and_round_trips() -> None:
         (
             {
                 "transfer": {"protocol": "tcp", "hostNetwork": True},
-                "decode": {"ports": {"http": 30000, "bootstrap": 2, "distInit": 3, "mooncakeRpc": 4}},
+                "decode": {"ports": {"http": 30000, "bootstrap": 2, "distInit": 3, "mooncakeRpc": 4000}},
             },
             "with transfer.hostNetwork, prefill.ports and decode.ports must not share a port, Mooncake ranges included",
         ),

@@ -83,12 +83,14 @@ DECODE_PORTS = {"http": 30001, "bootstrap": 8999, "distInit": 5001}
         (
             {
                 "transfer": {"protocol": "tcp"},
-                "decode": {"ports": {**DECODE_PORTS, "mooncakeRpc": 4, "mooncakePorts": 1}},
+                "decode": {"ports": {**DECODE_PORTS, "mooncakeRpc": 4000, "mooncakePorts": 1}},
             },
             "mooncakePorts >= 2",
         ),
         ({"decode": {"ports": {**DECODE_PORTS, "http": 15105, "mooncakeRpc": 15100}}}, "outside the Mooncake range"),
-        ({"decode": {"ports": {**DECODE_PORTS, "mooncakeRpc": 65530}}}, "at or below port 65535"),
+        ({"decode": {"ports": {**DECODE_PORTS, "mooncakeRpc": 65530}}}, "must lie within 1024-32767 or 61000-65535"),
+        ({"decode": {"ports": {**DECODE_PORTS, "mooncakeRpc": 32760}}}, "ephemeral ports 32768-60999"),
+        ({"decode": {"ports": {**DECODE_PORTS, "mooncakeRpc": 1000}}}, "must lie within 1024-32767"),
         (
             {
                 "transfer": {"protocol": "tcp", "hostNetwork": True},

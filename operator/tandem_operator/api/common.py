@@ -85,9 +85,16 @@ class PortSet(CrdModel):
             check=lambda s: len(set(s.all())) == 3 + s.mooncake_ports,
         ),
         Rule(
-            cel="self.mooncakeRpc + self.mooncakePorts <= 65536",
-            message="the Mooncake range [mooncakeRpc, mooncakeRpc + mooncakePorts) must end at or below port 65535",
-            check=lambda s: s.mooncake_rpc + s.mooncake_ports <= 65536,
+            cel="self.mooncakeRpc >= 1024 && self.mooncakeRpc + self.mooncakePorts <= 65536 && "
+            "(self.mooncakeRpc + self.mooncakePorts <= 32768 || self.mooncakeRpc > 60999)",
+            message="the Mooncake range [mooncakeRpc, mooncakeRpc + mooncakePorts) must lie within 1024-32767 or "
+            "61000-65535 (Mooncake ignores a range that touches the ephemeral ports 32768-60999 and falls back to "
+            "15000-17000)",
+            check=lambda s: (
+                s.mooncake_rpc >= 1024
+                and s.mooncake_rpc + s.mooncake_ports <= 65536
+                and (s.mooncake_rpc + s.mooncake_ports <= 32768 or s.mooncake_rpc > 60999)
+            ),
             field_path=".mooncakePorts",
         ),
     )
