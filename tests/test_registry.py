@@ -57,17 +57,14 @@ def test_integrity_report_round_trip_and_key() -> None:
     assert not key.startswith(registry.cluster_prefix("ns", "c1"))  # endpoint watchers never see reports
 
 
-def test_reused_sessions_are_those_a_newer_incarnation_shares_with_an_earlier_one() -> None:
-    def incarnation(epoch: int, *sessions: str) -> Endpoint:
-        return Endpoint(
-            role=Role.DECODE,
-            group="decode-0",
-            url="http://10.0.0.1:1",
-            model="m",
-            epoch=epoch,
-            mooncake_sessions=sessions,
-        )
+def incarnation(epoch: int, *sessions: str) -> Endpoint:
+    """One incarnation of the decode group ``decode-0`` with these Mooncake session ids."""
+    return Endpoint(
+        role=Role.DECODE, group="decode-0", url="http://10.0.0.1:1", model="m", epoch=epoch, mooncake_sessions=sessions
+    )
 
+
+def test_reused_sessions_are_those_a_newer_incarnation_shares_with_an_earlier_one() -> None:
     old = incarnation(1, "10.0.0.1:15100", "10.0.0.1:15101")
     assert registry.reused_sessions(old, incarnation(2, "10.0.0.1:15102", "10.0.0.1:15103")) == frozenset()
     assert registry.reused_sessions(old, incarnation(2, "10.0.0.1:15101", "10.0.0.1:15102")) == {"10.0.0.1:15101"}

@@ -89,17 +89,7 @@ async def test_router_counts_a_recreated_group_that_reuses_a_mooncake_session(et
     from tandem_router.config import DiscoveryMode, RouterSettings
     from tandem_router.discovery import EtcdDiscovery
     from tandem_router.pool import WorkerPool
-
-    def incarnation(epoch: int, *ports: int) -> Endpoint:
-        sessions = tuple(f"127.0.0.1:{p}" for p in ports)
-        return Endpoint(
-            role=Role.DECODE,
-            group="decode-5",
-            url="http://127.0.0.1:1005",
-            model="m",
-            epoch=epoch,
-            mooncake_sessions=sessions,
-        )
+    from tests.test_registry import incarnation
 
     pool = WorkerPool()
     settings = RouterSettings(
@@ -110,14 +100,16 @@ async def test_router_counts_a_recreated_group_that_reuses_a_mooncake_session(et
     await writer.start()
     try:
         await discovery.start()
-        await writer.put(incarnation(0, 15100, 15101))
+        await writer.put(incarnation(0, "10.0.0.1:15100", "10.0.0.1:15101"))
         await _until(lambda: any(w.spec.epoch == 0 for w in pool.workers.values()))
         await writer.remove(incarnation(0))  # fenced: the key goes before the next incarnation comes
         await _until(lambda: not pool.workers)
-        await writer.put(incarnation(1, 15102, 15103))  # the next window: nothing reused
+        await writer.put(incarnation(1, "10.0.0.1:15102", "10.0.0.1:15103"))  # the next window: nothing reused
         await _until(lambda: any(w.spec.epoch == 1 for w in pool.workers.values()))
         assert pool.mooncake_session_reuses == 0
-        await writer.put(incarnation(2, 15100, 15101, 15103))  # a range too small to rotate
+        await writer.put(
+            incarnation(2, "10.0.0.1:15100", "10.0.0.1:15101", "10.0.0.1:15103")
+        )  # a range too small to rotate
         await _until(lambda: any(w.spec.epoch == 2 for w in pool.workers.values()))
         assert pool.mooncake_session_reuses == 1
     finally:
