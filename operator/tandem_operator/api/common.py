@@ -67,12 +67,13 @@ class PortSet(CrdModel):
         "protocol rdma, two with tcp (Mooncake's TCP transport takes its data port from the same range)."
     )
     mooncake_ports: int = Field(
-        default=16,
+        default=64,
         ge=1,
         le=4096,
         description="Size of the declared Mooncake range. Each recreation of a group (epoch) moves its pods to the "
         "next window of the range, so peers never meet a new incarnation under a session id 'ip:port' they still "
-        "hold for the dead one; a range of one window reuses the session ids.",
+        "hold for the dead one; a range of one window reuses the session ids. The default leaves room for several "
+        "windows of an 8-GPU pod (one port per rank with rdma, two with tcp).",
     )
 
     cel_rules = (
