@@ -30,9 +30,10 @@ from tandem.procs import ManagedProcess, free_port
 from tandem.registry import Endpoint
 from tests.devcluster_fixtures import eventually
 from tests.operator.live import GROUP, SIM_SPEC, VERSION, Registry, create_pdcluster, operator_process
-from tests.operator.test_recovery_live import LOAD, MODEL, runner  # noqa: F401  (the pod runner fixture)
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.timeout(600)]
+LOAD = Path(__file__).with_name("load_client.py")
+MODEL = "kimi-k2.6-sim"
 ROUNDS, STREAMS = 10, 16
 LEADER = "sim-decode-0-0"
 
@@ -67,7 +68,7 @@ async def test_a_decode_leader_recreated_10_times_at_its_old_address_serves_agai
     k8s_namespace: str,
     tandem_crds: None,
     etcd_endpoint: str,
-    runner: PodRunner,  # noqa: F811
+    runner: PodRunner,
     tmp_path: Path,
     proc_factory: list[ManagedProcess],
 ) -> None:
