@@ -28,9 +28,8 @@ from tandem.devcluster.cluster import DevCluster
 from tandem.devcluster.podrunner import PodRunner
 from tandem.procs import ManagedProcess, free_port
 from tandem.registry import Endpoint
-from tandem_operator.k8s.kube import MERGE_PATCH
 from tests.devcluster_fixtures import eventually
-from tests.operator.live import GROUP, SIM_SPEC, VERSION, Registry, create_pdcluster, operator_process
+from tests.operator.live import GROUP, SIM_SPEC, VERSION, Registry, create_pdcluster, operator_process, run_tool
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.timeout(600)]
 LOAD = Path(__file__).with_name("load_client.py")
@@ -86,9 +85,7 @@ async def test_a_decode_leader_recreated_10_times_at_its_old_address_serves_agai
         await eventually(partial(decode0, -1), "decode-0 registered", within=120)
         await core.delete_namespaced_pod(LEADER, ns)  # decode-0 leaves window 0 for decode-1
         await eventually(partial(decode0, 0), "decode-0 registered at epoch 1", within=120)
-        await client.CustomObjectsApi(k8s_api).patch_namespaced_custom_object(
-            GROUP, VERSION, ns, "pdpools", "sim-decode", {"spec": {"replicas": 2}}, _content_type=MERGE_PATCH
-        )
+        await run_tool(k8s_cluster, "kubectl", "-n", ns, "scale", "pdpool/sim-decode", "--replicas=2")
 
         async def both() -> bool:
             return {"prefill-0", "decode-0", "decode-1"} <= set(await reg.endpoints(ns, "sim"))
