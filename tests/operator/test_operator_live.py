@@ -21,6 +21,7 @@ from tandem.procs import ManagedProcess
 from tandem_operator.recovery import fence_annotation
 from tests.devcluster_fixtures import eventually
 from tests.operator.live import (
+    SIM_SPEC,
     Registry,
     create_pdcluster,
     operator_process,
@@ -31,6 +32,7 @@ from tests.operator.live import (
 )
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(240)]
+PORTS = {"http": 30001, "bootstrap": 8999, "distInit": 5001}
 
 
 @pytest.fixture
@@ -114,6 +116,16 @@ async def test_a_pdcluster_becomes_ready_with_the_right_pods_and_scales(
         ({"decode": {"groups": 1, "nodesPerGroup": 2, "gpusPerNode": 1, "tpSize": 4}}, "spec.decode", "tpSize"),
         ({"transfer": {"protocol": "rdma"}}, "spec.transfer.ibDevices", "protocol rdma needs ibDevices"),
         ({"router": {"policy": "least_load"}}, "spec.router.policy", "Unsupported value"),
+        (
+            {"decode": {**SIM_SPEC["decode"], "ports": {**PORTS, "mooncakeRpc": 40000}}},
+            "spec.decode.ports.mooncakePorts",
+            "touches the ephemeral ports 32768-60999",
+        ),
+        (
+            {"prefill": {**SIM_SPEC["prefill"], "ports": {**PORTS, "mooncakeRpc": 15000, "mooncakePorts": 1}}},
+            "spec.transfer.protocol",
+            "protocol tcp needs ports.mooncakePorts >= 2",
+        ),
     ],
 )
 async def test_invalid_specs_are_rejected_by_the_api_server_with_field_paths(
