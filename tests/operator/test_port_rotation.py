@@ -47,23 +47,23 @@ def test_consecutive_epochs_never_share_a_port_and_stay_in_the_range() -> None:
 
 @pytest.mark.parametrize("host_network", [False, True])
 def test_a_recreated_pod_gets_the_next_window(host_network: bool) -> None:
+    # tcp, 8 ranks per pod: 16-port windows, 4 of them in decode's 64-port range from 15100
     spec = kimi_spec(transfer={"protocol": "tcp", "hostNetwork": host_network})
     ctx = RoleContext.build(CLUSTER, spec, Role.DECODE, POOL)
     first, second = (group_pod(ctx, 0, 0, epoch) for epoch in (4, 5))
-    assert (env_of(first)["MC_MIN_RPC_PORT"], env_of(first)["MC_MAX_RPC_PORT"]) == ("15108", "15109")
-    assert (env_of(second)["MC_MIN_RPC_PORT"], env_of(second)["MC_MAX_RPC_PORT"]) == ("15110", "15111")
-    declared = {p["name"]: p for p in second["spec"]["containers"][0]["ports"]}
-    assert declared["mooncake-rpc"]["containerPort"] == 15110
-    assert declared["mooncake-data"]["containerPort"] == 15111
+    assert (env_of(first)["MC_MIN_RPC_PORT"], env_of(first)["MC_MAX_RPC_PORT"]) == ("15100", "15115")  # wrapped
+    assert (env_of(second)["MC_MIN_RPC_PORT"], env_of(second)["MC_MAX_RPC_PORT"]) == ("15116", "15131")
+    declared = [p for p in second["spec"]["containers"][0]["ports"] if p["name"].startswith("mooncake-")]
+    assert [p["containerPort"] for p in declared] == list(range(15116, 15132))
     if host_network:  # node ports: the scheduler keeps a pod off a node whose window another pod holds
-        assert declared["mooncake-rpc"]["hostPort"] == 15110
+        assert all(p["hostPort"] == p["containerPort"] for p in declared)
 
 
 def test_every_rank_of_an_incarnation_shares_its_window() -> None:
     ctx = RoleContext.build(CLUSTER, kimi_spec(transfer={"protocol": "tcp"}), Role.PREFILL, POOL)
     envs = [env_of(group_pod(ctx, 0, rank, 3)) for rank in range(4)]
-    assert {(e["MC_MIN_RPC_PORT"], e["MC_MAX_RPC_PORT"]) for e in envs} == {("15006", "15007")}
-    assert mooncake_ports(ctx, 3) == (15006, 15007)
+    assert {(e["MC_MIN_RPC_PORT"], e["MC_MAX_RPC_PORT"]) for e in envs} == {("15048", "15063")}
+    assert mooncake_ports(ctx, 3) == (15048, 15063)
 
 
 def test_probe_and_refresh_knobs_reach_the_pod() -> None:
@@ -85,11 +85,11 @@ DECODE_PORTS = {"http": 30001, "bootstrap": 8999, "distInit": 5001}
                 "transfer": {"protocol": "tcp"},
                 "decode": {"ports": {**DECODE_PORTS, "mooncakeRpc": 4000, "mooncakePorts": 1}},
             },
-            "mooncakePorts >= 2",
+            "decode.ports.mooncakePorts must hold one pod's window",
         ),
         ({"decode": {"ports": {**DECODE_PORTS, "http": 15105, "mooncakeRpc": 15100}}}, "outside the Mooncake range"),
         ({"decode": {"ports": {**DECODE_PORTS, "mooncakeRpc": 65530}}}, "must lie within 1024-32767 or 61000-65535"),
-        ({"decode": {"ports": {**DECODE_PORTS, "mooncakeRpc": 32760}}}, "ephemeral ports 32768-60999"),
+        ({"decode": {"ports": {**DECODE_PORTS, "mooncakeRpc": 32760}}}, "touches the ephemeral ports"),
         ({"decode": {"ports": {**DECODE_PORTS, "mooncakeRpc": 1000}}}, "must lie within 1024-32767"),
         (
             {

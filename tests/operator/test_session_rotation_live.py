@@ -31,7 +31,7 @@ from tandem.registry import Endpoint
 from tests.devcluster_fixtures import eventually
 from tests.operator.live import GROUP, SIM_SPEC, VERSION, Registry, create_pdcluster, operator_process, run_tool
 
-pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(600)]
 LOAD = Path(__file__).with_name("load_client.py")
 MODEL = "kimi-k2.6-sim"
 ROUNDS, STREAMS = 10, 16

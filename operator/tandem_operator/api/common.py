@@ -62,48 +62,35 @@ class PortSet(CrdModel):
     bootstrap: Port = Field(description="PD bootstrap server (--disaggregation-bootstrap-port, prefill leaders).")
     dist_init: Port = Field(description="torch.distributed rendezvous on the group leader (--dist-init-addr).")
     mooncake_rpc: Port = Field(
-        description="First port of the Mooncake transfer engine's declared range [mooncakeRpc, mooncakeRpc + "
-        "mooncakePorts). A pod gets one window of it (MC_MIN_RPC_PORT..MC_MAX_RPC_PORT): one port per engine with "
-        "protocol rdma, two with tcp (Mooncake's TCP transport takes its data port from the same range)."
+        description="First port of the role's Mooncake range; a pod gets one window of it as [MC_MIN_RPC_PORT, "
+        "MC_MAX_RPC_PORT]. Every GPU rank runs "
+        "its own Mooncake transfer engine, which takes its RPC port (the session id 'ip:port') from the range, and "
+        "with protocol tcp also its TCP data port: the range is gpusPerNode ports for rdma, 2 x gpusPerNode for tcp. "
+        "It must lie within 1024-32767 or 61000-65535 (Mooncake silently ignores a range that touches the "
+        "ephemeral ports)."
     )
     mooncake_ports: int = Field(
         default=64,
         ge=1,
         le=4096,
-        description="Size of the declared Mooncake range. Each recreation of a group (epoch) moves its pods to the "
-        "next window of the range, so peers never meet a new incarnation under a session id 'ip:port' they still "
-        "hold for the dead one; a range of one window reuses the session ids. The default leaves room for several "
-        "windows of an 8-GPU pod (one port per rank with rdma, two with tcp).",
+        description="Size of the role's declared Mooncake range [mooncakeRpc, mooncakeRpc + mooncakePorts), at least "
+        "one pod window (gpusPerNode ports for rdma, 2 x gpusPerNode for tcp). Each recreation of a group (epoch) "
+        "moves its pods to the next window of the range, so peers never meet a new incarnation under a session id "
+        "'ip:port' they still hold for the dead one; a range of one window reuses the session ids.",
     )
 
     cel_rules = (
         Rule(
-            cel="[self.http, self.bootstrap, self.distInit].all(p, "
-            "[self.http, self.bootstrap, self.distInit].filter(q, q == p).size() == 1 && "
-            "(p < self.mooncakeRpc || p >= self.mooncakeRpc + self.mooncakePorts))",
-            message="ports must be pairwise different and outside the Mooncake range "
-            "[mooncakeRpc, mooncakeRpc + mooncakePorts)",
-            check=lambda s: len(set(s.all())) == 3 + s.mooncake_ports,
-        ),
-        Rule(
-            cel="self.mooncakeRpc >= 1024 && self.mooncakeRpc + self.mooncakePorts <= 65536 && "
-            "(self.mooncakeRpc + self.mooncakePorts <= 32768 || self.mooncakeRpc > 60999)",
-            message="the Mooncake range [mooncakeRpc, mooncakeRpc + mooncakePorts) must lie within 1024-32767 or "
-            "61000-65535 (Mooncake ignores a range that touches the ephemeral ports 32768-60999 and falls back to "
-            "15000-17000)",
-            check=lambda s: (
-                s.mooncake_rpc >= 1024
-                and s.mooncake_rpc + s.mooncake_ports <= 65536
-                and (s.mooncake_rpc + s.mooncake_ports <= 32768 or s.mooncake_rpc > 60999)
-            ),
-            field_path=".mooncakePorts",
+            cel="[self.http, self.bootstrap, self.distInit, self.mooncakeRpc].all(p, "
+            "[self.http, self.bootstrap, self.distInit, self.mooncakeRpc].filter(q, q == p).size() == 1)",
+            message="ports must be pairwise different",
+            check=lambda s: len({s.http, s.bootstrap, s.dist_init, s.mooncake_rpc}) == 4,
         ),
     )
 
-    def all(self) -> tuple[int, ...]:
-        """Every port a pod of the role may listen on, the whole Mooncake range included."""
-        mooncake = range(self.mooncake_rpc, self.mooncake_rpc + self.mooncake_ports)
-        return (self.http, self.bootstrap, self.dist_init, *mooncake)
+    def fixed(self) -> tuple[int, ...]:
+        """The pod's ports outside its Mooncake range."""
+        return (self.http, self.bootstrap, self.dist_init)
 
 
 class Condition(CrdModel):

@@ -14,8 +14,9 @@ Everything else about a role (parallelism, images, transfer, placement) comes fr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, StringConstraints
 
@@ -30,6 +31,13 @@ from tandem_operator.api.common import (
     Quantity,
     Resources,
     Toleration,
+)
+from tandem_operator.api.mooncake_ports import (
+    EPHEMERAL_PORTS,
+    MOONCAKE_MIN_PORT,
+    VALID_RANGES,
+    ports_needed,
+    ports_needed_cel,
 )
 from tandem_operator.api.rules import CrdModel, Rule, immutable
 
@@ -195,7 +203,7 @@ def _prefill_ports() -> PortSet:
 
 
 def _decode_ports() -> PortSet:
-    return PortSet(http=30001, bootstrap=8999, dist_init=5001, mooncake_rpc=15100)
+    return PortSet(http=30001, bootstrap=8999, dist_init=5001, mooncake_rpc=15100)  # above prefill's 32 ports
 
 
 class PrefillSpec(PoolSpec):
@@ -328,20 +336,44 @@ class EtcdSpec(CrdModel):
     endpoints: list[EtcdEndpoint] = Field(min_length=1, max_length=16)
 
 
-def _outside_range(port: str, ports: str) -> str:
-    return f"({port} < {ports}.mooncakeRpc || {port} >= {ports}.mooncakeRpc + {ports}.mooncakePorts)"
+def _fixed_ports_outside_range(role: Role) -> Callable[[Any], bool]:
+    return lambda spec: not set(spec.role(role).ports.fixed()) & set(spec.declared_range(role))
 
 
-def _fixed(ports: str) -> str:
-    return f"[{ports}.http, {ports}.bootstrap, {ports}.distInit]"
+def _range_holds_a_window(role: Role) -> Callable[[Any], bool]:
+    return lambda spec: len(spec.declared_range(role)) >= len(spec.mooncake_range(role))
 
 
-_P, _D = "self.prefill.ports", "self.decode.ports"
-_HOST_NETWORK_PORTS_CEL = (
-    f"!self.transfer.hostNetwork || ({_fixed(_P)}.all(p, !(p in {_fixed(_D)}) && {_outside_range('p', _D)}) && "
-    f"{_fixed(_D)}.all(p, {_outside_range('p', _P)}) && ({_P}.mooncakeRpc + {_P}.mooncakePorts <= {_D}.mooncakeRpc "
-    f"|| {_D}.mooncakeRpc + {_D}.mooncakePorts <= {_P}.mooncakeRpc))"
-)
+def _range_valid_for_mooncake(role: Role) -> Callable[[Any], bool]:
+    def valid(spec: Any) -> bool:
+        ports: range = spec.declared_range(role)
+        return (
+            ports.start >= MOONCAKE_MIN_PORT
+            and ports.stop - 1 <= 65535
+            and (ports.stop - 1 < EPHEMERAL_PORTS[0] or ports.start > EPHEMERAL_PORTS[1])
+        )
+
+    return valid
+
+
+def _size_cel(role: str) -> str:
+    return ports_needed_cel(f"self.{role}.gpusPerNode", "self.transfer.protocol")
+
+
+def _all_ports_cel(role: str) -> str:
+    """The role's fixed ports and the two ends of its declared Mooncake range (ranges overlap only if an end is
+    inside)."""
+    ports = f"self.{role}.ports"
+    last = f"{ports}.mooncakeRpc + {ports}.mooncakePorts - 1"
+    return f"[{ports}.http, {ports}.bootstrap, {ports}.distInit, {ports}.mooncakeRpc, {last}]"
+
+
+def _in_role_cel(role: str, port: str) -> str:
+    ports = f"self.{role}.ports"
+    return (
+        f"{port} == {ports}.http || {port} == {ports}.bootstrap || {port} == {ports}.distInit || "
+        f"({port} >= {ports}.mooncakeRpc && {port} < {ports}.mooncakeRpc + {ports}.mooncakePorts)"
+    )
 
 
 class PDClusterSpec(CrdModel):
@@ -356,24 +388,66 @@ class PDClusterSpec(CrdModel):
     etcd: EtcdSpec
 
     cel_rules = (
+        *(
+            rule
+            for role in ("prefill", "decode")
+            for rule in (
+                Rule(
+                    cel=f"[self.{role}.ports.http, self.{role}.ports.bootstrap, self.{role}.ports.distInit].all(p, "
+                    f"p < self.{role}.ports.mooncakeRpc || p >= self.{role}.ports.mooncakeRpc + "
+                    f"self.{role}.ports.mooncakePorts)",
+                    message=f"{role}.ports: http, bootstrap and distInit must lie outside the Mooncake range "
+                    "[mooncakeRpc, mooncakeRpc + mooncakePorts - 1]",
+                    check=_fixed_ports_outside_range(Role(role)),
+                    field_path=f".{role}.ports",
+                ),
+                Rule(
+                    cel=f"self.{role}.ports.mooncakePorts >= {_size_cel(role)}",
+                    message=f"{role}.ports.mooncakePorts must hold one pod's window: gpusPerNode x (2 with tcp, "
+                    "else 1) ports, one Mooncake engine per GPU rank",
+                    check=_range_holds_a_window(Role(role)),
+                    field_path=f".{role}.ports.mooncakePorts",
+                ),
+                Rule(
+                    cel=f"self.{role}.ports.mooncakeRpc >= {MOONCAKE_MIN_PORT} && "
+                    f"self.{role}.ports.mooncakeRpc + self.{role}.ports.mooncakePorts - 1 <= 65535 && "
+                    f"(self.{role}.ports.mooncakeRpc + self.{role}.ports.mooncakePorts - 1 < {EPHEMERAL_PORTS[0]} || "
+                    f"self.{role}.ports.mooncakeRpc > {EPHEMERAL_PORTS[1]})",
+                    message=f"{role}.ports: the Mooncake range [mooncakeRpc, mooncakeRpc + mooncakePorts - 1] must "
+                    f"lie within {VALID_RANGES} (Mooncake ignores a range that touches the ephemeral ports and falls "
+                    "back to [15000, 17000])",
+                    check=_range_valid_for_mooncake(Role(role)),
+                    field_path=f".{role}.ports.mooncakeRpc",
+                ),
+            )
+        ),
         Rule(
-            cel=_HOST_NETWORK_PORTS_CEL,
-            message="with transfer.hostNetwork, prefill.ports and decode.ports must not share a port, Mooncake "
-            "ranges included",
-            check=lambda s: not s.transfer.host_network or not set(s.prefill.ports.all()) & set(s.decode.ports.all()),
+            cel="!self.transfer.hostNetwork || ("
+            f"{_all_ports_cel('prefill')}.all(p, !({_in_role_cel('decode', 'p')})) && "
+            f"{_all_ports_cel('decode')}.all(p, !({_in_role_cel('prefill', 'p')})))",
+            message="with transfer.hostNetwork, prefill.ports and decode.ports (Mooncake ranges included) must not "
+            "share a port",
+            check=lambda s: not s.transfer.host_network or not s.role_ports(Role.PREFILL) & s.role_ports(Role.DECODE),
             field_path=".decode.ports",
         ),
-        Rule(
-            cel="self.transfer.protocol != 'tcp' || "
-            "(self.prefill.ports.mooncakePorts >= 2 && self.decode.ports.mooncakePorts >= 2)",
-            message="protocol tcp needs ports.mooncakePorts >= 2 (Mooncake's TCP data port comes from the same range)",
-            check=lambda s: (
-                s.transfer.protocol != TransferProtocol.TCP
-                or min(s.prefill.ports.mooncake_ports, s.decode.ports.mooncake_ports) >= 2
-            ),
-            field_path=".transfer.protocol",
-        ),
     )
+
+    def mooncake_range(self, role: Role) -> range:
+        """The role's ``[MC_MIN_RPC_PORT, MC_MAX_RPC_PORT]`` at epoch 0 (one pod window): every rank of a pod gets its
+        ports."""
+        spec = self.role(role)
+        return range(
+            spec.ports.mooncake_rpc, spec.ports.mooncake_rpc + ports_needed(spec.gpus_per_node, self.transfer.protocol)
+        )
+
+    def declared_range(self, role: Role) -> range:
+        """The role's declared Mooncake range: the pod windows of successive epochs move through it."""
+        ports = self.role(role).ports
+        return range(ports.mooncake_rpc, ports.mooncake_rpc + ports.mooncake_ports)
+
+    def role_ports(self, role: Role) -> set[int]:
+        """Every port a pod of the role may listen on, whatever its epoch."""
+        return {*self.role(role).ports.fixed(), *self.declared_range(role)}
 
     def role(self, role: Role) -> PrefillSpec | DecodeSpec:
         return self.prefill if role is Role.PREFILL else self.decode
