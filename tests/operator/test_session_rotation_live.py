@@ -25,7 +25,6 @@ import pytest
 from kubernetes_asyncio import client
 
 from tandem.devcluster.cluster import DevCluster
-from tandem.devcluster.podrunner import PodRunner
 from tandem.procs import ManagedProcess, free_port
 from tandem.registry import Endpoint
 from tests.devcluster_fixtures import eventually
@@ -62,13 +61,12 @@ async def _router_metric(url: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
+@pytest.mark.usefixtures("tandem_crds", "runner")  # the CRDs installed; simulated workers behind the pods
 async def test_a_decode_leader_recreated_10_times_at_its_old_address_serves_again_under_new_sessions(
     k8s_cluster: DevCluster,
     k8s_api: client.ApiClient,
     k8s_namespace: str,
-    tandem_crds: None,
     etcd_endpoint: str,
-    runner: PodRunner,
     tmp_path: Path,
     proc_factory: list[ManagedProcess],
 ) -> None:
