@@ -25,8 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from kubernetes_asyncio import client, watch
 
+from tandem.devcluster.config import DevClusterConfig
+from tandem.devcluster.podnet import PodNetwork, PodNetworkError, Sandbox
+from tandem.devcluster.podworker import PodWorker
 from tandem.procs import ManagedProcess
 
 log = logging.getLogger("tandem.devcluster.podrunner")
@@ -207,8 +211,12 @@ def tandem_sim_argv(launch: Launch) -> list[str]:
 
 
 class PodRunner:
-    """Keeps one process per simulated pod running: ``async with runner.running_in_background():`` (or ``run()``
-    until cancelled, then ``stop_all()``)."""
+    """Keeps one sandboxed process per simulated pod running and reports it as a kubelet would:
+    ``async with runner.running_in_background():`` (or ``run()`` until cancelled, then ``stop_all()``).
+
+    Each pod gets its own network namespace on ``network`` (the dev cluster's pod bridge, ``podnet``); its
+    container's status, restarts and Ready condition come from ``PodWorker``.
+    """
 
     def __init__(
         self,
@@ -217,15 +225,34 @@ class PodRunner:
         rule: SimulateRule | None = None,
         launcher: Callable[[Launch], list[str]] = tandem_sim_argv,
         namespace: str | None = None,
+        network: PodNetwork | None = None,
     ) -> None:
         self.api = api
         self.log_dir = log_dir
         self.rule = rule or SimulateRule()
         self.launcher = launcher
         self.namespace = namespace
+        self.network = network or PodNetwork(DevClusterConfig().pod_cidr)
         self.pods: dict[str, dict[str, Any]] = {}  # uid -> pod, the watch's view
-        self.running: dict[str, tuple[Launch, ManagedProcess]] = {}
+        self.workers: dict[str, tuple[Launch, PodWorker]] = {}
         self.selectors: dict[tuple[str, str], dict[str, str]] = {}  # Services named by pods' flags
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def running(self) -> dict[str, tuple[Launch, ManagedProcess]]:
+        """uid -> (launch, current container process) of every pod whose container has been started."""
+        return {
+            uid: (launch, worker.process)
+            for uid, (launch, worker) in self.workers.items()
+            if worker.process is not None
+        }
+
+    def sandbox(self, pod: str) -> Sandbox:
+        """The network sandbox of pod ``namespace/name`` (for network faults)."""
+        for launch, worker in self.workers.values():
+            if launch.pod == pod and worker.sandbox is not None:
+                return worker.sandbox
+        raise KeyError(f"no sandbox for pod {pod}")
 
     async def run(self) -> None:
         core = client.CoreV1Api(self.api)
@@ -261,17 +288,19 @@ class PodRunner:
                 await self.reconcile()
 
     async def reconcile(self) -> None:
-        """Stop processes whose pod is gone or changed, start missing ones. A process that exited on its own is
-        started again at the next pod event, as a kubelet restarts a container (kwok keeps the pod Ready)."""
+        """Stop workers whose pod is gone, terminal or changed; start missing ones. A worker restarts its own
+        container per restartPolicy; a pod whose container ended for good turns Failed/Succeeded and goes."""
         wanted = await self._resolve(desired_launches(list(self.pods.values()), self.rule))
-        for uid, (launch, proc) in list(self.running.items()):
-            if wanted.get(uid) != launch or not proc.alive():
-                del self.running[uid]
+        for uid, (launch, worker) in list(self.workers.items()):
+            if wanted.get(uid) != launch:
+                del self.workers[uid]
                 log.info("stopping simulated pod", extra={"pod": launch.pod, "uid": uid})
-                await asyncio.to_thread(proc.stop)
+                await worker.stop()
+            elif uid in self.pods:
+                worker.pod = self.pods[uid]
         for uid, launch in wanted.items():
-            if uid not in self.running:
-                self._start(launch)
+            if uid not in self.workers:
+                await self._start(launch)
 
     async def _resolve(self, launches: dict[str, Launch]) -> dict[str, Launch]:
         pods = list(self.pods.values())
@@ -294,16 +323,29 @@ class PodRunner:
             self.selectors[(namespace, name)] = selector
         return selector
 
-    def _start(self, launch: Launch) -> None:
-        name = launch.pod.replace("/", "_")
-        proc = ManagedProcess(
-            name=f"pod-{name}",
-            argv=self.launcher(launch),
-            log_path=self.log_dir / f"{name}-{launch.uid[:8]}.log",
-            env=dict(launch.env),
-        )
+    async def _start(self, launch: Launch) -> None:
+        pod = self.pods[launch.uid]
+        container = self.rule.container(pod)
+        assert container is not None  # desired_launches only returns pods the rule matches
+        if self._session is None:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
         log.info("starting simulated pod", extra={"pod": launch.pod, "uid": launch.uid, "host": launch.host})
-        self.running[launch.uid] = (launch, proc.start())
+        worker = PodWorker(
+            pod,
+            container,
+            launch.host,
+            lambda: self.launcher(launch),
+            dict(launch.env),
+            self.log_dir,
+            self.api,
+            self._session,
+        )
+        self.workers[launch.uid] = (launch, worker)
+        try:
+            await worker.start(self.network)
+        except PodNetworkError:
+            del self.workers[launch.uid]
+            raise
 
     @contextlib.asynccontextmanager
     async def running_in_background(self) -> AsyncIterator[PodRunner]:
@@ -318,6 +360,10 @@ class PodRunner:
             await self.stop_all()
 
     async def stop_all(self) -> None:
-        while self.running:
-            _, (_, proc) = self.running.popitem()
-            await asyncio.to_thread(proc.stop)
+        """Stop every container and remove every sandbox this runner made."""
+        while self.workers:
+            _, (_, worker) = self.workers.popitem()
+            await worker.stop()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
