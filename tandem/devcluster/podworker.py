@@ -66,7 +66,10 @@ class PodWorker:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self, network: PodNetwork) -> PodWorker:
+        began = asyncio.get_running_loop().time()
         self.sandbox = await asyncio.to_thread(network.start_sandbox, self.key, self.uid, self.ip, self.log_dir)
+        sandbox_ms = round((asyncio.get_running_loop().time() - began) * 1000, 1)
+        log.info("sandbox ready", extra={"pod": self.key, "ip": self.ip, "sandbox_ms": sandbox_ms})
         self._task = asyncio.create_task(self._run(), name=f"pod-{self.key}")
         return self
 
@@ -134,7 +137,7 @@ class PodWorker:
                     log.info("readiness changed", extra={"pod": self.key, "ready": tracker.ready})
                     await self._report()
             await asyncio.sleep(EXIT_POLL_S)
-        return code
+        return 128 - code if code < 0 else code  # killed by signal N: exit code 128 + N, as container runtimes
 
     async def _report(self) -> None:
         meta = self.pod["metadata"]

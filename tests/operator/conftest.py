@@ -1,13 +1,17 @@
-"""Shared builders for the operator's pure-function tests."""
+"""Shared builders for the operator's pure-function tests, and fixtures of its live tests."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes_asyncio import client
 
 from tandem.devcluster.cluster import DevCluster
+from tandem.devcluster.podrunner import Launch, PodRunner
 from tandem.procs import ManagedProcess, free_port
 from tandem_operator.api.pdcluster import PDClusterSpec
 from tests.operator.live import CRDS, run_tool
@@ -75,3 +79,29 @@ async def tandem_crds(k8s_cluster: DevCluster) -> None:
     """The generated CRDs applied once per session and Established."""
     await run_tool(k8s_cluster, "kubectl", "apply", "--server-side", "-f", str(CRDS))
     await run_tool(k8s_cluster, "kubectl", "wait", "--for=condition=Established", "--timeout=60s", "-f", str(CRDS))
+
+
+# Serves 200 on every GET at the pod's --port: enough for the readinessProbe (GET /health on "http").
+HEALTH_ONLY = (
+    "import http.server, sys\n"
+    "class H(http.server.BaseHTTPRequestHandler):\n"
+    "    def do_GET(self): self.send_response(200); self.end_headers()\n"
+    "    def log_message(self, *args): pass\n"
+    "http.server.HTTPServer(('0.0.0.0', int(sys.argv[1])), H).serve_forever()\n"
+)
+
+
+def health_only(launch: Launch) -> list[str]:
+    return [sys.executable, "-c", HEALTH_ONLY, str(launch.port)]
+
+
+@pytest.fixture
+async def health_pods(k8s_api: client.ApiClient, k8s_namespace: str, tmp_path: Path) -> AsyncIterator[PodRunner]:
+    """Worker pods that pass their readinessProbe without a simulated worker, for tests of the operator alone.
+
+    The dev cluster's pods are Ready only when their probe passes against a process behind the pod IP (the pod
+    runner runs it); here that process answers the probe and nothing else.
+    """
+    runner = PodRunner(k8s_api, tmp_path / "health-pods", launcher=health_only, namespace=k8s_namespace)
+    async with runner.running_in_background():
+        yield runner
