@@ -12,6 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from tandem.devcluster import components, pki
+from tandem.devcluster.cluster import STAGES
 from tandem.devcluster.config import K8S_VERSION, DevClusterConfig, MissingBinariesError, require_binaries
 from tandem.devcluster.kubeconfig import kubeconfig
 from tandem.devcluster.nodes import BLOCK_LABEL, GPU_RESOURCE, KWOK_ANNOTATION, RDMA_RESOURCE, fake_nodes
@@ -66,6 +67,16 @@ def test_every_component_listens_on_loopback_only(tmp_path: Path) -> None:
                 assert "127.0.0.1" in arg, arg
     assert "--authorization-mode=RBAC" in argvs[1]
     assert "--cidr=127.10.0.1/16" in argvs[4]
+
+
+def test_kwok_leaves_probed_pods_not_ready_unless_nothing_runs_behind_pods() -> None:
+    template = STAGES.read_text()
+    assert components.kwok_stages(template, DevClusterConfig()) == template
+    marked = components.kwok_stages(template, DevClusterConfig(kwok_marks_ready=True))
+    assert "{{ $probeReadiness := false }}" in marked
+    assert "$probeReadiness := true" not in marked
+    with pytest.raises(ValueError, match="switch"):
+        components.kwok_stages("stages without the switch", DevClusterConfig())
 
 
 def test_python_side_pins_the_version_the_go_module_builds() -> None:

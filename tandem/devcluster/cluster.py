@@ -237,11 +237,8 @@ class DevCluster:
         self._timed("pod network", began)
 
     def _render_stages(self) -> Path:
-        text = STAGES.read_text()
-        if self.config.kwok_marks_ready:
-            text = text.replace("{{ $probeReadiness := true }}", "{{ $probeReadiness := false }}")
         path = self.layout.root / STAGES.name
-        path.write_text(text)
+        path.write_text(components.kwok_stages(STAGES.read_text(), self.config))
         return path
 
     def _make_credentials(self) -> None:
