@@ -75,6 +75,9 @@ def test_two_pods_bind_the_same_wildcard_port_and_everyone_reaches_each_by_its_i
         assert (_ask("127.11.0.1"), _ask("127.11.0.2")) == ("a", "b")  # from the host side (the control plane)
         assert _ask_from(a, "127.11.0.2") == "b"  # pod to pod
         assert _ask_from(a, "127.0.0.1") == "a"  # a pod's loopback is its own
+        code = "import socket; print(socket.gethostname(), socket.gethostbyname(socket.gethostname()))"
+        named = subprocess.run(b.exec_argv([sys.executable, "-c", code]), capture_output=True, text=True, check=True)
+        assert named.stdout.split() == ["b", "127.11.0.2"]  # its hostname and /etc/hosts, as the kubelet writes them
         with pytest.raises(OSError, match=r"timed out|unreachable"):
             _ask("127.11.0.3", timeout=0.5)  # no pod there: nothing answers on the bridge
     finally:

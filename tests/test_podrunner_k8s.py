@@ -78,7 +78,7 @@ async def test_pod_runner_serves_tandem_sim_on_the_pod_ip_and_stops_it_with_the_
         assert await eventually(lambda: _http_status(f"{base}/health"), f"tandem sim on {base}", within=90) == 200
         launches = [launch for launch, _ in runner.running.values()]
         assert [launch.pod for launch in launches] == [f"{k8s_namespace}/decode-0"]
-        assert launches[0].server_args[-2:] == ("--host", ip)
+        assert launches[0].server_args == (*SERVER_ARGS, "--host", "0.0.0.0", "--port", "30000")  # as in the pod
         assert dict(launches[0].env) == {"POD_NAME": "decode-0"}
 
         async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused") as sdk:

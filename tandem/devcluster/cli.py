@@ -81,7 +81,6 @@ def _enter_hint() -> str:
 
 def main(argv: Sequence[str]) -> int:
     args = _parser().parse_args(list(argv))
-    _in_own_namespace(argv)
     try:
         config = DevClusterConfig(
             nodes=args.nodes,
@@ -92,6 +91,7 @@ def main(argv: Sequence[str]) -> int:
     except ValidationError as err:
         print(f"tandem dev-cluster: invalid option: {err}", file=sys.stderr)
         return 2
+    _in_own_namespace(argv)
     logs.setup(component="tandem.devcluster")
     root = args.dir or Path(tempfile.mkdtemp(prefix="tandem-dev-cluster-"))
     try:

@@ -1,10 +1,12 @@
 """Each simulated pod gets its own network namespace, as on a Kubernetes node.
 
 One bridge per dev cluster carries the pod range; each pod is a *sandbox* (the pause container of a real
-kubelet: ``unshare --net sleep infinity``) holding a network namespace whose ``eth0`` is one end of a veth pair,
-the other end on the bridge, with the pod IP on it. The pod's container runs inside it (``nsenter --net``) and
-can be restarted there, keeping the IP. So ports, wildcard binds (Mooncake binds every interface) and pod IPs
-behave as on Kubernetes: two pods never collide.
+kubelet: ``unshare --net --uts --mount ... sleep infinity``) holding a network namespace whose ``eth0`` is one end
+of a veth pair, the other end on the bridge, with the pod IP on it, plus the pod's hostname and a kubelet-style
+/etc/hosts (so a wildcard ``--host`` resolves its hostname to the pod IP, as SGLang's ``get_local_ip_auto`` does
+in a pod). The pod's container runs inside it (``nsenter``) and can be restarted there, keeping the IP. So
+ports, wildcard binds (Mooncake binds every interface) and pod IPs behave as on Kubernetes: two pods never
+collide.
 
 The pod range stays 127.10.0.0/16: ``route_localnet`` lets 127/8 addresses be routed and ARPed on the bridge and
 the veths, and a route for the range in the ``local`` table (longer than the loopback's 127.0.0.0/8) sends it
@@ -19,6 +21,7 @@ Network faults for chaos tests: ``Sandbox.cut_link``/``restore_link`` (the pod's
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import ipaddress
 import os
@@ -33,8 +36,16 @@ from tandem.procs import ManagedProcess
 BRIDGE_PREFIX = "tdmbr"
 VETH_PREFIX = "tdmv"
 POD_INTERFACE = "eth0"
+NAMESPACES = (("net", "net"), ("uts", "uts"), ("mount", "mnt"))  # nsenter option, /proc/<pid>/ns/ entry
 NET_DEV = Path("/proc/self/net/dev")  # this namespace's interfaces (/sys/class/net shows sysfs's mounter's)
 OUR_PREFIXES = (BRIDGE_PREFIX, VETH_PREFIX)
+
+
+# The pause container: new network, UTS and mount namespaces; the pod's hostname and /etc/hosts; then sleep.
+HOLDER = (
+    "unshare", "--net", "--uts", "--mount", "--propagation", "private", "--", "sh", "-c",
+    'hostname "$1" && mount --bind "$2" /etc/hosts && exec sleep infinity', "sandbox",
+)  # fmt: skip
 
 
 class PodNetworkError(RuntimeError):
@@ -124,12 +135,17 @@ class PodNetwork:
         return f"{VETH_PREFIX}{_short_hash(uid, 11)}"
 
     def start_sandbox(self, pod: str, uid: str, ip: str, log_dir: Path) -> Sandbox:
-        """A network namespace with ``eth0`` = ``ip`` on the bridge, held by a sleeping process."""
+        """Namespaces with ``eth0`` = ``ip`` on the bridge, the pod's hostname and its /etc/hosts (as the kubelet
+        writes it: the hostname resolves to the pod IP), held by a sleeping process."""
         if not self.exists():
             raise PodNetworkError(f"no pod network {self.cidr} (bridge {self.bridge}): start the dev cluster first")
         name = f"sandbox-{pod.replace('/', '_')}"
-        holder = ManagedProcess(name, ["unshare", "--net", "--", "sleep", "infinity"], log_dir / f"{name}.log")
-        sandbox = Sandbox(pod, ip, self.veth(uid), holder.start())
+        hostname = pod.rsplit("/", 1)[-1][:63]
+        hosts = log_dir / f"{name}-{uid[:8]}.hosts"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        hosts.write_text(f"# Kubernetes-managed hosts file.\n127.0.0.1\tlocalhost\n{ip}\t{hostname}\n")
+        argv = [*HOLDER, hostname, str(hosts)]
+        sandbox = Sandbox(pod, ip, self.veth(uid), ManagedProcess(name, argv, log_dir / f"{name}.log").start())
         try:
             sandbox.wait_namespace()
             self._wire(sandbox)
@@ -140,7 +156,7 @@ class PodNetwork:
 
     def _wire(self, sandbox: Sandbox) -> None:
         net = self.network
-        _run(["ip", "link", "add", sandbox.veth, "type", "veth", "peer", "name", POD_INTERFACE, "netns", sandbox.ns])
+        _run(["ip", "link", "add", sandbox.veth, "type", "veth", "peer", "name", POD_INTERFACE, "netns", sandbox.netns])
         _run(["ip", "link", "set", sandbox.veth, "master", self.bridge, "up"])
         sandbox.configure(
             "link set lo up\n"
@@ -160,27 +176,25 @@ class Sandbox:
     holder: ManagedProcess
 
     @property
-    def ns(self) -> str:
+    def netns(self) -> str:
         return f"/proc/{self.holder.pid}/ns/net"
 
     def wait_namespace(self, timeout: float = 10.0) -> None:
-        """Until ``unshare`` has made the new namespace (before that the holder is still in ours)."""
-        ours = os.readlink("/proc/self/ns/net")
+        """Until the holder has set up its namespaces and sleeps."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.holder.alive():
                 raise PodNetworkError(f"sandbox of {self.pod} exited: {self.holder.log_tail()}")
-            try:
-                if os.readlink(self.ns) != ours:
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{self.holder.pid}/comm").read_text().strip() == "sleep":
                     return
-            except OSError:
-                pass
             time.sleep(0.005)
-        raise PodNetworkError(f"sandbox of {self.pod}: no network namespace after {timeout}s")
+        raise PodNetworkError(f"sandbox of {self.pod}: namespaces not ready after {timeout}s")
 
     def exec_argv(self, argv: Sequence[str]) -> list[str]:
-        """``argv`` run inside the pod's network namespace."""
-        return ["nsenter", f"--net={self.ns}", "--", *argv]
+        """``argv`` run inside the pod's namespaces (network, hostname, mounts), in the current directory."""
+        spaces = [f"--{kind}=/proc/{self.holder.pid}/ns/{name}" for kind, name in NAMESPACES]
+        return ["nsenter", *spaces, f"--wd={os.getcwd()}", "--", *argv]
 
     def configure(self, ip_commands: str) -> None:
         """Turn on ``route_localnet`` inside the namespace (sysctls are per namespace), then run ``ip -batch``."""

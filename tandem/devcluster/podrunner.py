@@ -1,10 +1,12 @@
 """Run a real process behind each simulated SGLang pod's IP.
 
-kwok marks pods Running and gives them loopback IPs, but nothing runs inside them. The pod runner watches pods
-and, for every Running pod that uses the SGLang image (or carries ``tandem.dev/simulate: "true"``), starts
-``tandem sim`` with the pod's ``python3 -m sglang.launch_server`` arguments and env, bound to the pod IP; it
-stops that process when the pod is deleted, stops running, or changes. Deciding is pure
-(``desired_launches``); ``PodRunner`` only diffs that against what runs.
+kwok marks pods Running and gives them IPs, but nothing runs inside them. The pod runner watches pods and, for
+every Running pod that uses the SGLang image (or carries ``tandem.dev/simulate: "true"``), starts ``tandem sim``
+with the pod's ``python3 -m sglang.launch_server`` flags and env, unchanged but for the kubelet's ``$(VAR)``
+expansion, inside the pod's own network namespace (``podnet``); ``PodWorker`` then plays the kubelet for it
+(readinessProbe, Ready condition, exits and restarts). It stops the process and removes the namespace when the
+pod is deleted, stops running, or changes. Deciding is pure (``desired_launches``); ``PodRunner`` only diffs that
+against what runs.
 
 The dev cluster has no DNS: a flag naming a Service (``--dist-init-addr <svc>.<ns>.svc:5000``, a multi-node
 group's leader) is rewritten to the IP of the Running pod the Service selects (``resolve_services``); a pod whose
@@ -73,7 +75,7 @@ class SimulateRule:
 
 @dataclass(frozen=True)
 class Launch:
-    """What to run for one pod: SGLang server flags (``--host`` already set to the pod IP) and env."""
+    """What to run for one pod: its SGLang server flags and env, as the kubelet would pass them, and its IP."""
 
     pod: str  # namespace/name
     uid: str
@@ -95,8 +97,8 @@ def _flag_value(args: Sequence[str], flag: str) -> str | None:
     return None
 
 
-def sglang_server_args(command: Sequence[str], host: str) -> tuple[str, ...]:
-    """The flags after ``-m sglang.launch_server`` (also inside ``sh -c "..."``), with ``--host`` set to ``host``."""
+def sglang_server_args(command: Sequence[str]) -> tuple[str, ...]:
+    """The flags after ``-m sglang.launch_server`` (also inside ``sh -c "..."``), unchanged."""
     words = list(command)
     if LAUNCH_MODULE not in words:
         for word in words:
@@ -105,32 +107,38 @@ def sglang_server_args(command: Sequence[str], host: str) -> tuple[str, ...]:
                 break
     if LAUNCH_MODULE not in words:
         raise NotAnSGLangCommandError(f"command does not run python3 -m {LAUNCH_MODULE}: {shlex.join(command)}")
-    flags = words[words.index(LAUNCH_MODULE) + 1 :]
-    kept: list[str] = []
-    skip = False
-    for arg in flags:
-        if skip:
-            skip = False
-        elif arg == "--host":
-            skip = True
-        elif not arg.startswith("--host="):
-            kept.append(arg)
-    return (*kept, "--host", host)
+    return tuple(words[words.index(LAUNCH_MODULE) + 1 :])
+
+
+VAR_REFERENCE = re.compile(r"\$\$|\$\(([^)]*)\)")
+
+
+def expand(text: str, env: Mapping[str, str]) -> str:
+    """Kubernetes' ``$(VAR)`` expansion of command, args and env values (``third_party/forked/golang/expansion``):
+    a defined variable is replaced, an undefined one stays as written, ``$$`` is a literal ``$``."""
+
+    def one(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        return env.get(match.group(1), match.group(0))
+
+    return VAR_REFERENCE.sub(one, text)
 
 
 def container_env(pod: Mapping[str, Any], container: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
-    """Literal values and downward-API field references; secret/configmap references are not resolved."""
-    env: list[tuple[str, str]] = []
+    """Literal values (expanded against the variables before them, as the kubelet does) and downward-API field
+    references; secret/configmap references are not resolved."""
+    env: dict[str, str] = {}
     for var in container.get("env") or []:
         if "value" in var:
-            env.append((var["name"], str(var["value"])))
+            env[var["name"]] = expand(str(var["value"]), env)
             continue
         field_path = (var.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath")
         getter = _FIELD_PATHS.get(field_path or "")
         value = getter(pod) if getter else None
         if value is not None:
-            env.append((var["name"], str(value)))
-    return tuple(env)
+            env[var["name"]] = str(value)
+    return tuple(env.items())
 
 
 def pod_key(pod: Mapping[str, Any]) -> str:
@@ -149,14 +157,17 @@ def desired_launches(pods: Sequence[Mapping[str, Any]], rule: SimulateRule) -> d
         container = rule.container(pod)
         if container is None:
             continue
-        command = [*(container.get("command") or []), *(container.get("args") or [])]
+        env = container_env(pod, container)
+        command = [
+            expand(word, dict(env)) for word in (*(container.get("command") or ()), *(container.get("args") or ()))
+        ]
         try:
-            args = sglang_server_args(command, ip)
+            args = sglang_server_args(command)
         except NotAnSGLangCommandError as err:
             log.warning("pod not simulated", extra={"pod": pod_key(pod), "error": str(err)})
             continue
         uid = pod["metadata"]["uid"]
-        wanted[uid] = Launch(pod_key(pod), uid, ip, args, container_env(pod, container))
+        wanted[uid] = Launch(pod_key(pod), uid, ip, args, env)
     return wanted
 
 
