@@ -351,16 +351,18 @@ class PodRunner:
             self.api,
             self._session,
         )
-        self.workers[launch.uid] = (launch, worker)
         try:
             await worker.start(self.network)
-        except PodNetworkError:
-            del self.workers[launch.uid]
-            raise
+        except PodNetworkError as err:  # this pod only: tried again at its next event
+            log.error("pod sandbox failed", extra={"pod": launch.pod, "error": str(err)})
+            return
+        self.workers[launch.uid] = (launch, worker)
 
     @contextlib.asynccontextmanager
     async def running_in_background(self) -> AsyncIterator[PodRunner]:
         """Watch and run pods while the block runs; stop the watch and every process on the way out."""
+        if not self.network.exists():
+            raise PodNetworkError(f"no pod network {self.network.cidr} here: start the dev cluster (in this namespace)")
         task = asyncio.create_task(self.run(), name="pod-runner")
         try:
             yield self
