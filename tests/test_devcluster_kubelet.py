@@ -11,7 +11,18 @@ import pytest
 from aiohttp import web
 
 from tandem.devcluster.podstatus import ContainerView, Terminated, backoff_s, restarts, status_patch
-from tandem.devcluster.probes import Probe, ProbeSpecError, ProbeTarget, ProbeTiming, ProbeTracker, check
+from tandem.devcluster.probes import (
+    READINESS,
+    STARTUP,
+    ContainerProbes,
+    Probe,
+    ProbeSpecError,
+    ProbeTarget,
+    ProbeTiming,
+    ProbeTracker,
+    Verdict,
+    check,
+)
 from tandem.procs import free_port
 
 pytestmark = pytest.mark.timeout(30)
@@ -39,6 +50,32 @@ def test_readiness_needs_success_threshold_successes_and_goes_after_failure_thre
     assert tracker.ready
     assert [tracker.record(ok) for ok in (False, False, True, False, False, False)] == [False] * 5 + [True]
     assert not tracker.ready
+
+
+def test_startup_gates_readiness_and_liveness_and_a_failing_liveness_probe_kills() -> None:
+    health = {"httpGet": {"path": "/health", "port": 30001}}
+    container = {
+        "startupProbe": {**health, "periodSeconds": 10, "failureThreshold": 2},
+        "readinessProbe": {**health, "periodSeconds": 5},
+        "livenessProbe": {**health, "periodSeconds": 30, "failureThreshold": 2, "initialDelaySeconds": 1},
+    }
+    probes = ContainerProbes.for_container(container, started_at=100.0)
+    assert (probes.started, probes.ready) == (False, False)
+    assert probes.due(100.0) == [STARTUP]  # readiness and liveness wait for the startup probe
+    assert probes.record(STARTUP, False) is Verdict.NOTHING
+    assert probes.due(105.0) == []
+    assert probes.due(110.0) == [STARTUP]
+    assert probes.record(STARTUP, True) is Verdict.NOTHING
+    assert probes.started
+    assert probes.due(110.0) == [READINESS, "livenessProbe"]
+    assert probes.record(READINESS, True) is Verdict.READY_CHANGED
+    assert probes.ready
+    assert probes.record("livenessProbe", False) is Verdict.NOTHING  # liveness starts healthy: one failure is fine
+    assert probes.record("livenessProbe", False) is Verdict.KILL
+    failing = ContainerProbes.for_container(container, started_at=0.0)
+    assert [failing.record(STARTUP, False) for _ in range(2)] == [Verdict.NOTHING, Verdict.KILL]
+    plain = ContainerProbes.for_container({"name": "c"}, started_at=0.0)
+    assert (plain.started, plain.ready, plain.due(0.0)) == (True, True, [])
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from kubernetes_asyncio import client
 
 from tandem.devcluster.podnet import PodNetwork, Sandbox
 from tandem.devcluster.podstatus import ContainerView, Terminated, backoff_s, restarts, status_patch
-from tandem.devcluster.probes import Probe, ProbeTarget, ProbeTracker, check
+from tandem.devcluster.probes import ContainerProbes, ProbeTarget, Verdict, check
 from tandem.procs import ManagedProcess
 
 log = logging.getLogger("tandem.devcluster.podworker")
@@ -52,7 +52,8 @@ class PodWorker:
         self.uid: str = meta["uid"]
         self.container_name = str(container.get("name", ""))
         self.image = str(container.get("image", ""))
-        self.probe = Probe.parse(container)
+        self.container = container
+        self.grace_s = float(pod["spec"].get("terminationGracePeriodSeconds", 30))
         self.restart_policy = str(pod["spec"].get("restartPolicy", "Always"))
         self.ip = ip
         self.argv = argv
@@ -111,7 +112,8 @@ class PodWorker:
             raise
 
     async def _run_container(self) -> int:
-        """Start the process, probe it while it runs, return its exit code."""
+        """Start the process, probe it while it runs (killing it when its startup or liveness probe says so),
+        return its exit code."""
         assert self.sandbox is not None
         name = self.key.replace("/", "_")
         self.process = ManagedProcess(
@@ -121,22 +123,26 @@ class PodWorker:
             env=self.env,
         ).start()
         log.info("container started", extra={"pod": self.key, "restarts": self.view.restart_count})
-        tracker = ProbeTracker(self.probe) if self.probe is not None else None
-        self.view = dataclasses.replace(self.view, ready=tracker is None)
-        await self._report()
         loop = asyncio.get_running_loop()
-        next_probe = loop.time() + (self.probe.timing.initial_delay_s if self.probe else 0.0)
+        probes = ContainerProbes.for_container(self.container, loop.time())
+        self.view = dataclasses.replace(self.view, ready=probes.ready)
+        await self._report()
         target = ProbeTarget(self.ip, self.sandbox.exec_argv, self.env)
         while (code := self.process.returncode()) is None:
-            if tracker is not None and loop.time() >= next_probe:
-                assert self.probe is not None
-                next_probe = loop.time() + self.probe.timing.period_s
-                ok = await check(self.probe, target, self.session)
-                if self.process.returncode() is None and tracker.record(ok):
-                    self.view = dataclasses.replace(self.view, ready=tracker.ready)
-                    log.info("readiness changed", extra={"pod": self.key, "ready": tracker.ready})
+            for kind in probes.due(loop.time()):
+                ok = await check(probes.trackers[kind].probe, target, self.session)
+                if self.process.returncode() is not None:
+                    break
+                verdict = probes.record(kind, ok)
+                if verdict is Verdict.READY_CHANGED:
+                    self.view = dataclasses.replace(self.view, ready=probes.ready)
+                    log.info("readiness changed", extra={"pod": self.key, "ready": probes.ready})
                     await self._report()
-            await asyncio.sleep(EXIT_POLL_S)
+                elif verdict is Verdict.KILL:
+                    log.warning("container failed its probe, killing it", extra={"pod": self.key, "probe": kind})
+                    await asyncio.to_thread(self.process.stop, self.grace_s)
+                    break
+            await asyncio.sleep(min(EXIT_POLL_S, max(0.0, probes.next_due() - loop.time())))
         return 128 - code if code < 0 else code  # killed by signal N: exit code 128 + N, as container runtimes
 
     async def _report(self) -> None:

@@ -1,12 +1,12 @@
-"""A container's readiness probe, run as the kubelet runs it (``pkg/kubelet/prober``).
+"""A container's startup, readiness and liveness probes, run as the kubelet runs them (``pkg/kubelet/prober``).
 
-``Probe.parse`` reads ``readinessProbe`` from the container spec with the API's defaults (period 10 s, timeout
-1 s, success threshold 1, failure threshold 3, no initial delay) and named ports resolved against the
-container's ``ports``. ``ProbeTracker`` is the kubelet's result bookkeeping (``prober/worker.go``): the container
-starts not ready, turns ready after ``successThreshold`` successes in a row and not ready after
-``failureThreshold`` failures in a row. ``check`` runs one probe: ``httpGet`` from the node's side to the pod IP
-(success is a status in [200, 400), as ``probe/http``), ``tcpSocket`` a connect, ``exec`` the command inside the
-pod's network namespace with the container's env, success = exit 0 within the timeout.
+``Probe.parse`` reads a probe from the container spec with the API's defaults (period 10 s, timeout 1 s, success
+threshold 1, failure threshold 3, no initial delay) and named ports resolved against the container's ``ports``.
+``ProbeTracker`` is the kubelet's result bookkeeping (``prober/worker.go``): a result flips after
+``successThreshold`` successes or ``failureThreshold`` failures in a row. ``ContainerProbes`` schedules the three
+and says what follows (ready changed, or kill the container). ``check`` runs one probe: ``httpGet`` from the
+node's side to the pod IP (success is a status in [200, 400), as ``probe/http``), ``tcpSocket`` a connect,
+``exec`` the command inside the pod's namespaces with the container's env, success = exit 0 within the timeout.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import contextlib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import aiohttp
@@ -92,7 +93,8 @@ class Probe:
 
 @dataclass
 class ProbeTracker:
-    """Consecutive results -> ready (kubelet ``prober/worker.go``: the initial readiness result is failure)."""
+    """Consecutive results -> ready/healthy (kubelet ``prober/worker.go``; readiness and startup start failed,
+    liveness succeeded)."""
 
     probe: Probe
     ready: bool = False
@@ -110,6 +112,65 @@ class ProbeTracker:
         if turned:
             self.ready = not self.ready
         return turned
+
+
+STARTUP, READINESS, LIVENESS = "startupProbe", "readinessProbe", "livenessProbe"
+
+
+class Verdict(Enum):
+    NOTHING = "nothing"
+    READY_CHANGED = "ready changed"
+    KILL = "kill"  # startup or liveness probe failed failureThreshold times: the kubelet kills the container
+
+
+@dataclass
+class ContainerProbes:
+    """The three probes of one container run, as the kubelet's probe workers run them (``prober/worker.go``):
+    readiness and liveness wait until the startup probe has succeeded (at once without one); readiness starts
+    failed, liveness succeeded; each probe first runs ``initialDelaySeconds`` after the container started.
+    ``ready`` is the container's ready flag (no readinessProbe: ready once started)."""
+
+    trackers: dict[str, ProbeTracker]
+    next_at: dict[str, float]
+    started: bool
+    ready: bool
+
+    @classmethod
+    def for_container(cls, container: Mapping[str, Any], started_at: float) -> ContainerProbes:
+        probes = {kind: probe for kind in (STARTUP, READINESS, LIVENESS) if (probe := Probe.parse(container, kind))}
+        trackers = {kind: ProbeTracker(probe, ready=kind == LIVENESS) for kind, probe in probes.items()}
+        next_at = {kind: started_at + probe.timing.initial_delay_s for kind, probe in probes.items()}
+        started = STARTUP not in probes
+        return cls(trackers, next_at, started, started and READINESS not in probes)
+
+    def due(self, now: float) -> list[str]:
+        """The probes to run now (each then waits one period)."""
+        kinds = [kind for kind in self.trackers if (kind == STARTUP) != self.started and now >= self.next_at[kind]]
+        for kind in kinds:
+            self.next_at[kind] = now + self.trackers[kind].probe.timing.period_s
+        return kinds
+
+    def next_due(self) -> float:
+        waiting = [at for kind, at in self.next_at.items() if (kind == STARTUP) != self.started]
+        return min(waiting, default=float("inf"))
+
+    def record(self, kind: str, ok: bool) -> Verdict:
+        tracker = self.trackers[kind]
+        changed = tracker.record(ok)
+        if kind == READINESS:
+            if changed:
+                self.ready = tracker.ready
+                return Verdict.READY_CHANGED
+            return Verdict.NOTHING
+        if kind == STARTUP and tracker.ready:
+            self.started = True
+            if READINESS not in self.trackers:
+                self.ready = True
+                return Verdict.READY_CHANGED
+            return Verdict.NOTHING
+        if not tracker.ready and tracker.failures >= tracker.probe.timing.failure_threshold:
+            return Verdict.KILL
+        return Verdict.NOTHING
 
 
 @dataclass(frozen=True)
