@@ -40,7 +40,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes-per-block", type=int, default=4, help="nodes per topology.tandem.dev/block (default 4)")
     p.add_argument("--pod-cidr", default="127.10.0.0/16", help="pod IPs (127/8, on the cluster's pod bridge)")
     p.add_argument("--dir", type=Path, help="state directory (default: a new temporary directory)")
-    p.add_argument("--no-pod-runner", action="store_true", help="do not run `tandem sim` behind SGLang pods")
+    p.add_argument(
+        "--no-pod-runner",
+        action="store_true",
+        help="do not run `tandem sim` behind SGLang pods (kwok then marks pods Ready without probes)",
+    )
     p.add_argument("--sglang-image", default="sglang", help="image substring that marks a pod as SGLang")
     return p
 
@@ -55,7 +59,8 @@ async def _serve(cluster: DevCluster, run_pods: bool, rule: SimulateRule) -> Non
         return
     api = await kube_config.new_client_from_config(config_file=str(cluster.kubeconfig))
     try:
-        async with PodRunner(api, cluster.layout.logs / "pods", rule).running_in_background():
+        runner = PodRunner(api, cluster.layout.logs / "pods", rule, network=cluster.pod_network)
+        async with runner.running_in_background():
             await stop.wait()
     finally:
         await api.close()
@@ -87,6 +92,7 @@ def main(argv: Sequence[str]) -> int:
             gpus_per_node=args.gpus_per_node,
             nodes_per_block=args.nodes_per_block,
             pod_cidr=args.pod_cidr,
+            kwok_marks_ready=args.no_pod_runner,  # nothing would run the pods' probes
         )
     except ValidationError as err:
         print(f"tandem dev-cluster: invalid option: {err}", file=sys.stderr)
