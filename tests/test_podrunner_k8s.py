@@ -57,7 +57,7 @@ async def _http_status(url: str) -> int | None:
     try:
         async with aiohttp.ClientSession() as session, session.get(url, timeout=aiohttp.ClientTimeout(2)) as resp:
             return resp.status
-    except aiohttp.ClientError:
+    except (aiohttp.ClientError, TimeoutError):  # a gone pod's IP answers nothing: the connect times out
         return None
 
 

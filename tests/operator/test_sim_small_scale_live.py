@@ -48,7 +48,7 @@ async def _get(url: str) -> tuple[int, str] | None:
     try:
         async with aiohttp.ClientSession() as session, session.get(url, timeout=aiohttp.ClientTimeout(5)) as resp:
             return resp.status, await resp.text()
-    except aiohttp.ClientError:
+    except (aiohttp.ClientError, TimeoutError):
         return None
 
 
