@@ -304,9 +304,9 @@ class PodRunner:
         wanted = await self._resolve(desired_launches(list(self.pods.values()), self.rule))
         for uid, (launch, worker) in list(self.workers.items()):
             if wanted.get(uid) != launch:
-                del self.workers[uid]
                 log.info("stopping simulated pod", extra={"pod": launch.pod, "uid": uid})
-                await worker.stop()
+                await worker.stop()  # stays listed until stopped: stop_all() finishes it if this is cancelled
+                del self.workers[uid]
             elif uid in self.pods:
                 worker.pod = self.pods[uid]
         for uid, launch in wanted.items():
@@ -351,12 +351,12 @@ class PodRunner:
             self.api,
             self._session,
         )
+        self.workers[launch.uid] = (launch, worker)  # listed first: stop_all() removes a half-started sandbox
         try:
             await worker.start(self.network)
         except PodNetworkError as err:  # this pod only: tried again at its next event
             log.error("pod sandbox failed", extra={"pod": launch.pod, "error": str(err)})
-            return
-        self.workers[launch.uid] = (launch, worker)
+            del self.workers[launch.uid]
 
     @contextlib.asynccontextmanager
     async def running_in_background(self) -> AsyncIterator[PodRunner]:
@@ -375,8 +375,9 @@ class PodRunner:
     async def stop_all(self) -> None:
         """Stop every container and remove every sandbox this runner made."""
         while self.workers:
-            _, (_, worker) = self.workers.popitem()
+            uid, (_, worker) = next(iter(self.workers.items()))
             await worker.stop()
+            del self.workers[uid]
         if self._session is not None:
             await self._session.close()
             self._session = None

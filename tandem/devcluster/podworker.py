@@ -26,6 +26,7 @@ from tandem.procs import ManagedProcess
 
 log = logging.getLogger("tandem.devcluster.podworker")
 EXIT_POLL_S = 0.1
+REPORT_ATTEMPTS, REPORT_RETRY_S = 10, 0.5
 
 
 def _now() -> str:
@@ -68,7 +69,14 @@ class PodWorker:
 
     async def start(self, network: PodNetwork) -> PodWorker:
         began = asyncio.get_running_loop().time()
-        self.sandbox = await asyncio.to_thread(network.start_sandbox, self.key, self.uid, self.ip, self.log_dir)
+        making = asyncio.ensure_future(
+            asyncio.to_thread(network.start_sandbox, self.key, self.uid, self.ip, self.log_dir)
+        )
+        try:
+            self.sandbox = await asyncio.shield(making)
+        except asyncio.CancelledError:  # the thread goes on: keep what it makes, so stop() removes it
+            self.sandbox = await making
+            raise
         sandbox_ms = round((asyncio.get_running_loop().time() - began) * 1000, 1)
         log.info("sandbox ready", extra={"pod": self.key, "ip": self.ip, "sandbox_ms": sandbox_ms})
         self._task = asyncio.create_task(self._run(), name=f"pod-{self.key}")
@@ -81,7 +89,7 @@ class PodWorker:
         """Stop the container and remove the sandbox (pod deleted, changed, or the runner stops)."""
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # a failed worker was logged already
                 await self._task
         if self.process is not None:
             await asyncio.to_thread(self.process.stop)
@@ -146,10 +154,20 @@ class PodWorker:
         return 128 - code if code < 0 else code  # killed by signal N: exit code 128 + N, as container runtimes
 
     async def _report(self) -> None:
+        """Patch the pod's status; retried, as the kubelet's status manager retries (a busy API server times
+        out requests). A deleted pod needs no status."""
         meta = self.pod["metadata"]
-        patch = status_patch(self.pod, self.view, self.restart_policy, _now())
-        try:
-            await self.core.patch_namespaced_pod_status(meta["name"], meta.get("namespace", "default"), patch)
-        except client.ApiException as err:
-            if err.status != 404:  # a deleted pod needs no status
-                raise
+        for attempt in range(REPORT_ATTEMPTS):
+            patch = status_patch(self.pod, self.view, self.restart_policy, _now())
+            try:
+                await self.core.patch_namespaced_pod_status(meta["name"], meta.get("namespace", "default"), patch)
+                return
+            except client.ApiException as err:
+                if err.status == 404:
+                    return
+                error = f"HTTP {err.status}: {err.reason}"
+            except (aiohttp.ClientError, TimeoutError) as err:
+                error = repr(err)
+            log.warning("pod status patch failed", extra={"pod": self.key, "attempt": attempt + 1, "error": error})
+            await asyncio.sleep(REPORT_RETRY_S * (attempt + 1))
+        log.error("pod status not reported", extra={"pod": self.key})
