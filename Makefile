@@ -21,6 +21,11 @@ k8s-binaries:
 test: bootstrap k8s-binaries lint typecheck
 	scripts/in-netns.sh $(PY) -m pytest $(PYTEST_ARGS)
 
+## unit: the pure tests only (no netns, k8s, slow or process-starting tests), in well under 30 s; no netns needed.
+UNIT_MARKERS := not (netns or k8s or slow or procs)
+unit: bootstrap
+	$(PY) -m pytest -m "$(UNIT_MARKERS)" -p no:cacheprovider $(PYTEST_ARGS)
+
 lint: bootstrap
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

@@ -99,6 +99,7 @@ def _here(argv: Sequence[str]) -> list[str]:
     return list(argv)
 
 
+@pytest.mark.procs
 async def test_check_runs_http_tcp_and_exec_probes(health_server: tuple[int, dict[str, int]]) -> None:
     port, answer = health_server
     target = ProbeTarget("127.0.0.1", _here, {"PROBE_EXIT": "3"})

@@ -18,7 +18,7 @@ import pytest
 from tandem.devcluster.podnet import PodNetwork, PodNetworkError, Sandbox, interfaces
 from tandem.procs import ManagedProcess
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(60)]
 CIDR = "127.11.0.0/24"
 PORT = 23456  # the same port in every pod, as Mooncake's fixed RPC range would be
 # A server that binds every interface (as Mooncake does) and answers each connection with its pod's name.

@@ -18,6 +18,8 @@ import pytest
 from tandem_sim.testing import HOST, SimWorker, start_decode, start_prefill, start_worker
 from tests.simhelpers import prompts
 
+pytestmark = pytest.mark.procs
+
 DP = 2
 
 

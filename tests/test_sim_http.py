@@ -15,6 +15,8 @@ from tandem.procs import ManagedProcess
 from tandem_sim.testing import SimWorker, start_worker
 from tests.simhelpers import prompts
 
+pytestmark = pytest.mark.procs
+
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimWorker]:

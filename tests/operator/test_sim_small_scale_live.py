@@ -27,7 +27,7 @@ from tests.chart.stack import pdcluster_manifest
 from tests.devcluster_fixtures import eventually
 from tests.operator.live import Registry, create_pdcluster, operator_process, pods, ready, run_tool
 
-pytestmark = [pytest.mark.k8s, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(420)]
 MODEL = "kimi-k2.6-sim"
 
 

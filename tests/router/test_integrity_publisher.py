@@ -14,6 +14,8 @@ from tandem_router.integrity.monitor import IntegrityConfig, IntegrityMonitor
 from tandem_router.integrity.quarantine import QuarantinePolicy
 from tandem_router.integrity_publisher import IntegrityPublisher
 
+pytestmark = pytest.mark.procs
+
 PAIR = ("prefill:http://127.0.0.1:1", "decode:http://127.0.0.1:2")
 
 
