@@ -93,13 +93,14 @@ async def exercise_and_query(
     await eventually(lambda: _all_up(prom), "both scrape targets up", within=30)
     await _traffic(router_url, model, 20)
 
-    # A decode leader crashes: its process dies, and the pod runner reports what a kubelet would (container
-    # terminated, pod Failed under restartPolicy Never). The operator fences the group, recreates it and registers
-    # it again; requests in between may fail.
+    # A decode leader's network goes (its link cut; pod and process stay): the router's attempts on that pair fail
+    # (connect timeouts). Then its worker dies: the pod runner reports what a kubelet would (container terminated,
+    # pod Failed under restartPolicy Never), and the operator fences the group, recreates it, registers it again.
     (crashed,) = [proc for launch, proc in runner.running.values() if launch.pod.endswith(f"/{DECODE_LEADER}")]
+    runner.sandbox(f"{namespace}/{DECODE_LEADER}").cut_link()
+    assert await _failing_requests(router_url, model, 3) > 0
     began = time.monotonic()
     crashed.signal(signal.SIGKILL)
-    print(f"requests failed right after the crash: {await _failing_requests(router_url, model, 3)} of 3")
     await eventually(lambda: _recoveries(api, namespace), "the operator's recovery of the decode group", within=90)
     await eventually(serves, "completions after the recovery", within=60)
     times["worker killed to serving again"] = time.monotonic() - began
