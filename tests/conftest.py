@@ -40,4 +40,4 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         )
 
 
-pytest_plugins = ["tests.devcluster_fixtures", "pytester"]
+pytest_plugins = ["tests.devcluster_fixtures", "pytester", "tests.ci_skips"]

@@ -21,6 +21,7 @@ from enum import StrEnum
 from typing import Any
 
 from tandem.registry import Role
+from tandem_operator.api.mooncake_ports import MAX_PORTS_PER_POD
 from tandem_operator.desired.naming import (
     ANNOTATION_EPOCH,
     LABEL_CLUSTER,
@@ -32,7 +33,7 @@ from tandem_operator.status import PodHealth, pod_health
 
 Pod = Mapping[str, Any]
 MOONCAKE_ROOT = "mooncake/"
-MAX_NAMED_PORTS = 16  # a hostNetwork pod's Mooncake names are cleaned one port at a time, up to this many
+MAX_NAMED_PORTS = MAX_PORTS_PER_POD  # a hostNetwork pod's Mooncake names are cleaned one port at a time
 
 
 class FenceReason(StrEnum):
@@ -42,6 +43,7 @@ class FenceReason(StrEnum):
     CONTAINER_RESTARTED = "ContainerRestarted"
     NODE_LOST = "NodeLost"
     POD_NOT_READY = "PodNotReady"
+    INTEGRITY_REPEAT_OFFENDER = "IntegrityRepeatOffender"  # routers keep quarantining its pairs (not a pod event)
 
 
 @dataclass(frozen=True, order=True)

@@ -22,8 +22,16 @@ from tandem.registry import Endpoint, IntegrityReport, Role
 from tandem_operator.api.common import API_VERSION
 from tandem_operator.api.pdcluster import PDClusterSpec
 from tandem_operator.desired.naming import ClusterRef, group_name, mooncake_cluster_id
-from tandem_operator.fencing import Fence, GroupKey, Pod, fence_decision, pod_facts, stale_mooncake_keys
-from tandem_operator.integrity import integrity_decision
+from tandem_operator.fencing import (
+    Fence,
+    FenceReason,
+    GroupKey,
+    Pod,
+    fence_decision,
+    pod_facts,
+    stale_mooncake_keys,
+)
+from tandem_operator.integrity import integrity_decision, integrity_recreations
 from tandem_operator.integrity_watch import IntegrityWatcher
 from tandem_operator.k8s.events import EventType, Reason, Regarding, event_manifest
 from tandem_operator.k8s.kube import Kube
@@ -204,7 +212,9 @@ class ClusterRuntime:
     # -- integrity -------------------------------------------------------------------------------------------
     async def _on_integrity(self, reports: dict[str, IntegrityReport]) -> None:
         """A router's report changed: one Event per pair entering or leaving quarantine; the reconcile pass
-        writes the ``IntegrityDegraded`` condition. A restarted operator announces the pairs it finds again."""
+        writes the ``IntegrityDegraded`` condition. A restarted operator announces the pairs it finds again.
+        Groups reported as repeat offenders are fenced, so the reconcile pass recreates them (an
+        ``IntegrityRecreate`` Event, and ``tandem_operator_fences_total{reason="IntegrityRepeatOffender"}``)."""
         decision = integrity_decision(
             self.integrity_reports or {},
             reports,
@@ -225,6 +235,12 @@ class ClusterRuntime:
                     "decode": event.pair.decode,
                 },
             )
+        fenced = {k: r.epoch for k, r in self.fenced.items()}
+        for group, epoch, note in integrity_recreations(reports.values(), self.registered, fenced):
+            self.emit(
+                Reason.INTEGRITY_RECREATE, f"recreating group {group.name}: {note}", "Recreate", EventType.WARNING
+            )
+            await self.fence(Fence(group, epoch, FenceReason.INTEGRITY_REPEAT_OFFENDER, "integrity"), time.monotonic())
         self.kick()
 
     # -- events ----------------------------------------------------------------------------------------------

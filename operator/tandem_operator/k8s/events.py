@@ -28,6 +28,7 @@ class Reason(StrEnum):
     INVALID_SPEC = "InvalidSpec"
     PAIR_QUARANTINED = "PairQuarantined"
     PAIR_RELEASED = "PairReleased"
+    INTEGRITY_RECREATE = "IntegrityRecreate"
 
 
 @dataclass(frozen=True)
