@@ -18,6 +18,7 @@ import pytest
 from kubernetes_asyncio import client
 
 from tandem.devcluster.podrunner import PodRunner
+from tandem_sim.transfer import INIT_FAILED
 from tests.devcluster_fixtures import create, eventually
 
 pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(240)]
@@ -178,15 +179,23 @@ async def test_a_restarted_container_keeps_its_pod_and_ip_and_counts_the_restart
         assert await _http_status(f"http://{after['status']['podIP']}:30000/health") == 200
 
 
-async def test_a_one_port_mooncake_range_fails_the_tcp_pod_and_the_two_port_range_serves(
+async def test_pods_fail_and_serve_as_their_spec_would_on_gpus(
     k8s_api: client.ApiClient, k8s_namespace: str, tmp_path: Path
 ) -> None:
-    """Mooncake's TCP transport takes its RPC and its data port from [MC_MIN_RPC_PORT, MC_MAX_RPC_PORT]: with one
-    port the worker fails at start, as it would on a GPU node, and the pod says so (Failed, exit code, NotReady)."""
-    narrow = {**TCP_ENV, "MC_MAX_RPC_PORT": TCP_ENV["MC_MIN_RPC_PORT"]}
+    """The pod's real env and flags reach the multi-rank simulator, so a spec that cannot work on GPU nodes fails
+    here too, and the pod says so (Failed, exit code, NotReady):
+
+    * 8 ranks (``--tp-size 8``) over Mooncake TCP need 16 ports (an RPC and a data port per engine): the two-port
+      range the operator once gave a TCP pod fails at start, the 16-port range serves with 8 sessions in it;
+    * node 0 of a group whose ``--dist-init-addr`` is not its own address cannot bind it (torch's TCPStore).
+    """
+    ranks = ("--tp-size", "8", *DECODE_ARGS)
+    wide = {**TCP_ENV, "MC_MAX_RPC_PORT": "15015"}
+    wrong_leader = ("--tp-size", "2", "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", "127.10.255.1:5000")
+    specs = {"two-ports": (ranks, TCP_ENV), "sixteen-ports": (ranks, wide), "wrong-addr": (wrong_leader, TCP_ENV)}
     async with PodRunner(k8s_api, tmp_path, namespace=k8s_namespace).running_in_background():
-        for name, env in (("narrow", narrow), ("wide", TCP_ENV)):
-            pod = sglang_pod(name, SGLANG_IMAGE, args=DECODE_ARGS, env=env, probe=True, restart_policy="Never")
+        for name, (args, env) in specs.items():
+            pod = sglang_pod(name, SGLANG_IMAGE, args=args, env=env, probe=True, restart_policy="Never")
             await create(k8s_api, k8s_namespace, pod)
 
         async def phase(name: str, wanted: str) -> dict[str, Any] | None:
@@ -194,10 +203,22 @@ async def test_a_one_port_mooncake_range_fails_the_tcp_pod_and_the_two_port_rang
             done = pod["status"].get("phase") == wanted and (wanted != "Running" or _condition(pod, "Ready") == "True")
             return pod if done else None
 
-        failed = await eventually(lambda: phase("narrow", "Failed"), "the one-port pod Failed", within=90)
-        await eventually(lambda: phase("wide", "Running"), "the two-port pod Ready", within=90)
-        (status,) = failed["status"]["containerStatuses"]
-        assert status["state"]["terminated"]["exitCode"] != 0
-        assert _condition(failed, "Ready") == "False"
-        (log,) = await asyncio.to_thread(lambda: list(tmp_path.glob(f"{k8s_namespace}_narrow-*.log")))
-        assert "TransferEngine.initialize" in await asyncio.to_thread(log.read_text)
+        serving = await eventually(partial(phase, "sixteen-ports", "Running"), "the 16-port pod Ready", within=120)
+        async with aiohttp.ClientSession() as session:
+            url = f"http://{serving['status']['podIP']}:30000/server_info"
+            async with session.get(url) as resp:
+                states = (await resp.json())["internal_states"]
+        ports = sorted(int(state["session_id"].rsplit(":", 1)[1]) for state in states)
+        assert len(ports) == 8
+        assert all(15000 <= port <= 15015 for port in ports)
+        for name, message in (("two-ports", INIT_FAILED), ("wrong-addr", "The server socket has failed to bind")):
+            failed = await eventually(partial(phase, name, "Failed"), f"the {name} pod Failed", within=120)
+            (status,) = failed["status"]["containerStatuses"]
+            assert status["state"]["terminated"]["exitCode"] == 1
+            assert _condition(failed, "Ready") == "False"
+            (log,) = await asyncio.to_thread(_logs, tmp_path, f"{k8s_namespace}_{name}-*.log")
+            assert message in await asyncio.to_thread(log.read_text)
+
+
+def _logs(directory: Path, pattern: str) -> list[Path]:
+    return list(directory.glob(pattern))
