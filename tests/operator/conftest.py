@@ -82,6 +82,14 @@ async def tandem_crds(k8s_cluster: DevCluster) -> None:
     await run_tool(k8s_cluster, "kubectl", "wait", "--for=condition=Established", "--timeout=60s", "-f", str(CRDS))
 
 
+@pytest.fixture
+async def runner(k8s_api: client.ApiClient, k8s_namespace: str, tmp_path: Path) -> AsyncIterator[PodRunner]:
+    """The dev cluster's pod runner for the test's namespace: simulated workers behind its pods' IPs."""
+    (tmp_path / "pods").mkdir()
+    async with PodRunner(k8s_api, tmp_path / "pods", namespace=k8s_namespace).running_in_background() as pod_runner:
+        yield pod_runner
+
+
 # Serves 200 on every GET at the pod's --port: enough for the readinessProbe (GET /health on "http").
 HEALTH_ONLY = (
     "import http.server, sys\n"

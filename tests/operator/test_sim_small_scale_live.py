@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +28,6 @@ from tests.operator.live import Registry, create_pdcluster, operator_process, po
 
 pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(420)]
 MODEL = "kimi-k2.6-sim"
-
-
-@pytest.fixture
-async def runner(k8s_api: client.ApiClient, k8s_namespace: str, tmp_path: Path) -> AsyncIterator[PodRunner]:
-    async with PodRunner(k8s_api, tmp_path / "pods", namespace=k8s_namespace).running_in_background() as pod_runner:
-        yield pod_runner
 
 
 def _router(etcd_endpoint: str, namespace: str, log_dir: Path) -> tuple[ManagedProcess, str]:
