@@ -79,7 +79,9 @@ class StreamLedger:
 
     @property
     def can_resume(self) -> bool:
-        return not self.finished and not self.reasoning and self._remaining_tokens() != 0
+        """Not finished, no reasoning sent, tokens left, and the token count known (the worker reported usage)."""
+        counted = self.prompt_tokens is not None or not self._text
+        return counted and not self.finished and not self.reasoning and self._remaining_tokens() != 0
 
     def feed(self, chunk: bytes) -> bytes:
         """Whole events of the worker's stream, as the client sees them (a partial event is held back)."""

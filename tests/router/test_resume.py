@@ -107,6 +107,13 @@ def test_what_cannot_be_resumed(delta: dict[str, Any], finish: str | None, token
     assert not ledger.can_resume
 
 
+def test_without_token_counts_there_is_no_resume() -> None:
+    """A worker that does not report usage per chunk: the limits cannot be shrunk, so the break is final."""
+    ledger = StreamLedger(BODY)
+    ledger.feed(b'data: {"id":"a","choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}\n\n')
+    assert not ledger.can_resume
+
+
 def test_the_usage_chunk_is_dropped_unless_asked_for() -> None:
     ledger = StreamLedger(BODY)
     final = b'data: {"id":"a","created":1,"choices":[],"usage":{"prompt_tokens":6,"completion_tokens":2}}\n\n'
