@@ -28,6 +28,7 @@ from typing import Any
 
 import orjson
 
+from tandem_router.openai.responses import EventSplitter
 from tandem_router.schema import Route
 
 _EVENT_END = b"\n\n"
@@ -71,7 +72,7 @@ class StreamLedger:
     segment: int = 0  # 0: the first pair's stream; n: after the n-th resume
     _text: list[str] = field(default_factory=list)
     _base_tokens: int = 0  # completion tokens relayed before the current segment
-    _tail: bytes = b""
+    _events: EventSplitter = field(default_factory=EventSplitter)
 
     @property
     def text(self) -> str:
@@ -85,18 +86,12 @@ class StreamLedger:
 
     def feed(self, chunk: bytes) -> bytes:
         """Whole events of the worker's stream, as the client sees them (a partial event is held back)."""
-        data = self._tail + chunk
-        end = data.rfind(_EVENT_END)
-        if end < 0:
-            self._tail = data
-            return b""
-        self._tail = data[end + len(_EVENT_END) :]
-        out = [self._event(event) for event in data[:end].split(_EVENT_END)]
+        out = [self._event(event) for event in self._events.feed(chunk)]
         return b"".join(e + _EVENT_END for e in out if e)
 
     def next_segment(self) -> None:
         """The current pair failed: what it sent in part of an event is dropped, the next pair's stream follows."""
-        self._tail = b""
+        self._events = EventSplitter()
         self._base_tokens = self.sent_tokens
         self.segment += 1
 
