@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, cast
 
 import orjson
 import pytest
+from aiohttp import web
 
-from tandem_router.resume import StreamLedger, resumable, upstream_body
+from tandem.registry import Role
+from tandem_router.metrics import RouterMetrics
+from tandem_router.policy.selection import Policy
+from tandem_router.pool import Pair, WorkerPool, WorkerSpec
+from tandem_router.proxy import Proxy, ProxyRequest, _Failure
+from tandem_router.resume import ResumeConfig, StreamLedger, resumable, upstream_body
 from tandem_router.schema import Route
+from tandem_router.stream_relay import StreamRelay
 
 BODY: dict[str, Any] = {
     "model": "m",
@@ -119,3 +127,54 @@ def test_the_usage_chunk_is_dropped_unless_asked_for() -> None:
     final = b'data: {"id":"a","created":1,"choices":[],"usage":{"prompt_tokens":6,"completion_tokens":2}}\n\n'
     assert ledger.feed(final) == b""
     assert ledger.feed(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"
+
+
+class _FakeProxy:
+    """What ``StreamRelay._resume`` uses of the proxy: a real pool and metrics, continuations that fail first."""
+
+    def __init__(self, failures: list[str]) -> None:
+        self.pool = WorkerPool(Policy.ROUND_ROBIN)
+        for role, n in ((Role.PREFILL, 2), (Role.DECODE, 3)):
+            for i in range(n):
+                self.pool.upsert(WorkerSpec(role, f"http://{role.value}{i}"))
+        self.metrics = RouterMetrics(self.pool)
+        self.resume_cfg = ResumeConfig()
+        self.observer = None
+        self.failures = failures
+        self.tried: list[Pair] = []
+
+    async def open_pair(self, pair: Pair, req: object, body: dict[str, Any]) -> Any:
+        self.tried.append(pair)
+        self.pool.finished(pair)
+        if self.failures:
+            return _Failure(self.failures.pop(0), True)
+        return ("response", b"first")
+
+
+def _relay(proxy: _FakeProxy) -> StreamRelay:
+    req = ProxyRequest(Route.CHAT, BODY, True, 0, "", "rid", 0.0)
+    relay = StreamRelay(cast(Proxy, proxy), req, cast(web.Request, None), StreamLedger(BODY))
+    assert relay.ledger is not None
+    relay.ledger.feed(_chunk("a", {"role": "assistant", "content": "Hello"}, None, 1))
+    return relay
+
+
+async def test_a_continuation_whose_prefill_dies_moves_on_without_either_failed_worker() -> None:
+    proxy = _FakeProxy(["prefill_unreachable"])
+    broken = Pair(WorkerSpec(Role.PREFILL, "http://prefill0"), WorkerSpec(Role.DECODE, "http://decode0"))
+    resumed = await _relay(proxy)._resume(broken, time.monotonic())
+    assert resumed is not None
+    first, second = proxy.tried
+    assert first.decode.url != "http://decode0"
+    assert second.decode.url != "http://decode0"
+    assert second.prefill.url != first.prefill.url  # the prefill that died is skipped too
+    samples = [s for m in proxy.metrics.registry.collect() for s in m.samples]
+    counted = {s.labels["reason"]: s.value for s in samples if s.name == "tandem_router_resumed_streams_total"}
+    assert counted == {"prefill_unreachable": 1}  # the resume is counted under what broke the last pair
+
+
+async def test_resume_gives_up_after_max_attempts() -> None:
+    proxy = _FakeProxy(["decode_stream_error"] * 5)
+    broken = Pair(WorkerSpec(Role.PREFILL, "http://prefill0"), WorkerSpec(Role.DECODE, "http://decode0"))
+    assert await _relay(proxy)._resume(broken, time.monotonic()) is None
+    assert len(proxy.tried) == ResumeConfig().max_attempts
