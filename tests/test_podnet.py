@@ -17,6 +17,7 @@ import pytest
 
 from tandem.devcluster.podnet import PodNetwork, PodNetworkError, Sandbox, interfaces
 from tandem.procs import ManagedProcess
+from tests.ci_skips import UNRUNNABLE
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(60)]
 CIDR = "127.11.0.0/24"
@@ -155,7 +156,9 @@ def _netem_available() -> bool:
 
 
 @pytest.mark.skipif(
-    not _netem_available(), reason="this kernel has no sch_netem (CONFIG_NET_SCH_NETEM), which tc latency needs"
+    not _netem_available(),
+    reason=f"{UNRUNNABLE} the kernel of this project's machines (and CI's) has no sch_netem"
+    " (CONFIG_NET_SCH_NETEM), which tc latency needs; the link-cut and rate-limit faults are tested above",
 )
 def test_added_latency_delays_the_pods_answers(network: PodNetwork, tmp_path: Path) -> None:
     procs: list[ManagedProcess] = []
