@@ -51,7 +51,7 @@ def _write_volume(into: Path, ca: Path, files: dict[str, str]) -> Path:
     return into
 
 
-@pytest.mark.usefixtures("tandem_crds")
+@pytest.mark.usefixtures("tandem_crds", "health_pods")  # pods Ready only via their readinessProbe
 async def test_the_operator_from_the_image_reconciles_a_pdcluster_with_in_cluster_config(
     tandem_image: Unpacked,
     k8s_cluster: DevCluster,
