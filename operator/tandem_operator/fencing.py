@@ -20,19 +20,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from tandem.registry import Role
-from tandem_operator.desired.naming import (
-    ANNOTATION_EPOCH,
-    LABEL_CLUSTER,
-    LABEL_GROUP,
-    LABEL_RANK,
-    LABEL_ROLE,
-)
-from tandem_operator.status import PodHealth, pod_health
+from tandem_operator.observe import GroupKey, Pod, PodFacts, PodHealth, is_ready, pod_facts, pod_health
 
-Pod = Mapping[str, Any]
 MOONCAKE_ROOT = "mooncake/"
-MAX_NAMED_PORTS = 16  # a hostNetwork pod's Mooncake names are cleaned one port at a time, up to this many
 
 
 class FenceReason(StrEnum):
@@ -44,91 +34,12 @@ class FenceReason(StrEnum):
     POD_NOT_READY = "PodNotReady"
 
 
-@dataclass(frozen=True, order=True)
-class GroupKey:
-    role: Role
-    index: int
-
-    @property
-    def name(self) -> str:
-        """The group's name in the registry (``Endpoint.group``)."""
-        return f"{self.role.value}-{self.index}"
-
-
-@dataclass(frozen=True)
-class PodFacts:
-    """What recovery needs to know about one worker pod."""
-
-    name: str
-    namespace: str
-    cluster: str
-    group: GroupKey
-    rank: int
-    epoch: int
-    ip: str | None
-    node: str | None
-    env: Mapping[str, str]  # literal env values of the worker container
-    host_network: bool = False
-
-    @property
-    def mooncake_ports(self) -> tuple[int, ...]:
-        """Mooncake's port range (MC_MIN_RPC_PORT..MC_MAX_RPC_PORT) when it is small enough to name each port."""
-        low, high = self.env.get("MC_MIN_RPC_PORT", ""), self.env.get("MC_MAX_RPC_PORT", "")
-        if not (low.isdigit() and high.isdigit()) or not 0 <= int(high) - int(low) < MAX_NAMED_PORTS:
-            return ()
-        return tuple(range(int(low), int(high) + 1))
-
-    @property
-    def mooncake_rpc_port(self) -> int | None:
-        """The fixed Mooncake RPC port (MC_MIN_RPC_PORT == MC_MAX_RPC_PORT), if the pod has one."""
-        ports = self.mooncake_ports
-        return ports[0] if len(ports) == 1 else None
-
-
 @dataclass(frozen=True)
 class Fence:
     group: GroupKey
     epoch: int
     reason: FenceReason
     pod: str
-
-
-def _int(value: object, default: int = 0) -> int:
-    return int(value) if isinstance(value, str) and value.isdigit() else default
-
-
-def pod_facts(pod: Pod) -> PodFacts | None:
-    """The facts of a Tandem worker pod, or None for any other pod (missing or malformed labels)."""
-    metadata = pod.get("metadata") or {}
-    labels = metadata.get("labels") or {}
-    try:
-        role = Role(labels.get(LABEL_ROLE, ""))
-    except ValueError:
-        return None
-    if not labels.get(LABEL_CLUSTER) or not str(labels.get(LABEL_GROUP, "")).isdigit():
-        return None
-    if not str(labels.get(LABEL_RANK, "")).isdigit():
-        return None
-    spec, status = pod.get("spec") or {}, pod.get("status") or {}
-    containers = spec.get("containers") or [{}]
-    env = {e["name"]: e["value"] for e in containers[0].get("env") or () if "name" in e and "value" in e}
-    return PodFacts(
-        name=metadata.get("name", ""),
-        namespace=metadata.get("namespace", ""),
-        cluster=labels[LABEL_CLUSTER],
-        group=GroupKey(role, int(labels[LABEL_GROUP])),
-        rank=int(labels[LABEL_RANK]),
-        epoch=_int((metadata.get("annotations") or {}).get(ANNOTATION_EPOCH)),
-        ip=status.get("podIP") or None,
-        node=spec.get("nodeName") or None,
-        env=env,
-        host_network=bool(spec.get("hostNetwork")),
-    )
-
-
-def _is_ready(pod: Pod) -> bool:
-    conditions = (pod.get("status") or {}).get("conditions") or ()
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
 def death_reason(event_type: str, pod: Pod, lost_nodes: Collection[str], serving: bool) -> FenceReason | None:
@@ -144,7 +55,7 @@ def death_reason(event_type: str, pod: Pod, lost_nodes: Collection[str], serving
         return FenceReason.NODE_LOST
     if pod_health(pod, frozenset(lost_nodes)) is PodHealth.DEAD:
         return FenceReason.CONTAINER_RESTARTED
-    if serving and not _is_ready(pod):
+    if serving and not is_ready(pod):
         return FenceReason.POD_NOT_READY
     return None
 

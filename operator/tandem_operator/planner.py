@@ -13,6 +13,11 @@ Rules, in order:
    is created at once.
 4. **Fill** up to ``desired`` (``desired + 1`` while surging, only when every current group is Ready, so one new
    group starts at a time) at the lowest free indices; INCOMPLETE current groups get their missing pods.
+
+``plan`` says *what*; ``steps`` turns each action into everything the executor needs, so the executor makes no
+choice of its own: the registry entry to drop first, the epoch stamped on the Service before the pods go (a
+restarted operator then recreates with a higher one), the pods still alive to delete and their grace, the
+manifests (Service + missing ranks, epoch stamped) to apply, and the Event to report.
 """
 
 from __future__ import annotations
@@ -20,8 +25,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
-from tandem_operator.status import GroupState, GroupView
+from tandem_operator.desired.pods import RoleContext, group_pod, group_service
+from tandem_operator.observe import GroupKey, GroupState, GroupView, Pod, pod_facts
+from tandem_operator.reasons import Reason
+from tandem_operator.recovery import stamp_epoch
+from tandem_operator.registration import next_epoch
 
 
 class DeleteReason(StrEnum):
@@ -89,3 +99,110 @@ def plan(desired: int, groups: Mapping[int, GroupView], template_hash: str, max_
     free = (i for i in range(len(groups) + target + 1) if i not in groups)
     actions += [CreateGroup(next(free)) for _ in range(max(0, target - live))]
     return actions
+
+
+@dataclass(frozen=True)
+class DeletePods:
+    """Retire or recreate one group: unregister (a deliberate retirement), stamp the next epoch on the Service
+    (recreate or rollout) or delete the Service (scale-down), then delete the pods still alive."""
+
+    group: GroupKey
+    reason: DeleteReason
+    unregister: bool
+    service: dict[str, Any]  # the group's Service, stamped with the next epoch unless it is deleted
+    delete_service: bool
+    stamp_service: bool  # apply ``service`` (its epoch changed) before the pods go
+    pods: tuple[str, ...]  # members not already terminating
+    grace_seconds: int | None  # 0 for a broken group (NCCL cannot lose a rank); None: the pod's own
+    event: Reason
+
+
+@dataclass(frozen=True)
+class CreatePods:
+    """Apply the group's Service and its missing ranks, all stamped with ``epoch``."""
+
+    group: GroupKey
+    epoch: int
+    manifests: tuple[dict[str, Any], ...]  # the Service first, then the pods
+    event: Reason | None  # None when only missing ranks of an existing group are added
+
+
+Step = DeletePods | CreatePods
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What ``steps`` reads besides the actions: pods by name and the epochs recorded on Services and pods."""
+
+    pods: Mapping[str, Pod]
+    service_epochs: Mapping[GroupKey, int]
+    pod_epochs: Mapping[GroupKey, int]
+    fenced: frozenset[GroupKey]
+
+
+_DELETE_EVENTS = {
+    DeleteReason.BROKEN: Reason.GROUP_RECREATING,
+    DeleteReason.SCALE_DOWN: Reason.SCALED_DOWN,
+    DeleteReason.ROLLOUT: Reason.ROLLOUT_STEP,
+}
+
+
+def steps(ctx: RoleContext, actions: list[Action], views: Mapping[int, GroupView], seen: Observed) -> list[Step]:
+    """The executor's steps for ``plan``'s actions, in order."""
+    svc_epochs = dict(seen.service_epochs)  # a delete's new epoch is what a later create in this pass uses
+    result: list[Step] = []
+    for action in actions:
+        key = GroupKey(ctx.role, action.index)
+        view = views.get(action.index)
+        if isinstance(action, DeleteGroup):
+            result.append(_delete_step(ctx, key, action.reason, view, seen, svc_epochs))
+        else:
+            result.append(_create_step(ctx, key, view, seen, svc_epochs))
+    return result
+
+
+def _delete_step(
+    ctx: RoleContext,
+    key: GroupKey,
+    reason: DeleteReason,
+    view: GroupView | None,
+    seen: Observed,
+    svc_epochs: dict[GroupKey, int],
+) -> DeletePods:
+    service = group_service(ctx, key.index)
+    stamp = False
+    if reason is not DeleteReason.SCALE_DOWN:  # the replacement is a new incarnation
+        epoch = next_epoch(svc_epochs.get(key), seen.pod_epochs.get(key))
+        stamp = svc_epochs.get(key) != epoch
+        svc_epochs[key] = epoch
+        service = stamp_epoch(service, epoch)
+    names = view.pods if view is not None else ()
+    alive = tuple(n for n in names if not ((seen.pods.get(n) or {}).get("metadata") or {}).get("deletionTimestamp"))
+    return DeletePods(
+        group=key,
+        reason=reason,
+        unregister=reason is not DeleteReason.BROKEN,
+        service=service,
+        delete_service=reason is DeleteReason.SCALE_DOWN,
+        stamp_service=stamp,
+        pods=alive,
+        grace_seconds=0 if reason is DeleteReason.BROKEN else None,
+        event=_DELETE_EVENTS[reason],
+    )
+
+
+def _create_step(
+    ctx: RoleContext, key: GroupKey, view: GroupView | None, seen: Observed, svc_epochs: Mapping[GroupKey, int]
+) -> CreatePods:
+    existing = set()
+    for name in view.pods if view is not None else ():
+        facts = pod_facts(seen.pods.get(name) or {})
+        if facts is not None:
+            existing.add(facts.rank)
+    epoch = seen.pod_epochs[key] if existing else svc_epochs.get(key, 0)
+    nodes = ctx.spec.role(ctx.role).nodes_per_group
+    pods = [stamp_epoch(group_pod(ctx, key.index, rank), epoch) for rank in range(nodes) if rank not in existing]
+    event = None
+    if view is None:
+        event = Reason.GROUP_RECREATING if key in seen.fenced else Reason.SCALED_UP
+    return CreatePods(key, epoch, (stamp_epoch(group_service(ctx, key.index), epoch), *pods), event)

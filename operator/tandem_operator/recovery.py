@@ -17,8 +17,7 @@ from typing import Any
 
 from tandem.registry import Role
 from tandem_operator.desired.naming import ANNOTATION_EPOCH, ANNOTATION_FENCED, LABEL_GROUP, LABEL_ROLE
-from tandem_operator.fencing import GroupKey, Pod, pod_facts
-from tandem_operator.status import GroupState, GroupView
+from tandem_operator.observe import GroupKey, GroupState, GroupView, Pod, pod_facts
 
 
 def stamp_epoch(manifest: Mapping[str, Any], epoch: int) -> dict[str, Any]:

@@ -7,16 +7,8 @@ from typing import Any
 import pytest
 
 from tandem.registry import Role
-from tandem_operator.fencing import (
-    Fence,
-    FenceReason,
-    GroupKey,
-    StaleKeys,
-    fence_decision,
-    node_lost,
-    pod_facts,
-    stale_mooncake_keys,
-)
+from tandem_operator.fencing import Fence, FenceReason, StaleKeys, fence_decision, node_lost, stale_mooncake_keys
+from tandem_operator.observe import GroupKey, pod_facts
 from tests.operator.conftest import kimi_spec
 from tests.operator.workers import live_pod
 

@@ -1,9 +1,9 @@
 """Server-side apply with the ``tandem-operator`` field manager, and plain creates.
 
-``apply_request`` / ``create_request`` are pure (tested without a cluster); ``server_side_apply`` and ``create``
-only send them with a ``kubernetes_asyncio`` ApiClient. Apply always forces: the operator is the only writer of
-the fields it applies (pool replicas excepted: they are never in an apply, see ``desired.pools``), so a conflict
-means a human edited a managed field and the spec must win.
+``apply_request`` / ``create_request`` are pure (tested without a cluster); ``send`` only sends a request with a
+``kubernetes_asyncio`` ApiClient (``kube.Kube`` maps its errors and retries). Apply always forces: the operator is
+the only writer of the fields it applies (pool replicas excepted: they are never in an apply, see
+``desired.pools``), so a conflict means a human edited a managed field and the spec must win.
 """
 
 from __future__ import annotations
@@ -82,11 +82,3 @@ async def send(api: Any, request: Request) -> dict[str, Any]:
         _return_http_data_only=True,
     )
     return result
-
-
-async def server_side_apply(api: Any, manifest: dict[str, Any], *, subresource: str | None = None) -> dict[str, Any]:
-    return await send(api, apply_request(manifest, subresource=subresource))
-
-
-async def create(api: Any, manifest: dict[str, Any], *, field_manager: str = FIELD_MANAGER) -> dict[str, Any]:
-    return await send(api, create_request(manifest, field_manager=field_manager))

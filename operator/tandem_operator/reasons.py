@@ -1,0 +1,24 @@
+"""Kubernetes Event types and reasons the operator reports (chosen by the pure planner, posted by ``k8s.events``)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class EventType(StrEnum):
+    NORMAL = "Normal"
+    WARNING = "Warning"
+
+
+class Reason(StrEnum):
+    FENCED = "Fenced"
+    STALE_METADATA_REMOVED = "StaleMetadataRemoved"
+    GROUP_RECREATING = "GroupRecreating"
+    GROUP_READY = "GroupReady"
+    REGISTERED = "Registered"
+    SCALED_UP = "ScaledUp"
+    SCALED_DOWN = "ScaledDown"
+    ROLLOUT_STEP = "RolloutStep"
+    INVALID_SPEC = "InvalidSpec"
+    PAIR_QUARANTINED = "PairQuarantined"
+    PAIR_RELEASED = "PairReleased"
