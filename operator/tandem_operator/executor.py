@@ -89,6 +89,16 @@ class Executor:
         self.emit(Reason.FENCED, f"endpoint removed from the registry: {note}", "Fence", EventType.WARNING)
         self.emit(Reason.STALE_METADATA_REMOVED, f"{stale} stale Mooncake metadata keys removed: {note}", "Clean")
 
+    async def unroute(self, group: GroupKey, pod: str) -> None:
+        """A member of a registered group turned NotReady: out of rotation only (same pods, same epoch)."""
+        epoch = self.state.registered[group].epoch if group in self.state.registered else None
+        await self.unregister(group)
+        log.warning(
+            "group unrouted", extra={"cluster": f"{self._ns}/{self.state.ref.name}", "group": group.name, "pod": pod}
+        )
+        note = f"group {group.name} epoch {epoch}: {pod} is NotReady; out of rotation until Ready (not recreated)"
+        self.emit(Reason.UNROUTED, note, "Unroute", EventType.WARNING)
+
     async def unregister(self, group: GroupKey) -> None:
         async with self.registry_lock:
             self.state.registered.pop(group, None)

@@ -2,10 +2,12 @@
 
 Fencing is the first, event-driven step of recovery: the group's registry key is deleted so routers stop sending
 it requests, before anything slower (Events, pod deletions, the reconcile) happens. A pod event fences its group
-when the pod is dead (``status.pod_health``: deleted, terminating, Failed, a container restarted, on a lost node)
-or when it turned NotReady while its group was registered (serving). Groups the operator itself is retiring
-(scale-down, rollout) are not fenced: the reconcile unregisters them before deleting their pods, and their end
-is not a recovery.
+only when the pod is dead (``observe.pod_health``: deleted, terminating, Failed, a container exited or restarted,
+on a lost node): only then is the group recreated. A pod that merely turned NotReady while its group was registered
+(a busy worker's slow ``/health``) is *unrouted* (``unroute_decision``): its registry entry is removed, nothing
+else, and the reconcile registers it again with the same epoch when it is Ready. Groups the operator itself is
+retiring (scale-down, rollout) are not fenced: the reconcile unregisters them before deleting their pods, and
+their end is not a recovery.
 
 Mooncake writes ``mooncake/[<cluster_id>/]rpc_meta/<server>`` and ``.../ram/<segment>`` without a lease, where the
 server / segment name is the ``local_hostname`` given to ``TransferEngine.initialize``: the pod IP, or
@@ -31,7 +33,7 @@ class FenceReason(StrEnum):
     POD_FAILED = "PodFailed"
     CONTAINER_RESTARTED = "ContainerRestarted"
     NODE_LOST = "NodeLost"
-    POD_NOT_READY = "PodNotReady"
+    START_DEADLINE = "StartDeadlineExceeded"  # Starting/Incomplete past lifecycle.startDeadlineSeconds
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,8 @@ class Fence:
     pod: str
 
 
-def death_reason(event_type: str, pod: Pod, lost_nodes: Collection[str], serving: bool) -> FenceReason | None:
-    """Why this pod can no longer serve, or None if it can (or has not started serving yet)."""
+def death_reason(event_type: str, pod: Pod, lost_nodes: Collection[str]) -> FenceReason | None:
+    """Why this pod can no longer serve, or None if it is alive (Ready or not)."""
     if event_type == "DELETED":
         return FenceReason.POD_DELETED
     metadata, status = pod.get("metadata") or {}, pod.get("status") or {}
@@ -55,8 +57,6 @@ def death_reason(event_type: str, pod: Pod, lost_nodes: Collection[str], serving
         return FenceReason.NODE_LOST
     if pod_health(pod, frozenset(lost_nodes)) is PodHealth.DEAD:
         return FenceReason.CONTAINER_RESTARTED
-    if serving and not is_ready(pod):
-        return FenceReason.POD_NOT_READY
     return None
 
 
@@ -65,25 +65,38 @@ def fence_decision(
     pod: Pod,
     *,
     lost_nodes: Collection[str],
-    registered: Mapping[GroupKey, int],
     fenced: Mapping[GroupKey, int],
     retiring: Collection[GroupKey],
 ) -> Fence | None:
     """The fence one pod event calls for.
 
-    ``registered``: group -> epoch of its registry entry; ``fenced``: group -> epoch already fenced (one fence per
-    incarnation); ``retiring``: groups the operator is deleting on purpose.
+    ``fenced``: group -> epoch already fenced (one fence per incarnation); ``retiring``: groups the operator is
+    deleting on purpose.
     """
     facts = pod_facts(pod)
     if facts is None or facts.group in retiring:
         return None
     if fenced.get(facts.group) == facts.epoch:
         return None
-    serving = registered.get(facts.group) == facts.epoch
-    reason = death_reason(event_type, pod, lost_nodes, serving)
+    reason = death_reason(event_type, pod, lost_nodes)
     if reason is None:
         return None
     return Fence(facts.group, facts.epoch, reason, facts.name)
+
+
+def unroute_decision(
+    event_type: str, pod: Pod, *, lost_nodes: Collection[str], registered: Mapping[GroupKey, int]
+) -> GroupKey | None:
+    """The registered group to take out of rotation because this live member turned NotReady, else None.
+
+    Readiness only gates routing: the group keeps its pods and epoch, and is registered again once Ready.
+    """
+    facts = pod_facts(pod)
+    if facts is None or registered.get(facts.group) != facts.epoch:
+        return None  # not serving at this incarnation (still starting, or an older one)
+    if death_reason(event_type, pod, lost_nodes) is not None or is_ready(pod):
+        return None
+    return facts.group
 
 
 def node_lost(event_type: str, node: Mapping[str, Any]) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
@@ -135,6 +136,20 @@ class GroupView:
 def is_ready(pod: Pod) -> bool:
     conditions = (pod.get("status") or {}).get("conditions") or ()
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def started(pod: Pod) -> bool:
+    """Every container started (the kubelet sets ``started`` once the startupProbe passed: the model is loaded)."""
+    statuses = (pod.get("status") or {}).get("containerStatuses") or ()
+    return bool(statuses) and all(c.get("started") is True for c in statuses)
+
+
+def created_at(pod: Pod) -> datetime | None:
+    raw = (pod.get("metadata") or {}).get("creationTimestamp")
+    try:
+        return datetime.fromisoformat(str(raw)) if raw else None
+    except ValueError:
+        return None
 
 
 def pod_health(pod: Pod, lost_nodes: frozenset[str] = frozenset()) -> PodHealth:

@@ -16,6 +16,7 @@ class Reason(StrEnum):
     GROUP_RECREATING = "GroupRecreating"
     GROUP_READY = "GroupReady"
     REGISTERED = "Registered"
+    UNROUTED = "Unrouted"  # a member NotReady: the group left rotation, keeps its pods and epoch
     SCALED_UP = "ScaledUp"
     SCALED_DOWN = "ScaledDown"
     ROLLOUT_STEP = "RolloutStep"

@@ -40,6 +40,7 @@ from tandem_operator.recovery import (
     resumed_fences,
     service_epochs,
     service_fences,
+    stuck_groups,
 )
 from tandem_operator.registrar import Registrar
 from tandem_operator.registration import desired_endpoints
@@ -125,8 +126,9 @@ class Reconciler:
             ctx = RoleContext.build(ref, spec, role, owner)
             role_pods = state.role_pods(role)
             views = group_views(role_pods, spec.role(role).nodes_per_group, lost)
+            stuck = stuck_groups(role, views, state.pods, datetime.now(UTC), spec.lifecycle.start_deadline_seconds)
+            await self._fence(role, views, stuck, pod_epochs, lost)
             views = apply_fences(role, views, {k: r.epoch for k, r in state.fenced.items()}, pod_epochs)
-            await self._fence_broken(role, views, pod_epochs, lost)
             state.retiring -= {k for k in state.retiring if k.role is role and k.index not in views}
             replicas = int(pool["spec"].get("replicas", 0))
             actions = plan(replicas, views, ctx.template_hash, spec.role(role).max_surge_groups)
@@ -170,18 +172,28 @@ class Reconciler:
         body = _status_body("PDCluster", state.ref.name, state.ref.namespace, cluster.to_wire())
         await self.kube.apply(body, subresource="status")
 
-    async def _fence_broken(
-        self, role: Role, views: dict[int, GroupView], pod_epochs: dict[GroupKey, int], lost: frozenset[str]
+    async def _fence(
+        self,
+        role: Role,
+        views: dict[int, GroupView],
+        stuck: dict[GroupKey, str],
+        pod_epochs: dict[GroupKey, int],
+        lost: frozenset[str],
     ) -> None:
-        """Fence BROKEN groups the fast path did not see die (missed events, or an operator restart)."""
+        """Fence BROKEN groups the fast path did not see die (missed events, or an operator restart), and groups
+        stuck Starting/Incomplete past the start deadline (then recreated like a broken one)."""
         state = self.state
         for index, view in views.items():
             key = GroupKey(role, index)
             epoch = pod_epochs.get(key, 0)
             record = state.fenced.get(key)
-            if view.state is not GroupState.BROKEN or key in state.retiring or (record and record.epoch == epoch):
+            if key in state.retiring or (record and record.epoch == epoch):
                 continue
-            members = [state.pods[name] for name in view.pods if name in state.pods]
-            reasons = [death_reason("MODIFIED", p, lost, serving=False) for p in members]
-            reason = next((r for r in reasons if r is not None), FenceReason.POD_DELETED)  # else: a rank is missing
-            await self.executor.fence(Fence(key, epoch, reason, view.pods[0] if view.pods else ""), time.monotonic())
+            if key in stuck:
+                await self.executor.fence(Fence(key, epoch, FenceReason.START_DEADLINE, stuck[key]), time.monotonic())
+            elif view.state is GroupState.BROKEN:
+                members = [state.pods[name] for name in view.pods if name in state.pods]
+                reasons = [death_reason("MODIFIED", p, lost) for p in members]
+                reason = next((r for r in reasons if r is not None), FenceReason.POD_DELETED)  # a rank is missing
+                pod = view.pods[0] if view.pods else ""
+                await self.executor.fence(Fence(key, epoch, reason, pod), time.monotonic())

@@ -21,7 +21,7 @@ import pydantic
 from tandem.registry import IntegrityReport
 from tandem_operator.api.pdcluster import PDClusterSpec, PDClusterStatus
 from tandem_operator.desired.naming import ClusterRef
-from tandem_operator.fencing import Fence, fence_decision
+from tandem_operator.fencing import Fence, fence_decision, unroute_decision
 from tandem_operator.integrity import integrity_decision
 from tandem_operator.integrity_watch import IntegrityWatcher
 from tandem_operator.k8s.kube import Kube
@@ -105,16 +105,14 @@ class ClusterRuntime:
             state.pods.pop(name, None)
         else:
             state.pods[name] = pod
-        decision = fence_decision(
-            event_type,
-            pod,
-            lost_nodes=self.lost_nodes(),
-            registered={k: e.epoch for k, e in state.registered.items()},
-            fenced={k: r.epoch for k, r in state.fenced.items()},
-            retiring=state.retiring,
-        )
+        lost = self.lost_nodes()
+        fenced = {k: r.epoch for k, r in state.fenced.items()}
+        decision = fence_decision(event_type, pod, lost_nodes=lost, fenced=fenced, retiring=state.retiring)
+        registered = {k: e.epoch for k, e in state.registered.items()}
         if decision is not None:
             await self.executor.fence(decision, received, extra=[pod])
+        elif (unrouted := unroute_decision(event_type, pod, lost_nodes=lost, registered=registered)) is not None:
+            await self.executor.unroute(unrouted, str(name))
         elif event_type == "DELETED":
             await self.executor.clean([pod])  # a gone pod's Mooncake entries are stale whatever the reason
         self.kick()

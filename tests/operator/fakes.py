@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 from typing import Any
 
 from tandem.registry import Endpoint
@@ -16,7 +17,7 @@ class FakeKube(Kube):
 
     def __init__(self) -> None:
         super().__init__(api=None)
-        self.calls: list[tuple[str, str, Any]] = []
+        self.calls: builtins.list[tuple[str, str, Any]] = []
         self.objects: dict[str, dict[str, Any]] = {}
 
     async def apply(self, manifest: dict[str, Any], *, subresource: str | None = None) -> dict[str, Any]:
@@ -34,6 +35,9 @@ class FakeKube(Kube):
     async def get(self, path: str) -> dict[str, Any] | None:
         return self.objects.get(path)
 
+    async def list(self, api_version: str, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
+        return [o for o in self.objects.values() if (o["apiVersion"], o["kind"]) == (api_version, kind)]
+
     async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         self.calls.append(("post", path, body))
         return body
@@ -42,7 +46,7 @@ class FakeKube(Kube):
         self.calls.append(("patch", path, body))
         return body
 
-    def verbs(self, *verbs: str) -> list[tuple[str, str, Any]]:
+    def verbs(self, *verbs: str) -> builtins.list[tuple[str, str, Any]]:
         return [c for c in self.calls if c[0] in verbs]
 
 

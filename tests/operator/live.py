@@ -98,6 +98,15 @@ def operator_process(
     return ManagedProcess(f"operator-{identity}", argv, log_dir / f"operator-{identity}.log")
 
 
+def router_process(etcd: str, namespace: str, cluster: str, port: int, log_dir: Path) -> ManagedProcess:
+    """``tandem router`` discovering the cluster's workers in the test etcd (round robin, fast health checks)."""
+    argv = [sys.executable, "-m", "tandem.cli", "router", "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--discovery", "etcd", "--etcd-endpoint", etcd.split("://", 1)[1]]
+    argv += ["--cluster-namespace", namespace, "--cluster-name", cluster, "--health-interval-s", "0.5"]
+    argv += ["--policy", "round_robin"]
+    return ManagedProcess("router", argv, log_dir / "router.log")
+
+
 async def pdc_status(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
     obj = await client.CustomObjectsApi(api).get_namespaced_custom_object(GROUP, VERSION, namespace, "pdclusters", name)
     status: dict[str, Any] = obj.get("status") or {}

@@ -148,10 +148,10 @@ async def test_a_restarted_operator_keeps_pods_and_registrations_and_finishes_a_
         await eventually(three, "three groups registered", within=30)
         before = {p.metadata.name: p.metadata.uid for p in await pods(k8s_api, ns)}
         operator.stop()
-        # The state an operator leaves when it dies right after fencing decode-1 (NotReady) and before
+        # The state an operator leaves when it dies right after fencing decode-1 (a member failed) and before
         # recreating it: the registry key deleted, the fence recorded on the group's Service.
         await reg.client.delete(f"{registry.cluster_prefix(ns, 'sim')}decode/decode-1".encode())
-        await client.CoreV1Api(k8s_api).patch_namespaced_service("sim-decode-1", ns, fence_annotation(0, "PodNotReady"))
+        await client.CoreV1Api(k8s_api).patch_namespaced_service("sim-decode-1", ns, fence_annotation(0, "PodFailed"))
         successor = operator_process(k8s_cluster, ns, etcd_endpoint, operator.log_path.parent, "op-b").start()
         try:
 

@@ -31,6 +31,7 @@ from tandem_operator.api.common import (
     Resources,
     Toleration,
 )
+from tandem_operator.api.lifecycle import LifecycleSpec
 from tandem_operator.api.rules import CrdModel, Rule, immutable
 
 # Flags the operator computes from the spec; extraArgs may not set them (they would silently fight).
@@ -316,6 +317,7 @@ class PDClusterSpec(CrdModel):
     transfer: TransferSpec
     router: RouterSpec = Field(default_factory=RouterSpec)
     etcd: EtcdSpec
+    lifecycle: LifecycleSpec = Field(default_factory=LifecycleSpec)
 
     cel_rules = (
         Rule(

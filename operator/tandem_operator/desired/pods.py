@@ -32,6 +32,12 @@ from tandem_operator.desired.naming import (
 )
 
 GPU_RESOURCE = "nvidia.com/gpu"
+# SGLang's own /health timeout (SGLANG_HEALTH_CHECK_TIMEOUT in sglang/srt/environ.py): past it /health answers 503.
+HEALTH_CHECK_TIMEOUT_ENV = "SGLANG_HEALTH_CHECK_TIMEOUT"
+HEALTH_CHECK_TIMEOUT_S = 20
+STARTUP_PERIOD_S = 10
+LIVENESS_PERIOD_S = 30
+LIVENESS_FAILURES = 5  # a worker that cannot generate one token for ~2.5 min is restarted (its group recreated)
 CONTAINER = "sglang"
 HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
 
@@ -204,6 +210,45 @@ def _affinity(ctx: RoleContext, group: int, rank: int) -> dict[str, Any]:
     return affinity
 
 
+def health_check_timeout(ctx: RoleContext) -> int:
+    """SGLang's /health timeout for this role: the user's SGLANG_HEALTH_CHECK_TIMEOUT, else SGLang's default."""
+    value = next((v.value for v in ctx.spec.role(ctx.role).env if v.name == HEALTH_CHECK_TIMEOUT_ENV), "")
+    return int(value) if value.isdigit() and int(value) > 0 else HEALTH_CHECK_TIMEOUT_S
+
+
+def _health_get() -> dict[str, Any]:
+    return {"httpGet": {"path": "/health", "port": "http"}}
+
+
+def probes(ctx: RoleContext) -> dict[str, dict[str, Any]]:
+    """Startup, readiness and liveness on ``/health`` (every rank: the leader's HTTP server, the other ranks'
+    dummy health server).
+
+    * startupProbe: the model-load budget (``lifecycle.modelLoadTimeoutSeconds``); the other probes wait for it.
+    * readinessProbe: only gates routing (the operator unregisters a NotReady group and registers it again, same
+      epoch, once Ready); its timeout is SGLang's own health timeout, past which /health answers 503 anyway.
+    * livenessProbe: a failure restarts the container, which recreates the group, so it needs
+      ``LIVENESS_FAILURES`` failures in a row, each allowed SGLang's health timeout plus 10 s.
+    """
+    timeout = health_check_timeout(ctx)
+    load_budget = ctx.spec.lifecycle.model_load_timeout_seconds
+    return {
+        "startupProbe": {
+            **_health_get(),
+            "periodSeconds": STARTUP_PERIOD_S,
+            "timeoutSeconds": timeout,
+            "failureThreshold": -(-load_budget // STARTUP_PERIOD_S),
+        },
+        "readinessProbe": {**_health_get(), "periodSeconds": 10, "timeoutSeconds": timeout, "failureThreshold": 2},
+        "livenessProbe": {
+            **_health_get(),
+            "periodSeconds": LIVENESS_PERIOD_S,
+            "timeoutSeconds": timeout + 10,
+            "failureThreshold": LIVENESS_FAILURES,
+        },
+    }
+
+
 def group_pod(ctx: RoleContext, group: int, rank: int) -> dict[str, Any]:
     spec, role = ctx.spec, ctx.spec.role(ctx.role)
     labels = {
@@ -230,13 +275,7 @@ def group_pod(ctx: RoleContext, group: int, rank: int) -> dict[str, Any]:
         "resources": _resources(ctx),
         "securityContext": security,
         "volumeMounts": mounts,
-        # /health on every rank: the leader runs SGLang's HTTP server, the other ranks its dummy health server.
-        "readinessProbe": {
-            "httpGet": {"path": "/health", "port": "http"},
-            "periodSeconds": 5,
-            "timeoutSeconds": 4,
-            "failureThreshold": 3,
-        },
+        **probes(ctx),
     }
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",

@@ -1,0 +1,142 @@
+"""Health on the real control plane: a worker whose ``/health`` is slow under load leaves rotation and comes back
+with the same epoch and the same pods; a worker whose container exits has its group recreated.
+
+The pod runner runs ``tandem sim`` behind each pod IP; ``tests/operator/kubelet.py`` runs the decode pod's own
+readinessProbe against it (kwok never probes). The decode role sets ``SGLANG_HEALTH_CHECK_TIMEOUT=3`` (the
+probe's timeout follows it) and ``--sim-slow-health-s=5`` so a probe fails under load within seconds instead of
+SGLang's default 20 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import openai
+import pytest
+from kubernetes_asyncio import client
+
+from tandem.devcluster.cluster import DevCluster
+from tandem.devcluster.podrunner import PodRunner
+from tandem.procs import ManagedProcess, free_port
+from tests.devcluster_fixtures import eventually
+from tests.operator.kubelet import readiness_prober
+from tests.operator.live import (
+    SHARED_NETNS_ENV,
+    Registry,
+    create_pdcluster,
+    operator_process,
+    pdcluster,
+    pods,
+    router_process,
+)
+
+pytestmark = [pytest.mark.k8s, pytest.mark.timeout(300)]
+LOAD = Path(__file__).with_name("load_client.py")
+MODEL = "kimi-k2.6-sim"
+ONE_NODE = {"groups": 1, "nodesPerGroup": 1, "gpusPerNode": 1, "tpSize": 1, "epSize": 1, "moeA2ABackend": "none"}
+
+
+async def test_slow_health_leaves_rotation_and_returns_without_recreation_an_exit_recreates(
+    k8s_cluster: DevCluster,
+    k8s_api: client.ApiClient,
+    k8s_namespace: str,
+    tandem_crds: None,
+    etcd_endpoint: str,
+    tmp_path: Path,
+    proc_factory: list[ManagedProcess],
+) -> None:
+    ns = k8s_namespace
+    decode = {
+        **ONE_NODE,
+        "env": [*SHARED_NETNS_ENV["decode"], {"name": "SGLANG_HEALTH_CHECK_TIMEOUT", "value": "3"}],
+        "extraArgs": ["--sim-slow-health-s=5"],
+    }
+    proc_factory.append(operator_process(k8s_cluster, ns, etcd_endpoint, tmp_path, "op-health").start())
+    await create_pdcluster(k8s_api, ns, pdcluster("sim", simulated=True, decode=decode))
+    (tmp_path / "pods").mkdir()
+    async with (
+        PodRunner(k8s_api, tmp_path / "pods", namespace=ns).running_in_background(),
+        Registry(etcd_endpoint) as reg,
+    ):
+
+        async def registered() -> dict[str, int] | None:
+            entries = {g: e.epoch for g, e in (await reg.endpoints(ns, "sim")).items()}
+            return entries if sorted(entries) == ["decode-0", "prefill-0"] else None
+
+        before = await eventually(registered, "prefill-0 and decode-0 registered", within=90)
+        uids = {p.metadata.name: p.metadata.uid for p in await pods(k8s_api, ns)}
+        port = free_port()
+        proc_factory.append(router_process(etcd_endpoint, ns, "sim", port, tmp_path).start())
+        base_url = f"http://127.0.0.1:{port}/v1"
+        sdk = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=30)
+        try:
+            await eventually(lambda: _serves(sdk), "a completion through the router", within=60)
+            async with readiness_prober(k8s_api, ns, "sim-decode-0-0") as transitions:
+                load = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    str(LOAD),
+                    base_url,
+                    MODEL,
+                    "16",
+                    "30",
+                    stdout=asyncio.subprocess.PIPE,
+                    env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+                )
+
+                async def unrouted() -> bool:
+                    return "decode-0" not in await reg.endpoints(ns, "sim")
+
+                await eventually(unrouted, "decode-0 out of rotation while its /health is slow", within=60)
+                async with asyncio.timeout(90):
+                    out, _ = await load.communicate()
+                back = await eventually(registered, "decode-0 registered again once idle", within=60)
+            print(f"\nreadiness transitions {transitions}; load {json.loads(out.decode().splitlines()[-1])['ok']} ok")
+            assert back == before  # the same epochs: nothing was recreated
+            assert {p.metadata.name: p.metadata.uid for p in await pods(k8s_api, ns)} == uids
+            assert transitions[:2] == [False, True]
+            await eventually(lambda: _serves(sdk), "a completion after decode-0 came back", within=30)
+
+            # The container exits: the kubelet (restartPolicy Never) marks it terminated and the pod Failed.
+            status = {
+                "phase": "Failed",
+                "containerStatuses": [
+                    {
+                        "name": "sglang",
+                        "image": "tandem-sglang-worker:0.5.23",
+                        "imageID": "",
+                        "ready": False,
+                        "restartCount": 0,
+                        "state": {"terminated": {"exitCode": 1, "reason": "Error"}},
+                    }
+                ],
+            }
+            await client.CoreV1Api(k8s_api).patch_namespaced_pod_status("sim-decode-0-0", ns, {"status": status})
+
+            async def recreated() -> int | None:
+                endpoint = (await reg.endpoints(ns, "sim")).get("decode-0")
+                return endpoint.epoch if endpoint is not None and endpoint.epoch > before["decode-0"] else None
+
+            assert (
+                await eventually(recreated, "decode-0 recreated with a new epoch", within=90) == before["decode-0"] + 1
+            )
+            after = {p.metadata.name: p.metadata.uid for p in await pods(k8s_api, ns)}
+            assert after["sim-decode-0-0"] != uids["sim-decode-0-0"]
+            assert after["sim-prefill-0-0"] == uids["sim-prefill-0-0"]
+        finally:
+            await sdk.close()
+
+
+async def _serves(sdk: openai.AsyncOpenAI) -> bool:
+    try:
+        stream = await sdk.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
+        )
+        async for _ in stream:
+            pass
+    except openai.OpenAIError:
+        return False
+    return True
