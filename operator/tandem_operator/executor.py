@@ -20,18 +20,20 @@ from typing import Any
 from tandem.registry import Endpoint
 from tandem_operator.api.common import API_VERSION
 from tandem_operator.desired.naming import group_name, mooncake_cluster_id
+from tandem_operator.drain import DrainVerdict, drain_verdict
 from tandem_operator.fencing import Fence, stale_mooncake_keys
 from tandem_operator.k8s.apply import object_path
 from tandem_operator.k8s.events import Regarding, event_manifest
 from tandem_operator.k8s.kube import Kube
 from tandem_operator.metrics import FENCE_SECONDS, FENCES, RECOVERY_SECONDS
 from tandem_operator.observe import GroupKey, Pod, pod_facts
-from tandem_operator.planner import CreatePods, DeletePods
+from tandem_operator.planner import CreatePods, DeletePods, Drain
 from tandem_operator.reasons import EventType, Reason
 from tandem_operator.recovery import FenceRecord, fence_annotation, recovered
 from tandem_operator.registrar import Registrar
 from tandem_operator.registration import registry_changes
 from tandem_operator.state import ClusterState, FenceTiming
+from tandem_operator.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("tandem.operator")
 PARALLEL_WRITES = 16
@@ -51,6 +53,7 @@ class Executor:
     def __init__(self, state: ClusterState, kube: Kube, registrar: Registrar, instance: str) -> None:
         self.state, self.kube, self.registrar, self.instance = state, kube, registrar, instance
         self.registry_lock = asyncio.Lock()
+        self.worker_metrics = WorkerMetrics()
         self._background: set[asyncio.Task[Any]] = set()
 
     @property
@@ -123,10 +126,14 @@ class Executor:
         return await self.registrar.delete_stale(stale_mooncake_keys(facts, mooncake_cluster_id(self.state.ref)))
 
     # -- planner steps -----------------------------------------------------------------------------------------
-    async def delete(self, step: DeletePods) -> None:
+    async def delete(self, step: DeletePods) -> bool:
+        """Carry out a delete step; False while its group is still draining (pods kept, call again later)."""
         if step.unregister:
             self.state.retiring.add(step.group)
             await self.unregister(step.group)
+        if step.drain is not None and not await self._drained(step.group, step.drain):
+            return False
+        self.state.draining.pop(step.group, None)
         if step.delete_service:
             self.state.fenced.pop(step.group, None)  # a group that is going away will not recover
             await self.kube.delete(object_path(step.service))
@@ -139,6 +146,22 @@ class Executor:
             self.emit(
                 step.event, f"group {step.group.name}: deleting {len(step.pods)} pods ({step.reason.value})", "Delete"
             )
+        return True
+
+    async def _drained(self, group: GroupKey, drain: Drain) -> bool:
+        now = time.monotonic()
+        if group not in self.state.draining:
+            self.state.draining[group] = now
+            self.emit(Reason.DRAINING, f"group {group.name}: unregistered; waiting for in-flight work to end", "Drain")
+        elapsed = now - self.state.draining[group]
+        count = await self.worker_metrics.in_flight(drain.metrics_url)
+        verdict = drain_verdict(elapsed, count, drain.timeout_s)
+        if verdict is DrainVerdict.TIMED_OUT:
+            note = f"group {group.name}: {count} requests or transfers still in flight after {elapsed:.0f}s; deleting"
+            self.emit(Reason.DRAIN_TIMED_OUT, note, "Drain", EventType.WARNING)
+        elif verdict is DrainVerdict.DRAINED:
+            log.info("group drained", extra={"group": group.name, "seconds": round(elapsed, 2)})
+        return verdict is not DrainVerdict.WAIT
 
     async def create(self, step: CreatePods) -> None:
         service, *pods = step.manifests
@@ -204,6 +227,7 @@ class Executor:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def cancel_background(self) -> None:
+    async def close(self) -> None:
         for task in list(self._background):
             task.cancel()
+        await self.worker_metrics.close()

@@ -60,13 +60,21 @@ Action = CreateGroup | DeleteGroup
 _STATE_ORDER = {GroupState.BROKEN: 0, GroupState.INCOMPLETE: 1, GroupState.STARTING: 2, GroupState.READY: 3}
 
 
-def plan(desired: int, groups: Mapping[int, GroupView], template_hash: str, max_surge: int) -> list[Action]:
+def plan(
+    desired: int,
+    groups: Mapping[int, GroupView],
+    template_hash: str,
+    max_surge: int,
+    retiring: frozenset[int] = frozenset(),
+) -> list[Action]:
+    """``retiring``: groups already unregistered for a deletion (draining); they stay the first victims, so a
+    drain is never abandoned for another group."""
     actions: list[Action] = []
     rolling = any(g.template_hash != template_hash for g in groups.values())
     budget = desired + (max_surge if rolling else 0)
 
-    def victim_order(g: GroupView) -> tuple[int, int, int]:
-        return (_STATE_ORDER[g.state], g.template_hash == template_hash, -g.index)
+    def victim_order(g: GroupView) -> tuple[bool, int, bool, int]:
+        return (g.index not in retiring, _STATE_ORDER[g.state], g.template_hash == template_hash, -g.index)
 
     ordered = sorted(groups.values(), key=victim_order)
     surplus = ordered[: max(0, len(groups) - budget)]
@@ -80,7 +88,9 @@ def plan(desired: int, groups: Mapping[int, GroupView], template_hash: str, max_
     outdated = [g for g in remaining.values() if g.template_hash != template_hash and g.state is not GroupState.BROKEN]
     replaced = [g for g in outdated if g.state is not GroupState.READY]
     ready = sum(g.state is GroupState.READY for g in remaining.values())
-    ready_outdated = sorted((g for g in outdated if g.state is GroupState.READY), key=lambda g: -g.index)
+    ready_outdated = sorted(
+        (g for g in outdated if g.state is GroupState.READY), key=lambda g: (g.index not in retiring, -g.index)
+    )
     if ready_outdated:
         everything_ready = ready == len(remaining) == desired
         if ready - 1 >= desired or (max_surge == 0 and everything_ready):
@@ -102,6 +112,14 @@ def plan(desired: int, groups: Mapping[int, GroupView], template_hash: str, max_
 
 
 @dataclass(frozen=True)
+class Drain:
+    """Wait for the serving group's in-flight work to reach 0 (read at ``metrics_url``) before its pods go."""
+
+    metrics_url: str
+    timeout_s: float
+
+
+@dataclass(frozen=True)
 class DeletePods:
     """Retire or recreate one group: unregister (a deliberate retirement), stamp the next epoch on the Service
     (recreate or rollout) or delete the Service (scale-down), then delete the pods still alive."""
@@ -115,6 +133,7 @@ class DeletePods:
     pods: tuple[str, ...]  # members not already terminating
     grace_seconds: int | None  # 0 for a broken group (NCCL cannot lose a rank); None: the pod's own
     event: Reason
+    drain: Drain | None = None  # a serving group retired on purpose (scale-down, rollout)
 
 
 @dataclass(frozen=True)
@@ -178,6 +197,12 @@ def _delete_step(
         service = stamp_epoch(service, epoch)
     names = view.pods if view is not None else ()
     alive = tuple(n for n in names if not ((seen.pods.get(n) or {}).get("metadata") or {}).get("deletionTimestamp"))
+    drain = None
+    if reason is not DeleteReason.BROKEN and view is not None and view.state is GroupState.READY:
+        leader = next((f for f in (pod_facts(seen.pods.get(n) or {}) for n in names) if f and f.rank == 0), None)
+        if leader is not None and leader.ip:
+            url = f"http://{leader.ip}:{ctx.spec.role(ctx.role).ports.http}/metrics"
+            drain = Drain(url, ctx.spec.lifecycle.drain_timeout_seconds)
     return DeletePods(
         group=key,
         reason=reason,
@@ -188,6 +213,7 @@ def _delete_step(
         pods=alive,
         grace_seconds=0 if reason is DeleteReason.BROKEN else None,
         event=_DELETE_EVENTS[reason],
+        drain=drain,
     )
 
 

@@ -20,6 +20,8 @@ class Reason(StrEnum):
     SCALED_UP = "ScaledUp"
     SCALED_DOWN = "ScaledDown"
     ROLLOUT_STEP = "RolloutStep"
+    DRAINING = "Draining"
+    DRAIN_TIMED_OUT = "DrainTimedOut"
     INVALID_SPEC = "InvalidSpec"
     PAIR_QUARANTINED = "PairQuarantined"
     PAIR_RELEASED = "PairReleased"

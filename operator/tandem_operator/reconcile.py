@@ -106,7 +106,8 @@ class Reconciler:
                     pass
             await self.kube.apply(pool_manifest(ref, spec, role, create=False))
 
-    async def reconcile_once(self) -> None:
+    async def reconcile_once(self) -> bool:
+        """One pass; True when some group is still draining (the caller looks again after ``drain.POLL_S``)."""
         state, executor = self.state, self.executor
         ref, spec = state.ref, state.spec
         pools = await self.ensure_pools()
@@ -120,6 +121,7 @@ class Reconciler:
         lost = frozenset(self.lost_nodes())
         desired: dict[GroupKey, Endpoint] = {}
         roles = {}
+        draining = False
         for role in Role:
             pool = pools[role]
             owner = OwnerRef(API_VERSION, "PDPool", pool["metadata"]["name"], pool["metadata"]["uid"])
@@ -131,12 +133,14 @@ class Reconciler:
             views = apply_fences(role, views, {k: r.epoch for k, r in state.fenced.items()}, pod_epochs)
             state.retiring -= {k for k in state.retiring if k.role is role and k.index not in views}
             replicas = int(pool["spec"].get("replicas", 0))
-            actions = plan(replicas, views, ctx.template_hash, spec.role(role).max_surge_groups)
+            retiring = frozenset(k.index for k in state.retiring if k.role is role)
+            actions = plan(replicas, views, ctx.template_hash, spec.role(role).max_surge_groups, retiring)
             seen = Observed(state.pods, svc_epochs, pod_epochs, frozenset(state.fenced))
             role_steps = steps(ctx, actions, views, seen)
+            self._resume_abandoned_drains(role, {s.group for s in role_steps if isinstance(s, DeletePods)})
             for step in role_steps:
-                if isinstance(step, DeletePods):
-                    await executor.delete(step)
+                if isinstance(step, DeletePods) and not await executor.delete(step):
+                    draining = True
             await bounded([executor.create(s) for s in role_steps if isinstance(s, CreatePods)], PARALLEL_GROUPS)
             deleting = {s.group.index for s in role_steps if isinstance(s, DeletePods)}
             live = {i: v for i, v in views.items() if i not in deleting}
@@ -150,6 +154,14 @@ class Reconciler:
             await self.kube.apply(body, subresource="status")
         await executor.sync_registry(desired)
         await self._write_status(roles[Role.PREFILL], roles[Role.DECODE])
+        return draining
+
+    def _resume_abandoned_drains(self, role: Role, deleting: set[GroupKey]) -> None:
+        """A group drained for a deletion the plan no longer wants (scaled back up) serves again: it is no longer
+        retiring, so it is registered again (its pods were never touched)."""
+        for key in [k for k in self.state.draining if k.role is role and k not in deleting]:
+            del self.state.draining[key]
+            self.state.retiring.discard(key)
 
     async def _write_status(self, prefill: Any, decode: Any) -> None:
         state = self.state

@@ -21,6 +21,7 @@ import pydantic
 from tandem.registry import IntegrityReport
 from tandem_operator.api.pdcluster import PDClusterSpec, PDClusterStatus
 from tandem_operator.desired.naming import ClusterRef
+from tandem_operator.drain import POLL_S as DRAIN_POLL_S
 from tandem_operator.fencing import Fence, fence_decision, unroute_decision
 from tandem_operator.integrity import integrity_decision
 from tandem_operator.integrity_watch import IntegrityWatcher
@@ -89,7 +90,7 @@ class ClusterRuntime:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        self.executor.cancel_background()
+        await self.executor.close()
         if unregister:
             await self.registrar.remove_cluster(self.ref.namespace, self.ref.name)
 
@@ -158,7 +159,8 @@ class ClusterRuntime:
             await asyncio.sleep(self.options.debounce_seconds)  # coalesce a burst of events into one pass
             self._kick.clear()
             try:
-                await self.reconciler.reconcile_once()
+                if await self.reconciler.reconcile_once():  # groups still draining: look again soon
+                    asyncio.get_running_loop().call_later(DRAIN_POLL_S, self.kick)
                 self.reconciled.set()
             except asyncio.CancelledError:
                 raise

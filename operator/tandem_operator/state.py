@@ -39,6 +39,7 @@ class ClusterState:
     adopted: dict[GroupKey, Endpoint] = field(default_factory=dict)  # found in etcd at start (a previous operator's)
     fenced: dict[GroupKey, FenceRecord] = field(default_factory=dict)
     retiring: set[GroupKey] = field(default_factory=set)  # being deleted on purpose (scale-down, rollout)
+    draining: dict[GroupKey, float] = field(default_factory=dict)  # retiring, pods not deleted yet -> since (monotonic)
     recoveries: int = 0
     last_recovery_s: float | None = None
     fence_timings: list[FenceTiming] = field(default_factory=list)

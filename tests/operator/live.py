@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import os
 import sys
 from pathlib import Path
@@ -105,6 +106,26 @@ def router_process(etcd: str, namespace: str, cluster: str, port: int, log_dir: 
     argv += ["--cluster-namespace", namespace, "--cluster-name", cluster, "--health-interval-s", "0.5"]
     argv += ["--policy", "round_robin"]
     return ManagedProcess("router", argv, log_dir / "router.log")
+
+
+LOAD_CLIENT = Path(__file__).with_name("load_client.py")
+
+
+async def start_load(
+    base_url: str, model: str, streams: int, seconds: float, max_tokens: int = 16
+) -> asyncio.subprocess.Process:
+    """Streaming load through the router in its own process (tests/operator/load_client.py)."""
+    argv = [str(LOAD_CLIENT), base_url, model, str(streams), str(seconds), str(max_tokens)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return await asyncio.create_subprocess_exec(sys.executable, *argv, stdout=asyncio.subprocess.PIPE, env=env)
+
+
+async def load_result(load: asyncio.subprocess.Process, within: float) -> dict[str, Any]:
+    """The load client's JSON line: ok, cut_mid_stream, failed_before_first_byte."""
+    async with asyncio.timeout(within):
+        out, _ = await load.communicate()
+    result: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
+    return result
 
 
 async def pdc_status(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:

@@ -9,10 +9,6 @@ SGLang's default 20 s.
 
 from __future__ import annotations
 
-import asyncio
-import json
-import os
-import sys
 from pathlib import Path
 
 import openai
@@ -28,14 +24,15 @@ from tests.operator.live import (
     SHARED_NETNS_ENV,
     Registry,
     create_pdcluster,
+    load_result,
     operator_process,
     pdcluster,
     pods,
     router_process,
+    start_load,
 )
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(300)]
-LOAD = Path(__file__).with_name("load_client.py")
 MODEL = "kimi-k2.6-sim"
 ONE_NODE = {"groups": 1, "nodesPerGroup": 1, "gpusPerNode": 1, "tpSize": 1, "epSize": 1, "moeA2ABackend": "none"}
 
@@ -76,25 +73,15 @@ async def test_slow_health_leaves_rotation_and_returns_without_recreation_an_exi
         try:
             await eventually(lambda: _serves(sdk), "a completion through the router", within=60)
             async with readiness_prober(k8s_api, ns, "sim-decode-0-0") as transitions:
-                load = await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    str(LOAD),
-                    base_url,
-                    MODEL,
-                    "16",
-                    "30",
-                    stdout=asyncio.subprocess.PIPE,
-                    env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-                )
+                load = await start_load(base_url, MODEL, 16, 30)
 
                 async def unrouted() -> bool:
                     return "decode-0" not in await reg.endpoints(ns, "sim")
 
                 await eventually(unrouted, "decode-0 out of rotation while its /health is slow", within=60)
-                async with asyncio.timeout(90):
-                    out, _ = await load.communicate()
+                result = await load_result(load, within=90)
                 back = await eventually(registered, "decode-0 registered again once idle", within=60)
-            print(f"\nreadiness transitions {transitions}; load {json.loads(out.decode().splitlines()[-1])['ok']} ok")
+            print(f"\nreadiness transitions {transitions}; load {result}")
             assert back == before  # the same epochs: nothing was recreated
             assert {p.metadata.name: p.metadata.uid for p in await pods(k8s_api, ns)} == uids
             assert transitions[:2] == [False, True]

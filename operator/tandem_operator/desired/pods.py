@@ -15,6 +15,7 @@ from typing import Any
 from tandem.registry import Role
 from tandem_operator.api.pdcluster import DecodeSpec, PDClusterSpec, TransferProtocol
 from tandem_operator.desired.args import Placement, launch_command
+from tandem_operator.desired.drain_hook import EXIT_GRACE_S, prestop_command
 from tandem_operator.desired.naming import (
     ANNOTATION_BOOTSTRAP_PORT,
     COMMON_LABELS,
@@ -60,6 +61,11 @@ class RoleContext:
 
 def leader_address(ctx: RoleContext, group: int) -> str:
     return f"{group_name(ctx.cluster.name, ctx.role, group)}.{ctx.cluster.namespace}.svc"
+
+
+def _leader_metrics_url(ctx: RoleContext, group: int) -> str:
+    """The group leader's /metrics by its Service name (every rank's preStop reads the leader's gauges)."""
+    return f"http://{leader_address(ctx, group)}:{ctx.spec.role(ctx.role).ports.http}/metrics"
 
 
 def group_manifests(ctx: RoleContext, group: int) -> list[dict[str, Any]]:
@@ -251,6 +257,7 @@ def probes(ctx: RoleContext) -> dict[str, dict[str, Any]]:
 
 def group_pod(ctx: RoleContext, group: int, rank: int) -> dict[str, Any]:
     spec, role = ctx.spec, ctx.spec.role(ctx.role)
+    drain_s = spec.lifecycle.drain_timeout_seconds
     labels = {
         **group_labels(ctx.cluster.name, ctx.role, group),
         LABEL_RANK: str(rank),
@@ -276,11 +283,14 @@ def group_pod(ctx: RoleContext, group: int, rank: int) -> dict[str, Any]:
         "securityContext": security,
         "volumeMounts": mounts,
         **probes(ctx),
+        # Pods deleted by others (eviction, kubectl delete) wait for the group's in-flight work, as the operator's
+        # own drain does; the grace period leaves SGLang EXIT_GRACE_S after the hook.
+        "lifecycle": {"preStop": {"exec": {"command": prestop_command(_leader_metrics_url(ctx, group), drain_s)}}},
     }
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": drain_s + EXIT_GRACE_S,
         "containers": [container],
         "volumes": volumes,
         "affinity": _affinity(ctx, group, rank),

@@ -1,0 +1,106 @@
+"""Drain on the real control plane: ``kubectl scale pdpool/sim-decode`` down under streaming load loses 0 streams.
+
+The pod runner runs ``tandem sim`` behind each pod IP (decode at 20 ms per token, so a 100-token stream lasts
+~2 s and streams are in flight when the scale-down lands); the operator unregisters the retired decode group,
+waits for its leader's ``sglang:num_running_reqs`` and transfer gauges to reach 0, then deletes its pods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import openai
+import pytest
+from kubernetes_asyncio import client
+
+from tandem.devcluster.cluster import DevCluster
+from tandem.devcluster.podrunner import PodRunner
+from tandem.procs import ManagedProcess, free_port
+from tests.devcluster_fixtures import eventually
+from tests.operator.live import (
+    SHARED_NETNS_ENV,
+    Registry,
+    create_pdcluster,
+    load_result,
+    operator_process,
+    pdcluster,
+    pods,
+    router_process,
+    run_tool,
+    start_load,
+)
+
+pytestmark = [pytest.mark.k8s, pytest.mark.timeout(300)]
+MODEL = "kimi-k2.6-sim"
+ONE_NODE = {"nodesPerGroup": 1, "gpusPerNode": 1, "tpSize": 1, "epSize": 1, "moeA2ABackend": "none"}
+STREAMS, SECONDS, TOKENS = 16, 14.0, 100
+
+
+async def test_scale_down_under_streaming_load_loses_no_stream(
+    k8s_cluster: DevCluster,
+    k8s_api: client.ApiClient,
+    k8s_namespace: str,
+    tandem_crds: None,
+    etcd_endpoint: str,
+    tmp_path: Path,
+    proc_factory: list[ManagedProcess],
+) -> None:
+    ns = k8s_namespace
+    decode = {**ONE_NODE, "groups": 2, "env": SHARED_NETNS_ENV["decode"], "extraArgs": ["--sim-inter-token-ms=20"]}
+    proc_factory.append(operator_process(k8s_cluster, ns, etcd_endpoint, tmp_path, "op-drain").start())
+    await create_pdcluster(k8s_api, ns, pdcluster("sim", simulated=True, decode=decode))
+    (tmp_path / "pods").mkdir()
+    async with (
+        PodRunner(k8s_api, tmp_path / "pods", namespace=ns).running_in_background(),
+        Registry(etcd_endpoint) as reg,
+    ):
+
+        async def registered() -> list[str] | None:
+            groups = sorted(await reg.endpoints(ns, "sim"))
+            return groups if groups == ["decode-0", "decode-1", "prefill-0"] else None
+
+        await eventually(registered, "prefill-0, decode-0 and decode-1 registered", within=90)
+        port = free_port()
+        proc_factory.append(router_process(etcd_endpoint, ns, "sim", port, tmp_path).start())
+        base_url = f"http://127.0.0.1:{port}/v1"
+        sdk = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
+        try:
+
+            async def serves() -> bool:
+                try:
+                    await sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+                except openai.OpenAIError:
+                    return False
+                return True
+
+            await eventually(serves, "a completion through the router", within=60)
+        finally:
+            await sdk.close()
+        load = await start_load(base_url, MODEL, STREAMS, SECONDS, TOKENS)
+        await asyncio.sleep(4.0)  # every stream slot busy, both decodes streaming
+        scaled = time.monotonic()
+        await run_tool(k8s_cluster, "kubectl", "-n", ns, "scale", "pdpool/sim-decode", "--replicas=1")
+
+        async def unregistered() -> bool:
+            return "decode-1" not in await reg.endpoints(ns, "sim")
+
+        await eventually(unregistered, "decode-1 unregistered", within=30)
+        unregistered_s = time.monotonic() - scaled
+
+        async def gone() -> bool:
+            return not [p for p in await pods(k8s_api, ns) if p.metadata.name.startswith("sim-decode-1-")]
+
+        await eventually(gone, "decode-1's pods deleted after the drain", within=120)
+        deleted_s = time.monotonic() - scaled
+        result = await load_result(load, within=SECONDS + 90)
+    print(
+        f"\nscale-down: unregistered {unregistered_s:.2f} s, pods deleted {deleted_s:.2f} s after kubectl scale; "
+        f"load {result['ok']} ok, {result['cut_mid_stream']} cut mid-stream, "
+        f"{len(result['failed_before_first_byte'])} failed before a byte"
+    )
+    assert result["cut_mid_stream"] == 0
+    assert result["failed_before_first_byte"] == []
+    assert result["ok"] > STREAMS
+    assert deleted_s > unregistered_s
