@@ -81,9 +81,10 @@ async def test_executor_unregisters_before_deleting_pods_and_posts_the_event() -
     registrar = FakeRegistrar(log)
     state = ClusterState(CLUSTER, SPEC)
     executor = Executor(state, kube, registrar, "test")
-    view, seen = group(GroupState.READY)
+    view, seen = group(GroupState.STARTING)  # never served: nothing to drain (tests/operator/test_drain.py)
     (step,) = steps(CTX, [DeleteGroup(1, DeleteReason.SCALE_DOWN)], {1: view}, seen)
     assert isinstance(step, DeletePods)
+    assert step.drain is None
     original = kube.delete
 
     async def delete(path: str, grace_seconds: int | None = None) -> bool:
