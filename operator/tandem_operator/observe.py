@@ -25,6 +25,7 @@ from tandem_operator.desired.naming import (
     LABEL_CLUSTER,
     LABEL_GROUP,
     LABEL_RANK,
+    LABEL_REVISION,
     LABEL_ROLE,
     LABEL_TEMPLATE_HASH,
 )
@@ -131,6 +132,7 @@ class GroupView:
     state: GroupState
     template_hash: str  # "" when the ranks disagree (a half-rolled group counts as outdated)
     pods: tuple[str, ...]
+    revision: str = ""  # compatibility revision of its pods ("" when the ranks disagree)
 
 
 def is_ready(pod: Pod) -> bool:
@@ -181,6 +183,7 @@ def _group_view(index: int, pods: list[Pod], nodes_per_group: int, lost_nodes: f
     health = [pod_health(pod, lost_nodes) for pod in pods]
     ranks = {int(pod["metadata"]["labels"][LABEL_RANK]) for pod in pods}
     hashes = {pod["metadata"]["labels"].get(LABEL_TEMPLATE_HASH, "") for pod in pods}
+    revisions = {pod["metadata"]["labels"].get(LABEL_REVISION, "") for pod in pods}
     missing = set(range(nodes_per_group)) - ranks
     if PodHealth.DEAD in health or (missing and PodHealth.READY in health):
         state = GroupState.BROKEN
@@ -191,4 +194,5 @@ def _group_view(index: int, pods: list[Pod], nodes_per_group: int, lost_nodes: f
     else:
         state = GroupState.STARTING
     names = tuple(sorted(pod["metadata"]["name"] for pod in pods))
-    return GroupView(index, state, hashes.pop() if len(hashes) == 1 else "", names)
+    revision = revisions.pop() if len(revisions) == 1 else ""
+    return GroupView(index, state, hashes.pop() if len(hashes) == 1 else "", names, revision)

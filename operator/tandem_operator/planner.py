@@ -10,7 +10,9 @@ Rules, in order:
    once (they serve nothing). A Ready outdated group is deleted only when the role still has ``desired`` Ready
    groups without it: with ``maxSurgeGroups: 1`` a new group is created first (step 4) and the old one goes
    when the new one is Ready; with ``0`` the old one goes only when every group is Ready, and its replacement
-   is created at once.
+   is created at once. When the rollout changes the compatibility revision (model, image, transfer), the last
+   Ready group of the old revision is kept until the other role has a Ready group of the new one (``peer_ready``),
+   so routers, which pair equal revisions only, always have a pair (with ``maxSurgeGroups: 1``).
 4. **Fill** up to ``desired`` (``desired + 1`` while surging, only when every current group is Ready, so one new
    group starts at a time) at the lowest free indices; INCOMPLETE current groups get their missing pods.
 
@@ -66,9 +68,11 @@ def plan(
     template_hash: str,
     max_surge: int,
     retiring: frozenset[int] = frozenset(),
+    revisions: tuple[str, frozenset[str]] | None = None,
 ) -> list[Action]:
     """``retiring``: groups already unregistered for a deletion (draining); they stay the first victims, so a
-    drain is never abandoned for another group."""
+    drain is never abandoned for another group. ``revisions``: the current compatibility revision and those of
+    the other role's Ready groups (None: no revision rule)."""
     actions: list[Action] = []
     rolling = any(g.template_hash != template_hash for g in groups.values())
     budget = desired + (max_surge if rolling else 0)
@@ -91,6 +95,8 @@ def plan(
     ready_outdated = sorted(
         (g for g in outdated if g.state is GroupState.READY), key=lambda g: (g.index not in retiring, -g.index)
     )
+    if ready_outdated and max_surge > 0 and revisions is not None:
+        ready_outdated = [g for g in ready_outdated if _may_retire(g, ready_outdated, *revisions)]
     if ready_outdated:
         everything_ready = ready == len(remaining) == desired
         if ready - 1 >= desired or (max_surge == 0 and everything_ready):
@@ -109,6 +115,13 @@ def plan(
     free = (i for i in range(len(groups) + target + 1) if i not in groups)
     actions += [CreateGroup(next(free)) for _ in range(max(0, target - live))]
     return actions
+
+
+def _may_retire(group: GroupView, ready_outdated: list[GroupView], current: str, peer_ready: frozenset[str]) -> bool:
+    """Keep the last Ready group of an old revision while the other role has no Ready group of the current one."""
+    if group.revision == current or current in peer_ready:
+        return True
+    return sum(g.revision == group.revision for g in ready_outdated) > 1
 
 
 @dataclass(frozen=True)

@@ -119,22 +119,20 @@ class Reconciler:
         for key, (epoch, reason) in resumed_fences(service_fences(services), state.fenced, pod_epochs).items():
             state.fenced[key] = FenceRecord(epoch, reason, time.monotonic())  # fenced before this operator started
         lost = frozenset(self.lost_nodes())
+        observed = {role: await self._observe(role, pod_epochs, lost) for role in Role}
         desired: dict[GroupKey, Endpoint] = {}
         roles = {}
         draining = False
         for role in Role:
-            pool = pools[role]
+            pool, views = pools[role], observed[role]
             owner = OwnerRef(API_VERSION, "PDPool", pool["metadata"]["name"], pool["metadata"]["uid"])
             ctx = RoleContext.build(ref, spec, role, owner)
-            role_pods = state.role_pods(role)
-            views = group_views(role_pods, spec.role(role).nodes_per_group, lost)
-            stuck = stuck_groups(role, views, state.pods, datetime.now(UTC), spec.lifecycle.start_deadline_seconds)
-            await self._fence(role, views, stuck, pod_epochs, lost)
-            views = apply_fences(role, views, {k: r.epoch for k, r in state.fenced.items()}, pod_epochs)
-            state.retiring -= {k for k in state.retiring if k.role is role and k.index not in views}
             replicas = int(pool["spec"].get("replicas", 0))
             retiring = frozenset(k.index for k in state.retiring if k.role is role)
-            actions = plan(replicas, views, ctx.template_hash, spec.role(role).max_surge_groups, retiring)
+            peer = Role.DECODE if role is Role.PREFILL else Role.PREFILL
+            peer_ready = frozenset(v.revision for v in observed[peer].values() if v.state is GroupState.READY)
+            surge = spec.role(role).max_surge_groups
+            actions = plan(replicas, views, ctx.template_hash, surge, retiring, (ctx.revision, peer_ready))
             seen = Observed(state.pods, svc_epochs, pod_epochs, frozenset(state.fenced))
             role_steps = steps(ctx, actions, views, seen)
             self._resume_abandoned_drains(role, {s.group for s in role_steps if isinstance(s, DeletePods)})
@@ -145,7 +143,7 @@ class Reconciler:
             deleting = {s.group.index for s in role_steps if isinstance(s, DeletePods)}
             live = {i: v for i, v in views.items() if i not in deleting}
             fenced = {k: r.epoch for k, r in state.fenced.items()}
-            desired.update(desired_endpoints(spec, role, live, role_pods, fenced))
+            desired.update(desired_endpoints(spec, role, live, state.role_pods(role), fenced))
             roles[role] = role_status(views, replicas, ctx.template_hash)
             generation = int(pool["metadata"].get("generation", 0))
             labels = selector_string(role_labels(ref.name, role))
@@ -155,6 +153,15 @@ class Reconciler:
         await executor.sync_registry(desired)
         await self._write_status(roles[Role.PREFILL], roles[Role.DECODE])
         return draining
+
+    async def _observe(self, role: Role, pod_epochs: dict[GroupKey, int], lost: frozenset[str]) -> dict[int, GroupView]:
+        """The role's groups, after fencing the dead and stuck ones (a fenced group reads BROKEN)."""
+        state, spec = self.state, self.state.spec
+        views = group_views(state.role_pods(role), spec.role(role).nodes_per_group, lost)
+        stuck = stuck_groups(role, views, state.pods, datetime.now(UTC), spec.lifecycle.start_deadline_seconds)
+        await self._fence(role, views, stuck, pod_epochs, lost)
+        state.retiring -= {k for k in state.retiring if k.role is role and k.index not in views}
+        return apply_fences(role, views, {k: r.epoch for k, r in state.fenced.items()}, pod_epochs)
 
     def _resume_abandoned_drains(self, role: Role, deleting: set[GroupKey]) -> None:
         """A group drained for a deletion the plan no longer wants (scaled back up) serves again: it is no longer

@@ -1,0 +1,115 @@
+"""Revision-coherent pairs on the real control plane: roll the worker image under streaming load; the router never
+pairs across revisions and no request fails.
+
+Changing ``spec.images.worker`` changes the compatibility revision of both roles. Each role creates a group of
+the new revision first (``maxSurgeGroups: 1``); an old group is retired (unregistered, drained, deleted) only
+once the other role has a Ready group of the new revision, so the router always has an old/old or new/new pair.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import aiohttp
+import pytest
+from kubernetes_asyncio import client
+from prometheus_client.parser import text_string_to_metric_families
+
+from tandem.devcluster.cluster import DevCluster
+from tandem.devcluster.podrunner import PodRunner
+from tandem.procs import ManagedProcess, free_port
+from tests.devcluster_fixtures import eventually
+from tests.operator.live import (
+    GROUP,
+    SHARED_NETNS_ENV,
+    VERSION,
+    Registry,
+    create_pdcluster,
+    load_result,
+    operator_process,
+    pdcluster,
+    pods,
+    router_process,
+    start_load,
+)
+
+pytestmark = [pytest.mark.k8s, pytest.mark.timeout(300)]
+MODEL = "kimi-k2.6-sim"
+ONE_NODE = {"groups": 1, "nodesPerGroup": 1, "gpusPerNode": 1, "tpSize": 1, "epSize": 1, "moeA2ABackend": "none"}
+
+
+async def _dispatches(url: str) -> dict[tuple[str, str], float]:
+    async with aiohttp.ClientSession() as session, session.get(url) as resp:
+        text = await resp.text()
+    found: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "tandem_router_pair_dispatches":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    key = (sample.labels["prefill_revision"], sample.labels["decode_revision"])
+                    found[key] = sample.value
+    return found
+
+
+async def test_rolling_the_worker_image_under_load_never_pairs_across_revisions(
+    k8s_cluster: DevCluster,
+    k8s_api: client.ApiClient,
+    k8s_namespace: str,
+    tandem_crds: None,
+    etcd_endpoint: str,
+    tmp_path: Path,
+    proc_factory: list[ManagedProcess],
+) -> None:
+    ns = k8s_namespace
+    prefill = {**ONE_NODE, "env": SHARED_NETNS_ENV["prefill"]}
+    decode = {**ONE_NODE, "env": SHARED_NETNS_ENV["decode"], "extraArgs": ["--sim-inter-token-ms=20"]}
+    proc_factory.append(operator_process(k8s_cluster, ns, etcd_endpoint, tmp_path, "op-roll").start())
+    await create_pdcluster(k8s_api, ns, pdcluster("sim", simulated=True, prefill=prefill, decode=decode))
+    (tmp_path / "pods").mkdir()
+    async with (
+        PodRunner(k8s_api, tmp_path / "pods", namespace=ns).running_in_background(),
+        Registry(etcd_endpoint) as reg,
+    ):
+
+        async def revisions() -> set[str]:
+            return {e.revision for e in (await reg.endpoints(ns, "sim")).values()}
+
+        async def one_revision_serving() -> str | None:
+            entries = await reg.endpoints(ns, "sim")
+            found = {e.revision for e in entries.values()}
+            return found.pop() if sorted(entries) == ["decode-0", "prefill-0"] and len(found) == 1 else None
+
+        old = await eventually(one_revision_serving, "prefill-0 and decode-0 registered", within=90)
+        port = free_port()
+        proc_factory.append(router_process(etcd_endpoint, ns, "sim", port, tmp_path).start())
+        base_url = f"http://127.0.0.1:{port}/v1"
+
+        async def serves() -> bool:
+            probe = await start_load(base_url, MODEL, 1, 0.1)
+            return bool((await load_result(probe, within=30))["ok"] == 1)
+
+        await eventually(serves, "a completion through the router", within=60)
+        load = await start_load(base_url, MODEL, 8, 45.0, max_tokens=50)
+        await asyncio.sleep(3.0)
+        patch = {"spec": {"images": {"worker": "tandem-sglang-worker:0.5.23-rollout"}}}
+        await client.CustomObjectsApi(k8s_api).patch_namespaced_custom_object(
+            GROUP, VERSION, ns, "pdclusters", "sim", patch
+        )
+
+        async def rolled() -> str | None:
+            found = await revisions()
+            names = [p.metadata.name for p in await pods(k8s_api, ns)]
+            new = found - {old}
+            done = len(found) == 1 and new and sorted(names) == ["sim-decode-1-0", "sim-prefill-1-0"]
+            return new.pop() if done else None
+
+        new = await eventually(rolled, "both roles rolled to the new revision and the old pods gone", within=150)
+        result = await load_result(load, within=120)
+    dispatches = await _dispatches(f"http://127.0.0.1:{port}/metrics")
+    print(f"\nrollout {old} -> {new}: load {result}; dispatches by (prefill, decode) revision {dispatches}")
+    assert [pair for pair in dispatches if pair[0] != pair[1]] == []  # never across revisions
+    assert dispatches.get((old, old), 0) > 0
+    assert dispatches.get((new, new), 0) > 0
+    assert result["failed_before_first_byte"] == []
+    assert result["cut_mid_stream"] == 0
