@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,21 +31,64 @@ def binary(name: str) -> str:
     return found
 
 
+def _label_name(key: str) -> str:
+    """A Kubernetes label key as Prometheus' service discovery names it (invalid characters become ``_``)."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", key)
+
+
+def pod_monitor_scrape_config(monitor: dict[str, Any], kubeconfig: Path) -> dict[str, Any]:
+    """What the Prometheus Operator generates for a ``PodMonitor`` (its first endpoint): Kubernetes pod discovery,
+    kept by the selector's labels and the named container port, with ``namespace`` and ``pod`` target labels."""
+    spec = monitor["spec"]
+    endpoint = spec["podMetricsEndpoints"][0]
+    keep = [
+        {
+            "source_labels": [f"__meta_kubernetes_pod_label_{_label_name(key)}"],
+            "regex": re.escape(str(value)),
+            "action": "keep",
+        }
+        for key, value in spec["selector"]["matchLabels"].items()
+    ]
+    keep.append(
+        {"source_labels": ["__meta_kubernetes_pod_container_port_name"], "regex": endpoint["port"], "action": "keep"}
+    )
+    targets = [
+        {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
+        {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
+    ]
+    discovery: dict[str, Any] = {"role": "pod", "kubeconfig_file": str(kubeconfig)}
+    names = (spec.get("namespaceSelector") or {}).get("matchNames")
+    if names:
+        discovery["namespaces"] = {"names": list(names)}
+    meta = monitor["metadata"]
+    return {
+        "job_name": f"podMonitor/{meta['namespace']}/{meta['name']}/0",
+        "metrics_path": endpoint.get("path", "/metrics"),
+        "kubernetes_sd_configs": [discovery],
+        "relabel_configs": [*keep, *targets],
+    }
+
+
 @dataclass
 class Prometheus:
     url: str
     proc: ManagedProcess
 
     @classmethod
-    def start(cls, tmp_path: Path, targets: dict[str, str], procs: list[ManagedProcess]) -> Prometheus:
-        """Scrape ``job -> host:port`` every second; loopback only."""
+    def start(
+        cls,
+        tmp_path: Path,
+        targets: dict[str, str],
+        procs: list[ManagedProcess],
+        scrape_configs: Sequence[dict[str, Any]] = (),
+    ) -> Prometheus:
+        """Scrape ``job -> host:port`` (and ``scrape_configs``) every second; loopback only."""
         tmp_path.mkdir(parents=True, exist_ok=True)
+        static = [{"job_name": job, "static_configs": [{"targets": [target]}]} for job, target in targets.items()]
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(rules_file(tmp_path / "tandem-rules.yaml"))],
-            "scrape_configs": [
-                {"job_name": job, "static_configs": [{"targets": [target]}]} for job, target in targets.items()
-            ],
+            "scrape_configs": [*static, *scrape_configs],
         }
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
         port = free_port()
@@ -69,6 +114,11 @@ class Prometheus:
         data = await self._get("/api/v1/query", query=expr)
         result: list[dict[str, Any]] = data["result"]
         return result
+
+    async def targets(self) -> list[dict[str, Any]]:
+        data = await self._get("/api/v1/targets")
+        active: list[dict[str, Any]] = data["activeTargets"]
+        return active
 
     async def targets_up(self) -> dict[str, str]:
         data = await self._get("/api/v1/targets")
