@@ -19,6 +19,7 @@ from tandem import registry
 from tandem.devcluster.cluster import DevCluster
 from tandem.procs import ManagedProcess
 from tandem_operator.recovery import fence_annotation
+from tandem_operator.render import InvalidClusterError, render
 from tests.devcluster_fixtures import eventually
 from tests.operator.live import (
     Registry,
@@ -114,6 +115,16 @@ async def test_a_pdcluster_becomes_ready_with_the_right_pods_and_scales(
         ({"decode": {"groups": 1, "nodesPerGroup": 2, "gpusPerNode": 1, "tpSize": 4}}, "spec.decode", "tpSize"),
         ({"transfer": {"protocol": "rdma"}}, "spec.transfer.ibDevices", "protocol rdma needs ibDevices"),
         ({"router": {"policy": "least_load"}}, "spec.router.policy", "Unsupported value"),
+        (
+            {"prefill": {"groups": 1, "gpusPerNode": 1, "tpSize": 1, "epSize": 1, "moeA2ABackend": "deepep"}},
+            "spec.prefill.epSize",
+            "moeA2ABackend deepep needs epSize == tpSize",
+        ),
+        (
+            {"lifecycle": {"modelLoadTimeoutSeconds": 7200, "startDeadlineSeconds": 3600}},
+            "spec.lifecycle.startDeadlineSeconds",
+            "startDeadlineSeconds must exceed modelLoadTimeoutSeconds",
+        ),
     ],
 )
 async def test_invalid_specs_are_rejected_by_the_api_server_with_field_paths(
@@ -132,6 +143,10 @@ async def test_invalid_specs_are_rejected_by_the_api_server_with_field_paths(
     assert code != 0
     assert field in err, err
     assert message in err, err
+    with pytest.raises(InvalidClusterError) as offline:  # tandem render: the same field paths and messages
+        render(manifest, k8s_namespace)
+    for line in offline.value.messages:
+        assert line in err, (line, err)
 
 
 async def test_a_restarted_operator_keeps_pods_and_registrations_and_finishes_a_recorded_fence(

@@ -14,6 +14,7 @@ Everything else about a role (parallelism, images, transfer, placement) comes fr
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import Annotated, Literal
 
@@ -59,6 +60,24 @@ MANAGED_FLAGS = (
     "--disaggregation-decode-enable-offload-kvcache",
 )
 _MANAGED_CEL = "[" + ", ".join(f"'{flag}'" for flag in MANAGED_FLAGS) + "]"
+
+# Child names are "<cluster>-<role>-<group>-<rank>" (pods) and "<cluster>-<role>-<group>" (Services, DNS labels
+# of at most 63 characters): "-prefill-999-63" adds 15 characters, so 48 keeps every name valid.
+MAX_CLUSTER_NAME = 48
+_DNS_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+# Rules on the whole object (``self`` is the PDCluster; ``check`` gets its name).
+CLUSTER_NAME_RULES = (
+    Rule(
+        cel=f"self.metadata.name.matches('{_DNS_LABEL}')",
+        message="metadata.name must be a DNS label (lowercase letters, digits, '-'): Services derive from it",
+        check=lambda name: re.fullmatch(_DNS_LABEL, name) is not None,
+    ),
+    Rule(
+        cel=f"self.metadata.name.size() <= {MAX_CLUSTER_NAME}",
+        message=f"metadata.name must be at most {MAX_CLUSTER_NAME} characters (pod and Service names derive from it)",
+        check=lambda name: len(name) <= MAX_CLUSTER_NAME,
+    ),
+)
 
 ExtraArg = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 IbDevice = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)]
