@@ -137,6 +137,7 @@ class Executor:
         if step.delete_service:
             self.state.fenced.pop(step.group, None)  # a group that is going away will not recover
             await self.kube.delete(object_path(step.service))
+            await bounded([self.kube.delete(object_path(extra)) for extra in step.extras])
         elif step.stamp_service:
             await self.kube.apply(step.service)
         await bounded(
@@ -164,11 +165,12 @@ class Executor:
         return verdict is not DrainVerdict.WAIT
 
     async def create(self, step: CreatePods) -> None:
-        service, *pods = step.manifests
+        service, *others = step.manifests
         await self.kube.apply(service)
-        await bounded([self.kube.apply(pod) for pod in pods])
+        await bounded([self.kube.apply(manifest) for manifest in others])
         if step.event is not None:
-            self.emit(step.event, f"group {step.group.name} epoch {step.epoch}: creating {len(pods)} pods", "Create")
+            pods = sum(m["kind"] == "Pod" for m in others)
+            self.emit(step.event, f"group {step.group.name} epoch {step.epoch}: creating {pods} pods", "Create")
 
     # -- the registry ------------------------------------------------------------------------------------------
     async def sync_registry(self, desired: dict[GroupKey, Endpoint]) -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from tandem_operator.desired.pods import RoleContext, group_pod, group_service
+from tandem_operator.desired.pods import RoleContext, group_extras, group_pod, group_service
 from tandem_operator.observe import GroupKey, GroupState, GroupView, Pod, pod_facts
 from tandem_operator.reasons import Reason
 from tandem_operator.recovery import stamp_epoch
@@ -141,21 +141,23 @@ class DeletePods:
     reason: DeleteReason
     unregister: bool
     service: dict[str, Any]  # the group's Service, stamped with the next epoch unless it is deleted
-    delete_service: bool
+    delete_service: bool  # with the group's other objects (``extras``)
     stamp_service: bool  # apply ``service`` (its epoch changed) before the pods go
     pods: tuple[str, ...]  # members not already terminating
     grace_seconds: int | None  # 0 for a broken group (NCCL cannot lose a rank); None: the pod's own
     event: Reason
     drain: Drain | None = None  # a serving group retired on purpose (scale-down, rollout)
+    extras: tuple[dict[str, Any], ...] = ()  # PodDisruptionBudget, PodGroup: deleted with the Service
 
 
 @dataclass(frozen=True)
 class CreatePods:
-    """Apply the group's Service and its missing ranks, all stamped with ``epoch``."""
+    """Apply the group's Service, its other objects (PodDisruptionBudget, PodGroup) and its missing ranks; the
+    Service and pods are stamped with ``epoch``."""
 
     group: GroupKey
     epoch: int
-    manifests: tuple[dict[str, Any], ...]  # the Service first, then the pods
+    manifests: tuple[dict[str, Any], ...]  # the Service first, then the group's other objects, then the pods
     event: Reason | None  # None when only missing ranks of an existing group are added
 
 
@@ -227,6 +229,7 @@ def _delete_step(
         grace_seconds=0 if reason is DeleteReason.BROKEN else None,
         event=_DELETE_EVENTS[reason],
         drain=drain,
+        extras=tuple(group_extras(ctx, key.index)) if reason is DeleteReason.SCALE_DOWN else (),
     )
 
 
@@ -244,4 +247,5 @@ def _create_step(
     event = None
     if view is None:
         event = Reason.GROUP_RECREATING if key in seen.fenced else Reason.SCALED_UP
-    return CreatePods(key, epoch, (stamp_epoch(group_service(ctx, key.index), epoch), *pods), event)
+    service = stamp_epoch(group_service(ctx, key.index), epoch)
+    return CreatePods(key, epoch, (service, *group_extras(ctx, key.index), *pods), event)

@@ -96,7 +96,7 @@ async def test_executor_unregisters_then_waits_for_zero_in_flight_before_deletin
     assert await executor.delete(step) is False  # 5 requests still in flight
     assert kube.verbs("delete") == []
     assert await executor.delete(step) is True  # drained: now the Service and pods go
-    assert [c[1].split("/")[-2] for c in kube.verbs("delete")] == ["services", "pods", "pods"]
+    assert [c[1].split("/")[-2] for c in kube.verbs("delete")] == ["services", "poddisruptionbudgets", "pods", "pods"]
     assert key not in state.draining
     await executor.close()
 

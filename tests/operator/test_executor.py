@@ -64,8 +64,9 @@ def test_new_group_is_created_at_the_service_epoch_with_a_scale_up_event() -> No
     assert step.epoch == 4
     assert step.event is Reason.SCALED_UP
     kinds = [m["kind"] for m in step.manifests]
-    assert kinds == ["Service", *["Pod"] * NODES]
-    assert {m["metadata"]["annotations"]["tandem.dev/epoch"] for m in step.manifests} == {"4"}
+    assert kinds == ["Service", "PodDisruptionBudget", *["Pod"] * NODES]
+    stamped = [m for m in step.manifests if m["kind"] in ("Service", "Pod")]
+    assert {m["metadata"]["annotations"]["tandem.dev/epoch"] for m in stamped} == {"4"}
 
 
 def test_a_fenced_group_recreated_reports_recreating() -> None:
@@ -95,7 +96,7 @@ async def test_executor_unregisters_before_deleting_pods_and_posts_the_event() -
     await executor.delete(step)
     await asyncio.sleep(0)  # the Event is posted in the background
     assert log[0] == ("unregister", "decode-1", None)
-    assert [c[1].rsplit("/", 2)[-2] for c in log[1:]] == ["services", *["pods"] * NODES]
+    assert [c[1].rsplit("/", 2)[-2] for c in log[1:]] == ["services", "poddisruptionbudgets", *["pods"] * NODES]
     assert KEY in state.retiring
     (event,) = kube.verbs("post")
     assert event[2]["reason"] == "ScaledDown"
@@ -108,4 +109,4 @@ async def test_executor_applies_the_service_before_the_pods() -> None:
     assert isinstance(step, CreatePods)
     await executor.create(step)
     applied = [c[2]["kind"] for c in kube.verbs("apply")]
-    assert applied == ["Service", *["Pod"] * NODES]
+    assert applied == ["Service", "PodDisruptionBudget", *["Pod"] * NODES]

@@ -71,7 +71,7 @@ def test_cli_prints_yaml_and_fails_with_messages(tmp_path: Path) -> None:
     assert ok.returncode == 0, ok.stderr
     assert {d["metadata"]["namespace"] for d in yaml.safe_load_all(ok.stdout)} == {"llm"}
     bad = tmp_path / "bad.yaml"
-    bad.write_text(KIMI.read_text().replace("epSize: 16", "epSize: 4"))
+    bad.write_text(KIMI.read_text().replace("attnDpSize: 8", "attnDpSize: 3"))
     failed = subprocess.run(
         [sys.executable, "-m", "tandem.cli", "render", "-f", str(bad)],
         capture_output=True,
@@ -80,5 +80,5 @@ def test_cli_prints_yaml_and_fails_with_messages(tmp_path: Path) -> None:
         check=False,
     )
     assert failed.returncode == 1
-    assert 'spec.decode.epSize: Invalid value: "object": moeA2ABackend deepep needs epSize == tpSize' in failed.stderr
+    assert 'spec.decode.attnDpSize: Invalid value: "object": attnDpSize must divide tpSize' in failed.stderr
     assert failed.stdout == ""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, StringConstraints
 
@@ -33,7 +33,17 @@ from tandem_operator.api.common import (
     Toleration,
 )
 from tandem_operator.api.lifecycle import LifecycleSpec
+from tandem_operator.api.recipe import (
+    GangSchedulingSpec,
+    HiCacheSpec,
+    JitCacheSpec,
+    MooncakeStoreSpec,
+    SpeculativeSpec,
+    WeightCacheSpec,
+)
 from tandem_operator.api.rules import CrdModel, Rule, immutable
+from tandem_operator.api.transfer import TransferProtocol as TransferProtocol
+from tandem_operator.api.transfer import TransferSpec as TransferSpec
 
 # Flags the operator computes from the spec; extraArgs may not set them (they would silently fight).
 MANAGED_FLAGS = (
@@ -58,6 +68,10 @@ MANAGED_FLAGS = (
     "--deepep-mode",
     "--hicache-storage-backend",
     "--disaggregation-decode-enable-offload-kvcache",
+    "--enable-hierarchical-cache",
+    "--hicache-size",
+    "--speculative-algorithm",
+    "--speculative-draft-model-path",
 )
 _MANAGED_CEL = "[" + ", ".join(f"'{flag}'" for flag in MANAGED_FLAGS) + "]"
 
@@ -80,7 +94,6 @@ CLUSTER_NAME_RULES = (
 )
 
 ExtraArg = Annotated[str, StringConstraints(min_length=1, max_length=256)]
-IbDevice = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)]
 EtcdEndpoint = Annotated[str, StringConstraints(pattern=r"^https?://[^/\s]+$", max_length=253)]
 
 
@@ -88,11 +101,6 @@ class DeepEPMode(StrEnum):
     NORMAL = "normal"
     LOW_LATENCY = "low_latency"
     AUTO = "auto"
-
-
-class TransferProtocol(StrEnum):
-    RDMA = "rdma"
-    TCP = "tcp"
 
 
 class ModelSpec(CrdModel):
@@ -112,6 +120,26 @@ class ModelSpec(CrdModel):
         description="PersistentVolumeClaim holding the weights, mounted read-only at mountPath (point path at it).",
     )
     mount_path: str = Field(default="/models", pattern=r"^/", max_length=1024)
+    context_length: int | None = Field(default=None, ge=1, le=4194304, description="--context-length.")
+    speculative: SpeculativeSpec = Field(default_factory=SpeculativeSpec, description="EAGLE3 speculative decoding.")
+    weight_cache: WeightCacheSpec | None = Field(
+        default=None, description="Node-local weights (hostPath, prefetched); path then names the copy in it."
+    )
+
+    cel_rules = (
+        Rule(
+            cel="!has(self.weightCache) || !has(self.pvc)",
+            message="model.weightCache and model.pvc both mount at mountPath: use one",
+            check=lambda s: s.weight_cache is None or s.pvc is None,
+            field_path=".weightCache",
+        ),
+        Rule(
+            cel="!has(self.weightCache) || self.path.startsWith(self.mountPath + '/')",
+            message="with weightCache, path must be the local copy under mountPath (e.g. /models/Kimi-K2.6)",
+            check=lambda s: s.weight_cache is None or s.path.startswith(s.mount_path + "/"),
+            field_path=".path",
+        ),
+    )
 
 
 class ImagesSpec(CrdModel):
@@ -140,14 +168,23 @@ class PoolSpec(CrdModel):
     tp_size: int = Field(default=8, ge=1, le=1024, description="--tp-size over the whole group.")
     ep_size: int = Field(default=8, ge=1, le=1024, description="--ep-size (expert parallelism).")
     attn_dp_size: int = Field(default=1, ge=1, le=1024, description="--attn-dp-size (attention data parallelism).")
-    moe_a2a_backend: Literal["deepep", "none"] = "deepep"
+    moe_a2a_backend: Literal["deepep", "none"] = Field(
+        default="none",
+        description="MoE all-to-all: none (SGLang's standard dispatch; the only one Kimi K2.6's INT4 W4A16 Marlin "
+        "MoE takes in SGLang 0.5.23) or deepep (FP8/BF16 checkpoints).",
+    )
     deepep_mode: DeepEPMode = DeepEPMode.AUTO
     enable_eplb: bool = False
     ep_num_redundant_experts: int = Field(default=0, ge=0, le=1024)
     moe_dense_tp_size: Literal[1] | None = None
     enable_dp_lm_head: bool = False
     enable_two_batch_overlap: bool = False
-    chunked_prefill_size: int | None = Field(default=None, ge=1)
+    chunked_prefill_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="Chunked-prefill tokens per attention-DP rank: the operator passes this x attnDpSize, since "
+        "SGLang divides --chunked-prefill-size by attn_dp_size (sglang/srt/arg_groups/parallel_hook.py).",
+    )
     mem_fraction_static: float | None = Field(default=None, gt=0, lt=1)
     extra_args: list[ExtraArg] = Field(
         default_factory=list, max_length=64, description="Appended to the SGLang command line verbatim."
@@ -161,6 +198,12 @@ class PoolSpec(CrdModel):
         description="Node label (rack, NVLink/IB block) all pods of a group must share with the group leader.",
     )
     shm_size: Quantity = Field(default="64Gi", description="Size of the memory-backed /dev/shm.")
+    node_memory_gib: int | None = Field(
+        default=None,
+        ge=1,
+        le=65536,
+        description="Memory of the role's nodes: the host KV cache of every rank on a node must fit it.",
+    )
     max_surge_groups: int = Field(
         default=1,
         ge=0,
@@ -169,7 +212,7 @@ class PoolSpec(CrdModel):
         "needs no spare nodes but lowers capacity by one group during each step).",
     )
 
-    cel_rules = (
+    cel_rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
             cel="self.tpSize == self.nodesPerGroup * self.gpusPerNode",
             message="tpSize must equal nodesPerGroup * gpusPerNode (one tensor-parallel rank per GPU)",
@@ -218,31 +261,30 @@ def _decode_ports() -> PortSet:
     return PortSet(http=30001, bootstrap=8999, dist_init=5001, mooncake_rpc=15002)
 
 
+_HOST_MEMORY_MESSAGE = (
+    "host KV cache per node ((hostMemoryGib + mooncakeStore.globalSegmentGib) x gpusPerNode ranks) must fit "
+    "nodeMemoryGib"
+)
+
+
 class PrefillSpec(PoolSpec):
     """Prefill groups: DeepEP normal mode (throughput); their leaders run the PD bootstrap server."""
 
     deepep_mode: DeepEPMode = DeepEPMode.NORMAL
     ports: PortSet = Field(default_factory=_prefill_ports, json_schema_extra={"default": _prefill_ports().to_wire()})
+    hicache: HiCacheSpec = Field(default_factory=HiCacheSpec, description="HiCache + Mooncake Store (PD: prefill).")
 
-
-class MooncakeStoreSpec(CrdModel):
-    """The Mooncake Store that holds decode's offloaded KV (HiCache L3)."""
-
-    master_ha: bool = Field(
-        default=True,
-        description="Find the master through etcd (Mooncake master HA, leader elected on the cluster's etcd).",
-    )
-    master_address: str | None = Field(default=None, max_length=253, description="host:port of a single master.")
-    global_segment_size: Quantity = Field(
-        default=0, description="Memory each worker contributes to the store (0: a pure client)."
-    )
-
-    cel_rules = (
+    cel_rules: ClassVar[tuple[Rule, ...]] = (
+        *PoolSpec.cel_rules,
         Rule(
-            cel="self.masterHa || has(self.masterAddress)",
-            message="mooncakeStore needs masterHa: true or a masterAddress",
-            check=lambda s: s.master_ha or s.master_address is not None,
-            field_path=".masterAddress",
+            cel="!has(self.nodeMemoryGib) || !self.hicache.enabled || (self.hicache.hostMemoryGib + "
+            "(has(self.hicache.mooncakeStore) ? self.hicache.mooncakeStore.globalSegmentGib : 0)) * self.gpusPerNode"
+            " <= self.nodeMemoryGib",
+            message=_HOST_MEMORY_MESSAGE,
+            check=lambda s: (
+                s.node_memory_gib is None or s.hicache.host_gib_per_rank() * s.gpus_per_node <= s.node_memory_gib
+            ),
+            field_path=".hicache.hostMemoryGib",
         ),
     )
 
@@ -279,36 +321,6 @@ class DecodeSpec(PoolSpec):
     kv_offload: KvOffloadSpec = Field(default_factory=KvOffloadSpec)
 
 
-class TransferSpec(CrdModel):
-    """How KV moves from prefill to decode (Mooncake transfer engine)."""
-
-    protocol: TransferProtocol = TransferProtocol.RDMA
-    ib_devices: list[IbDevice] = Field(default_factory=list, max_length=16, description="e.g. [mlx5_0, mlx5_1].")
-    rdma_resource: str | None = Field(
-        default=None,
-        max_length=253,
-        description="Extended resource of an RDMA device plugin (e.g. rdma/hca_shared_devices_a); requested once "
-        "per pod instead of mounting the host's /dev/infiniband.",
-    )
-    host_network: bool = Field(default=False, description="Run workers in the node's network namespace.")
-    metadata_refresh_seconds: int = Field(
-        default=5,
-        ge=1,
-        le=300,
-        description="MC_TE_METADATA_REFRESH_INTERVAL_SECONDS: how soon peers re-read a restarted pod's metadata.",
-    )
-    disable_metadata_cache: bool = Field(default=False, description="MC_DISABLE_METACACHE.")
-
-    cel_rules = (
-        Rule(
-            cel="self.protocol != 'rdma' || (has(self.ibDevices) && self.ibDevices.size() > 0)",
-            message="protocol rdma needs ibDevices (e.g. [mlx5_0]); use protocol tcp without RDMA",
-            check=lambda s: s.protocol != TransferProtocol.RDMA or len(s.ib_devices) > 0,
-            field_path=".ibDevices",
-        ),
-    )
-
-
 class RouterSpec(CrdModel):
     """Settings for the Tandem routers that serve this cluster."""
 
@@ -337,6 +349,8 @@ class PDClusterSpec(CrdModel):
     router: RouterSpec = Field(default_factory=RouterSpec)
     etcd: EtcdSpec
     lifecycle: LifecycleSpec = Field(default_factory=LifecycleSpec)
+    jit_cache: JitCacheSpec = Field(default_factory=JitCacheSpec)
+    scheduling: GangSchedulingSpec = Field(default_factory=GangSchedulingSpec)
 
     cel_rules = (
         Rule(

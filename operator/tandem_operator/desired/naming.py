@@ -118,5 +118,7 @@ def template_hash(spec: PDClusterSpec, role: Role) -> str:
             "transfer": wire["transfer"],
             "etcd": wire["etcd"],
             "lifecycle": wire["lifecycle"],
+            "jitCache": wire["jitCache"],
+            "scheduling": wire["scheduling"],
         }
     )

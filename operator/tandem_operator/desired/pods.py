@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.registry import Role
-from tandem_operator.api.pdcluster import DecodeSpec, PDClusterSpec, TransferProtocol
+from tandem_operator.api.pdcluster import PDClusterSpec, TransferProtocol
 from tandem_operator.desired.args import Placement, launch_command
 from tandem_operator.desired.drain_hook import EXIT_GRACE_S, prestop_command
 from tandem_operator.desired.naming import (
@@ -30,6 +30,15 @@ from tandem_operator.desired.naming import (
     mooncake_cluster_id,
     pod_name,
     template_hash,
+)
+from tandem_operator.desired.recipe import (
+    cache_volumes,
+    collective_env,
+    gang_pod_fields,
+    group_objects,
+    prefetch_containers,
+    store_env,
+    store_of,
 )
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -69,9 +78,17 @@ def _leader_metrics_url(ctx: RoleContext, group: int) -> str:
 
 
 def group_manifests(ctx: RoleContext, group: int) -> list[dict[str, Any]]:
-    """The group's Service, then its pods by rank."""
+    """The group's Service, its PodDisruptionBudget (and PodGroup), then its pods by rank."""
     nodes = ctx.spec.role(ctx.role).nodes_per_group
-    return [group_service(ctx, group), *(group_pod(ctx, group, rank) for rank in range(nodes))]
+    pods = [group_pod(ctx, group, rank) for rank in range(nodes)]
+    return [group_service(ctx, group), *group_extras(ctx, group), *pods]
+
+
+def group_extras(ctx: RoleContext, group: int) -> list[dict[str, Any]]:
+    """Objects that live and go with the group besides its Service: PodDisruptionBudget, PodGroup."""
+    labels = group_labels(ctx.cluster.name, ctx.role, group)
+    metadata = _metadata(ctx, group_name(ctx.cluster.name, ctx.role, group), labels)
+    return group_objects(ctx.spec, ctx.role, metadata, labels)
 
 
 def _metadata(ctx: RoleContext, name: str, labels: dict[str, str]) -> dict[str, Any]:
@@ -137,15 +154,9 @@ def _env(ctx: RoleContext) -> list[dict[str, Any]]:
         env["MC_FORCE_TCP"] = {"value": "true"}
         # Mooncake binds all interfaces unless told; peers must reach the pod's own address.
         env["MC_TCP_BIND_ADDRESS"] = {"valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
-    if isinstance(role, DecodeSpec) and role.kv_offload.enabled and role.kv_offload.mooncake_store is not None:
-        store = role.kv_offload.mooncake_store
-        etcd_hosts = ";".join(e.split("://", 1)[1] for e in spec.etcd.endpoints)
-        master = f"etcd://{etcd_hosts}" if store.master_ha else str(store.master_address)
-        env["MOONCAKE_MASTER"] = {"value": master}
-        env["MOONCAKE_TE_META_DATA_SERVER"] = {"value": f"etcd://{etcd_hosts}"}
-        env["MOONCAKE_PROTOCOL"] = {"value": transfer.protocol.value}
-        env["MOONCAKE_DEVICE"] = {"value": ",".join(transfer.ib_devices)}
-        env["MOONCAKE_GLOBAL_SEGMENT_SIZE"] = {"value": str(store.global_segment_size)}
+    store = store_of(spec, ctx.role)
+    recipe = {**(store_env(spec, store) if store is not None else {}), **collective_env(spec)}
+    env.update({name: {"value": value} for name, value in recipe.items()})
     for var in role.env:  # the user's values win
         env[var.name] = {"value": var.value}
     return [{"name": name, **value} for name, value in env.items()]
@@ -189,7 +200,8 @@ def _volumes(ctx: RoleContext) -> tuple[list[dict[str, Any]], list[dict[str, Any
     if model.pvc is not None:
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": model.pvc, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": model.mount_path, "readOnly": True})
-    return volumes, mounts
+    cache_vols, cache_mounts = cache_volumes(ctx.spec)
+    return volumes + cache_vols, mounts + cache_mounts
 
 
 def _uses_host_infiniband(ctx: RoleContext) -> bool:
@@ -272,12 +284,13 @@ def group_pod(ctx: RoleContext, group: int, rank: int) -> dict[str, Any]:
     security: dict[str, Any] = {"capabilities": {"add": ["IPC_LOCK"]}}
     if _uses_host_infiniband(ctx):
         security["privileged"] = True  # a hostPath /dev/infiniband is unusable without device access
+    env = _env(ctx)
     container = {
         "name": CONTAINER,
         "image": spec.images.worker,
         "imagePullPolicy": spec.images.pull_policy,
         "command": launch_command(spec, placement),
-        "env": _env(ctx),
+        "env": env,
         "ports": _container_ports(ctx),
         "resources": _resources(ctx),
         "securityContext": security,
@@ -304,4 +317,13 @@ def group_pod(ctx: RoleContext, group: int, rank: int) -> dict[str, Any]:
         pod_spec["tolerations"] = [t.to_wire() for t in role.tolerations]
     if spec.images.pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": name} for name in spec.images.pull_secrets]
+    init = prefetch_containers(spec, env)
+    if init:
+        pod_spec["initContainers"] = init
+    gang = gang_pod_fields(spec, ctx.role, group_name(ctx.cluster.name, ctx.role, group))
+    metadata["labels"].update(gang["labels"])
+    if gang["annotations"]:
+        metadata["annotations"] = {**metadata.get("annotations", {}), **gang["annotations"]}
+    if gang["schedulerName"]:
+        pod_spec["schedulerName"] = gang["schedulerName"]
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}

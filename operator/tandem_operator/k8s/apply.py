@@ -24,6 +24,9 @@ PLURALS: dict[tuple[str, str], str] = {
     ("v1", "Event"): "events",
     ("events.k8s.io/v1", "Event"): "events",
     ("coordination.k8s.io/v1", "Lease"): "leases",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("scheduling.volcano.sh/v1beta1", "PodGroup"): "podgroups",
+    ("scheduling.x-k8s.io/v1alpha1", "PodGroup"): "podgroups",
     (API_VERSION, "PDCluster"): "pdclusters",
     (API_VERSION, "PDPool"): "pdpools",
 }
