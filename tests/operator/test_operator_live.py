@@ -116,7 +116,7 @@ async def test_a_pdcluster_becomes_ready_with_the_right_pods_and_scales(
         ({"transfer": {"protocol": "rdma"}}, "spec.transfer.ibDevices", "protocol rdma needs ibDevices"),
         ({"router": {"policy": "least_load"}}, "spec.router.policy", "Unsupported value"),
         (
-            {"prefill": {"groups": 1, "gpusPerNode": 1, "tpSize": 1, "epSize": 1, "moeA2ABackend": "deepep"}},
+            {"prefill": {"groups": 1, "gpusPerNode": 2, "tpSize": 2, "epSize": 1, "moeA2ABackend": "deepep"}},
             "spec.prefill.epSize",
             "moeA2ABackend deepep needs epSize == tpSize",
         ),

@@ -47,10 +47,11 @@ def api_messages(err: ValidationError, root: str = "spec") -> list[str]:
         loc, kind, ctx = tuple(error["loc"]), error["type"], error.get("ctx") or {}
         path = _path(root, loc)
         if kind == "value_error" and str(error["msg"]).startswith("Value error, "):
-            for text in str(error["msg"]).removeprefix("Value error, ").split("; "):
-                rule = rules.get(text)
-                field = path + (rule.field_path or "" if rule else "")
-                messages.append(f'{field}: Invalid value: "object": {text}')
+            text = str(error["msg"]).removeprefix("Value error, ")
+            # CrdModel joins the failed rules' messages with "; " (a message may contain "; " itself).
+            failed = sorted(((text.find(m), rule) for m, rule in rules.items() if m in text), key=lambda f: f[0])
+            for _, rule in failed or [(0, Rule("", text, lambda _: False))]:
+                messages.append(f'{path}{rule.field_path or ""}: Invalid value: "object": {rule.message}')
             continue
         messages.append(f"{path}: {_describe(kind, path, error.get('input'), ctx, str(error['msg']))}")
     return messages
