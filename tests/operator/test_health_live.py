@@ -50,7 +50,7 @@ async def test_slow_health_leaves_rotation_and_returns_without_recreation_an_exi
     decode = {
         **ONE_NODE,
         "env": [*SHARED_NETNS_ENV["decode"], {"name": "SGLANG_HEALTH_CHECK_TIMEOUT", "value": "3"}],
-        "extraArgs": ["--sim-slow-health-s=5"],
+        "extraArgs": ["--sim-slow-health-s=5", "--sim-inter-token-ms=20"],  # 2 s streams: always busy under load
     }
     proc_factory.append(operator_process(k8s_cluster, ns, etcd_endpoint, tmp_path, "op-health").start())
     await create_pdcluster(k8s_api, ns, pdcluster("sim", simulated=True, decode=decode))
@@ -73,7 +73,7 @@ async def test_slow_health_leaves_rotation_and_returns_without_recreation_an_exi
         try:
             await eventually(lambda: _serves(sdk), "a completion through the router", within=60)
             async with readiness_prober(k8s_api, ns, "sim-decode-0-0") as transitions:
-                load = await start_load(base_url, MODEL, 16, 30)
+                load = await start_load(base_url, MODEL, 16, 30, max_tokens=100)
 
                 async def unrouted() -> bool:
                     return "decode-0" not in await reg.endpoints(ns, "sim")
