@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import openai
 from kubernetes_asyncio import client
 
 from tandem import registry
@@ -118,6 +119,20 @@ async def start_load(
     argv = [str(LOAD_CLIENT), base_url, model, str(streams), str(seconds), str(max_tokens)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     return await asyncio.create_subprocess_exec(sys.executable, *argv, stdout=asyncio.subprocess.PIPE, env=env)
+
+
+async def serves(base_url: str, model: str) -> bool:
+    """One streamed completion through the router succeeds."""
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=30) as sdk:
+        try:
+            stream = await sdk.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
+            )
+            async for _ in stream:
+                pass
+        except openai.OpenAIError:
+            return False
+    return True
 
 
 async def load_result(load: asyncio.subprocess.Process, within: float) -> dict[str, Any]:

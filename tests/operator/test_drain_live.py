@@ -11,7 +11,6 @@ import asyncio
 import time
 from pathlib import Path
 
-import openai
 import pytest
 from kubernetes_asyncio import client
 
@@ -29,6 +28,7 @@ from tests.operator.live import (
     pods,
     router_process,
     run_tool,
+    serves,
     start_load,
 )
 
@@ -65,19 +65,7 @@ async def test_scale_down_under_streaming_load_loses_no_stream(
         port = free_port()
         proc_factory.append(router_process(etcd_endpoint, ns, "sim", port, tmp_path).start())
         base_url = f"http://127.0.0.1:{port}/v1"
-        sdk = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
-        try:
-
-            async def serves() -> bool:
-                try:
-                    await sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
-                except openai.OpenAIError:
-                    return False
-                return True
-
-            await eventually(serves, "a completion through the router", within=60)
-        finally:
-            await sdk.close()
+        await eventually(lambda: serves(base_url, MODEL), "a completion through the router", within=60)
         load = await start_load(base_url, MODEL, STREAMS, SECONDS, TOKENS)
         await asyncio.sleep(4.0)  # every stream slot busy, both decodes streaming
         scaled = time.monotonic()

@@ -31,6 +31,7 @@ from tests.operator.live import (
     pdcluster,
     pods,
     router_process,
+    serves,
     start_load,
 )
 
@@ -85,11 +86,7 @@ async def test_rolling_the_worker_image_under_load_never_pairs_across_revisions(
         proc_factory.append(router_process(etcd_endpoint, ns, "sim", port, tmp_path).start())
         base_url = f"http://127.0.0.1:{port}/v1"
 
-        async def serves() -> bool:
-            probe = await start_load(base_url, MODEL, 1, 0.1)
-            return bool((await load_result(probe, within=30))["ok"] == 1)
-
-        await eventually(serves, "a completion through the router", within=60)
+        await eventually(lambda: serves(base_url, MODEL), "a completion through the router", within=60)
         load = await start_load(base_url, MODEL, 8, 45.0, max_tokens=50)
         await asyncio.sleep(3.0)
         patch = {"spec": {"images": {"worker": "tandem-sglang-worker:0.5.23-rollout"}}}
