@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -11,6 +10,7 @@ from typing import Any
 
 import aiohttp
 import yaml
+from kubernetes_asyncio import client
 
 from tandem.procs import ManagedProcess, free_port
 from tests.chart.stack import CHART
@@ -31,41 +31,35 @@ def binary(name: str) -> str:
     return found
 
 
-def _label_name(key: str) -> str:
-    """A Kubernetes label key as Prometheus' service discovery names it (invalid characters become ``_``)."""
-    return re.sub(r"[^a-zA-Z0-9_]", "_", key)
-
-
-def pod_monitor_scrape_config(monitor: dict[str, Any], kubeconfig: Path) -> dict[str, Any]:
-    """What the Prometheus Operator generates for a ``PodMonitor`` (its first endpoint): Kubernetes pod discovery,
-    kept by the selector's labels and the named container port, with ``namespace`` and ``pod`` target labels."""
+async def pod_monitor_targets(api: client.ApiClient, monitor: dict[str, Any]) -> list[dict[str, Any]]:
+    """The scrape targets the Prometheus Operator derives from a ``PodMonitor`` (its first endpoint), as a
+    ``file_sd`` list: pods matching its label selector in its namespaces, at their IP and the named container port,
+    labelled ``namespace`` and ``pod``. (Debian's Prometheus is built without Kubernetes service discovery, so the
+    test lists the pods through the API server with the same selector.)"""
     spec = monitor["spec"]
-    endpoint = spec["podMetricsEndpoints"][0]
-    keep = [
-        {
-            "source_labels": [f"__meta_kubernetes_pod_label_{_label_name(key)}"],
-            "regex": re.escape(str(value)),
-            "action": "keep",
-        }
-        for key, value in spec["selector"]["matchLabels"].items()
-    ]
-    keep.append(
-        {"source_labels": ["__meta_kubernetes_pod_container_port_name"], "regex": endpoint["port"], "action": "keep"}
-    )
-    targets = [
-        {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
-        {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
-    ]
-    discovery: dict[str, Any] = {"role": "pod", "kubeconfig_file": str(kubeconfig)}
+    port_name = spec["podMetricsEndpoints"][0]["port"]
+    selector = ",".join(f"{k}={v}" for k, v in spec["selector"]["matchLabels"].items())
+    core = client.CoreV1Api(api)
     names = (spec.get("namespaceSelector") or {}).get("matchNames")
-    if names:
-        discovery["namespaces"] = {"names": list(names)}
-    meta = monitor["metadata"]
+    listings = (
+        [await core.list_namespaced_pod(ns, label_selector=selector) for ns in names]
+        if names
+        else [await core.list_pod_for_all_namespaces(label_selector=selector)]
+    )
+    groups = []
+    for pod in (p for listing in listings for p in listing.items):
+        ports = [p.container_port for c in pod.spec.containers for p in c.ports or () if p.name == port_name]
+        if pod.status.pod_ip and ports:
+            labels = {"namespace": pod.metadata.namespace, "pod": pod.metadata.name}
+            groups.append({"targets": [f"{pod.status.pod_ip}:{ports[0]}"], "labels": labels})
+    return groups
+
+
+def file_sd_scrape_config(job: str, path: Path, metrics_path: str = "/metrics") -> dict[str, Any]:
     return {
-        "job_name": f"podMonitor/{meta['namespace']}/{meta['name']}/0",
-        "metrics_path": endpoint.get("path", "/metrics"),
-        "kubernetes_sd_configs": [discovery],
-        "relabel_configs": [*keep, *targets],
+        "job_name": job,
+        "metrics_path": metrics_path,
+        "file_sd_configs": [{"files": [str(path)], "refresh_interval": "1s"}],
     }
 
 

@@ -9,6 +9,7 @@ once the other role has a Ready group of the new revision, so the router always 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import aiohttp
@@ -21,9 +22,7 @@ from tandem.devcluster.podrunner import PodRunner
 from tandem.procs import ManagedProcess, free_port
 from tests.devcluster_fixtures import eventually
 from tests.operator.live import (
-    GROUP,
     SHARED_NETNS_ENV,
-    VERSION,
     Registry,
     create_pdcluster,
     load_result,
@@ -31,6 +30,7 @@ from tests.operator.live import (
     pdcluster,
     pods,
     router_process,
+    run_tool,
     serves,
     start_load,
 )
@@ -89,10 +89,8 @@ async def test_rolling_the_worker_image_under_load_never_pairs_across_revisions(
         await eventually(lambda: serves(base_url, MODEL), "a completion through the router", within=60)
         load = await start_load(base_url, MODEL, 8, 45.0, max_tokens=50)
         await asyncio.sleep(3.0)
-        patch = {"spec": {"images": {"worker": "tandem-sglang-worker:0.5.23-rollout"}}}
-        await client.CustomObjectsApi(k8s_api).patch_namespaced_custom_object(
-            GROUP, VERSION, ns, "pdclusters", "sim", patch
-        )
+        patch = json.dumps({"spec": {"images": {"worker": "tandem-sglang-worker:0.5.23-rollout"}}})
+        await run_tool(k8s_cluster, "kubectl", "-n", ns, "patch", "pdcluster/sim", "--type", "merge", "-p", patch)
 
         async def rolled() -> str | None:
             found = await revisions()

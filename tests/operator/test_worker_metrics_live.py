@@ -1,11 +1,13 @@
-"""Worker metrics on the real control plane: a real Prometheus, configured as the Prometheus Operator would from the
-chart's worker PodMonitor, discovers the simulated SGLang workers behind their pod IPs, scrapes only the group
-leaders, and the KV-transfer-failure alert goes pending when the prefill's transfers fail (the simulator's fault
-injection). That it then fires after its 5 minutes is checked by tests/chart/test_alert_rules.py (promtool)."""
+"""Worker metrics on the real control plane: a real Prometheus scrapes the targets the chart's worker PodMonitor
+selects -- the pods matching its selector, listed through the API server, at their IP and named port (Debian's
+Prometheus has no Kubernetes discovery) -- i.e. the simulated SGLang group leaders behind their pod IPs, not rank 1;
+the KV-transfer-failure alert goes pending when the prefill's transfers fail (the simulator's fault injection).
+That it then fires after its 5 minutes is checked by tests/chart/test_alert_rules.py (promtool)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ from kubernetes_asyncio import client
 from tandem.devcluster.cluster import DevCluster
 from tandem.devcluster.podrunner import PodRunner
 from tandem.procs import ManagedProcess, free_port
-from tests.chart.prom import Prometheus, pod_monitor_scrape_config
+from tests.chart.prom import Prometheus, file_sd_scrape_config, pod_monitor_targets
 from tests.devcluster_fixtures import eventually
 from tests.operator.live import (
     CRDS,
@@ -81,7 +83,10 @@ async def test_prometheus_scrapes_worker_leaders_and_the_kv_failure_alert_trigge
         await eventually(registered, "prefill-0 and decode-0 registered", within=90)
         ips = {p.metadata.name: p.status.pod_ip for p in await pods(k8s_api, ns)}
         assert sorted(ips) == ["sim-decode-0-0", "sim-decode-0-1", "sim-prefill-0-0"]
-        config = pod_monitor_scrape_config(monitor, k8s_cluster.kubeconfig)
+        targets_file = tmp_path / "worker-targets.json"
+        targets_file.write_text(json.dumps(await pod_monitor_targets(k8s_api, monitor)))
+        endpoint = monitor["spec"]["podMetricsEndpoints"][0]
+        config = file_sd_scrape_config("tandem-workers", targets_file, endpoint["path"])
         prom = await asyncio.to_thread(Prometheus.start, tmp_path / "prometheus", {}, proc_factory, [config])
 
         async def leaders_scraped() -> list[dict[str, Any]] | None:
