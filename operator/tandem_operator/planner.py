@@ -11,8 +11,9 @@ Rules, in order:
    groups without it: with ``maxSurgeGroups: 1`` a new group is created first (step 4) and the old one goes
    when the new one is Ready; with ``0`` the old one goes only when every group is Ready, and its replacement
    is created at once. When the rollout changes the compatibility revision (model, image, transfer), the last
-   Ready group of the old revision is kept until the other role has a Ready group of the new one (``peer_ready``),
-   so routers, which pair equal revisions only, always have a pair (with ``maxSurgeGroups: 1``).
+   Ready group of the old revision is kept until both roles have a *registered* group of the new one (routers
+   pair equal revisions only, and see only registered groups), so routers always have a pair (with
+   ``maxSurgeGroups: 1``).
 4. **Fill** up to ``desired`` (``desired + 1`` while surging, only when every current group is Ready, so one new
    group starts at a time) at the lowest free indices; INCOMPLETE current groups get their missing pods.
 
@@ -71,8 +72,8 @@ def plan(
     revisions: tuple[str, frozenset[str]] | None = None,
 ) -> list[Action]:
     """``retiring``: groups already unregistered for a deletion (draining); they stay the first victims, so a
-    drain is never abandoned for another group. ``revisions``: the current compatibility revision and those of
-    the other role's Ready groups (None: no revision rule)."""
+    drain is never abandoned for another group. ``revisions``: the current compatibility revision and the
+    revisions that have a registered group in *both* roles, i.e. that routers can pair (None: no revision rule)."""
     actions: list[Action] = []
     rolling = any(g.template_hash != template_hash for g in groups.values())
     budget = desired + (max_surge if rolling else 0)
@@ -117,9 +118,9 @@ def plan(
     return actions
 
 
-def _may_retire(group: GroupView, ready_outdated: list[GroupView], current: str, peer_ready: frozenset[str]) -> bool:
-    """Keep the last Ready group of an old revision while the other role has no Ready group of the current one."""
-    if group.revision == current or current in peer_ready:
+def _may_retire(group: GroupView, ready_outdated: list[GroupView], current: str, pairable: frozenset[str]) -> bool:
+    """Keep the last Ready group of an old revision until routers can pair the current one."""
+    if group.revision == current or current in pairable:
         return True
     return sum(g.revision == group.revision for g in ready_outdated) > 1
 

@@ -123,16 +123,16 @@ class Reconciler:
         desired: dict[GroupKey, Endpoint] = {}
         roles = {}
         draining = False
+        registered = {r: {e.revision for k, e in state.registered.items() if k.role is r} for r in Role}
+        pairable = frozenset(registered[Role.PREFILL] & registered[Role.DECODE])  # revisions routers can pair
         for role in Role:
             pool, views = pools[role], observed[role]
             owner = OwnerRef(API_VERSION, "PDPool", pool["metadata"]["name"], pool["metadata"]["uid"])
             ctx = RoleContext.build(ref, spec, role, owner)
             replicas = int(pool["spec"].get("replicas", 0))
             retiring = frozenset(k.index for k in state.retiring if k.role is role)
-            peer = Role.DECODE if role is Role.PREFILL else Role.PREFILL
-            peer_ready = frozenset(v.revision for v in observed[peer].values() if v.state is GroupState.READY)
             surge = spec.role(role).max_surge_groups
-            actions = plan(replicas, views, ctx.template_hash, surge, retiring, (ctx.revision, peer_ready))
+            actions = plan(replicas, views, ctx.template_hash, surge, retiring, (ctx.revision, pairable))
             seen = Observed(state.pods, svc_epochs, pod_epochs, frozenset(state.fenced))
             role_steps = steps(ctx, actions, views, seen)
             self._resume_abandoned_drains(role, {s.group for s in role_steps if isinstance(s, DeletePods)})

@@ -143,7 +143,7 @@ def test_the_last_ready_group_of_an_old_revision_waits_for_the_other_roles_new_r
         0: GroupView(0, R, OLD, (), revision="rev-old"),
         1: GroupView(1, R, NEW, (), revision="rev-new"),
     }
-    # The other role has no Ready group of the new revision yet: routers would have no pair without group 0.
+    # No registered pair of the new revision yet: routers would have no pair without group 0.
     assert plan(1, views, NEW, 1, revisions=("rev-new", frozenset({"rev-old"}))) == []
     assert plan(1, views, NEW, 1, revisions=("rev-new", frozenset({"rev-old", "rev-new"}))) == [
         delete(0, DeleteReason.ROLLOUT)

@@ -102,7 +102,11 @@ async def test_rolling_the_worker_image_under_load_never_pairs_across_revisions(
         new = await eventually(rolled, "both roles rolled to the new revision and the old pods gone", within=150)
         result = await load_result(load, within=120)
     dispatches = await _dispatches(f"http://127.0.0.1:{port}/metrics")
-    print(f"\nrollout {old} -> {new}: load {result}; dispatches by (prefill, decode) revision {dispatches}")
+    failed = result["failed_before_first_byte"]
+    print(
+        f"\nrollout {old} -> {new}: load {result['ok']} ok, {result['cut_mid_stream']} cut, {len(failed)} failed "
+        f"({failed[:1]}); dispatches by (prefill, decode) revision {dispatches}"
+    )
     assert [pair for pair in dispatches if pair[0] != pair[1]] == []  # never across revisions
     assert dispatches.get((old, old), 0) > 0
     assert dispatches.get((new, new), 0) > 0
