@@ -123,8 +123,7 @@ class Reconciler:
         desired: dict[GroupKey, Endpoint] = {}
         roles = {}
         draining = False
-        registered = {r: {e.revision for k, e in state.registered.items() if k.role is r} for r in Role}
-        pairable = frozenset(registered[Role.PREFILL] & registered[Role.DECODE])  # revisions routers can pair
+        pairable = await self._pairable(observed)
         for role in Role:
             pool, views = pools[role], observed[role]
             owner = OwnerRef(API_VERSION, "PDPool", pool["metadata"]["name"], pool["metadata"]["uid"])
@@ -153,6 +152,20 @@ class Reconciler:
         await executor.sync_registry(desired)
         await self._write_status(roles[Role.PREFILL], roles[Role.DECODE])
         return draining
+
+    async def _pairable(self, observed: dict[Role, dict[int, GroupView]]) -> frozenset[str]:
+        """Revisions routers can pair now: a registered prefill and decode of it whose leaders answer /health.
+        Asked only while a revision change rolls (some group's revision differs from the spec's)."""
+        state, current = self.state, compat_revision(self.state.spec)
+        if all(v.revision == current for views in observed.values() for v in views.values()):
+            return frozenset({current})
+        answering = {
+            key: endpoint
+            for key, endpoint in state.registered.items()
+            if await self.executor.worker_metrics.healthy(endpoint.url)
+        }
+        by_role = {r: {e.revision for k, e in answering.items() if k.role is r} for r in Role}
+        return frozenset(by_role[Role.PREFILL] & by_role[Role.DECODE])
 
     async def _observe(self, role: Role, pod_epochs: dict[GroupKey, int], lost: frozenset[str]) -> dict[int, GroupView]:
         """The role's groups, after fencing the dead and stuck ones (a fenced group reads BROKEN)."""

@@ -1,4 +1,4 @@
-"""Reads a worker's ``/metrics`` (one pooled HTTP client for every worker the operator drains)."""
+"""Reads a worker's ``/metrics`` and ``/health`` (one pooled HTTP client for every worker the operator asks)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,8 @@ class WorkerMetrics:
     async def in_flight(self, url: str) -> int | None:
         """Work in flight on the worker at ``url``: 0 when nothing listens there (no server, nothing running),
         None when it did not answer in time or answered without the gauges."""
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S))
         try:
-            async with self._session.get(url) as resp:
+            async with self._client().get(url) as resp:
                 if resp.status != 200:
                     return None
                 return in_flight(await resp.text())
@@ -27,6 +25,19 @@ class WorkerMetrics:
             return 0
         except (aiohttp.ClientError, TimeoutError):
             return None
+
+    async def healthy(self, url: str) -> bool:
+        """The worker at ``url`` answers ``/health`` with 200 (what a router's health check asks)."""
+        try:
+            async with self._client().get(f"{url}/health") as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S))
+        return self._session
 
     async def close(self) -> None:
         if self._session is not None:
