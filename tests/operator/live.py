@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import os
 import sys
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +18,11 @@ from kubernetes_asyncio import client
 
 from tandem import registry
 from tandem.devcluster.cluster import DevCluster
-from tandem.procs import ManagedProcess
+from tandem.devcluster.podrunner import PodRunner
+from tandem.procs import ManagedProcess, free_port
 from tandem.registry import Endpoint
 from tandem.registry_etcd import client as etcd_client
+from tests.devcluster_fixtures import eventually
 
 REPO = Path(__file__).resolve().parents[2]
 CRDS = REPO / "charts" / "tandem" / "crds"
@@ -110,6 +115,48 @@ def router_process(etcd: str, namespace: str, cluster: str, port: int, log_dir: 
 
 
 LOAD_CLIENT = Path(__file__).with_name("load_client.py")
+SIM_MODEL = "kimi-k2.6-sim"
+
+
+@dataclass
+class SimStack:
+    """A simulated PDCluster ``sim`` serving through a router: its registry and the router's OpenAI base URL."""
+
+    reg: Registry
+    base_url: str
+    metrics_url: str
+
+
+@contextlib.asynccontextmanager
+async def sim_stack(
+    cluster: DevCluster,
+    api: client.ApiClient,
+    namespace: str,
+    etcd: str,
+    log_dir: Path,
+    procs: list[ManagedProcess],
+    groups: Sequence[str],
+    **spec: Any,
+) -> AsyncIterator[SimStack]:
+    """Operator, PDCluster ``sim`` (simulated workers behind pod IPs), pod runner, router: yields once ``groups``
+    are registered and a completion goes through the router."""
+    procs.append(operator_process(cluster, namespace, etcd, log_dir, "op").start())
+    await create_pdcluster(api, namespace, pdcluster("sim", simulated=True, **spec))
+    (log_dir / "pods").mkdir()
+    async with (
+        PodRunner(api, log_dir / "pods", namespace=namespace).running_in_background(),
+        Registry(etcd) as reg,
+    ):
+
+        async def registered() -> bool:
+            return sorted(await reg.endpoints(namespace, "sim")) == sorted(groups)
+
+        await eventually(registered, f"{', '.join(groups)} registered", within=90)
+        port = free_port()
+        procs.append(router_process(etcd, namespace, "sim", port, log_dir).start())
+        base_url = f"http://127.0.0.1:{port}/v1"
+        await eventually(lambda: serves(base_url, SIM_MODEL), "a completion through the router", within=60)
+        yield SimStack(reg, base_url, f"http://127.0.0.1:{port}/metrics")
 
 
 async def start_load(

@@ -15,25 +15,11 @@ import pytest
 from kubernetes_asyncio import client
 
 from tandem.devcluster.cluster import DevCluster
-from tandem.devcluster.podrunner import PodRunner
-from tandem.procs import ManagedProcess, free_port
+from tandem.procs import ManagedProcess
 from tests.devcluster_fixtures import eventually
-from tests.operator.live import (
-    SHARED_NETNS_ENV,
-    Registry,
-    create_pdcluster,
-    load_result,
-    operator_process,
-    pdcluster,
-    pods,
-    router_process,
-    run_tool,
-    serves,
-    start_load,
-)
+from tests.operator.live import SHARED_NETNS_ENV, SIM_MODEL, load_result, pods, run_tool, sim_stack, start_load
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(300)]
-MODEL = "kimi-k2.6-sim"
 ONE_NODE = {"nodesPerGroup": 1, "gpusPerNode": 1, "tpSize": 1, "epSize": 1, "moeA2ABackend": "none"}
 STREAMS, SECONDS, TOKENS = 16, 14.0, 100
 
@@ -49,30 +35,15 @@ async def test_scale_down_under_streaming_load_loses_no_stream(
 ) -> None:
     ns = k8s_namespace
     decode = {**ONE_NODE, "groups": 2, "env": SHARED_NETNS_ENV["decode"], "extraArgs": ["--sim-inter-token-ms=20"]}
-    proc_factory.append(operator_process(k8s_cluster, ns, etcd_endpoint, tmp_path, "op-drain").start())
-    await create_pdcluster(k8s_api, ns, pdcluster("sim", simulated=True, decode=decode))
-    (tmp_path / "pods").mkdir()
-    async with (
-        PodRunner(k8s_api, tmp_path / "pods", namespace=ns).running_in_background(),
-        Registry(etcd_endpoint) as reg,
-    ):
-
-        async def registered() -> list[str] | None:
-            groups = sorted(await reg.endpoints(ns, "sim"))
-            return groups if groups == ["decode-0", "decode-1", "prefill-0"] else None
-
-        await eventually(registered, "prefill-0, decode-0 and decode-1 registered", within=90)
-        port = free_port()
-        proc_factory.append(router_process(etcd_endpoint, ns, "sim", port, tmp_path).start())
-        base_url = f"http://127.0.0.1:{port}/v1"
-        await eventually(lambda: serves(base_url, MODEL), "a completion through the router", within=60)
-        load = await start_load(base_url, MODEL, STREAMS, SECONDS, TOKENS)
+    groups = ["decode-0", "decode-1", "prefill-0"]
+    async with sim_stack(k8s_cluster, k8s_api, ns, etcd_endpoint, tmp_path, proc_factory, groups, decode=decode) as sim:
+        load = await start_load(sim.base_url, SIM_MODEL, STREAMS, SECONDS, TOKENS)
         await asyncio.sleep(4.0)  # every stream slot busy, both decodes streaming
         scaled = time.monotonic()
         await run_tool(k8s_cluster, "kubectl", "-n", ns, "scale", "pdpool/sim-decode", "--replicas=1")
 
         async def unregistered() -> bool:
-            return "decode-1" not in await reg.endpoints(ns, "sim")
+            return "decode-1" not in await sim.reg.endpoints(ns, "sim")
 
         await eventually(unregistered, "decode-1 unregistered", within=30)
         unregistered_s = time.monotonic() - scaled

@@ -15,25 +15,12 @@ import pytest
 from kubernetes_asyncio import client
 
 from tandem.devcluster.cluster import DevCluster
-from tandem.devcluster.podrunner import PodRunner
-from tandem.procs import ManagedProcess, free_port
+from tandem.procs import ManagedProcess
 from tests.devcluster_fixtures import eventually
 from tests.operator.kubelet import readiness_prober
-from tests.operator.live import (
-    SHARED_NETNS_ENV,
-    Registry,
-    create_pdcluster,
-    load_result,
-    operator_process,
-    pdcluster,
-    pods,
-    router_process,
-    serves,
-    start_load,
-)
+from tests.operator.live import SHARED_NETNS_ENV, SIM_MODEL, load_result, pods, serves, sim_stack, start_load
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(300)]
-MODEL = "kimi-k2.6-sim"
 ONE_NODE = {"groups": 1, "nodesPerGroup": 1, "gpusPerNode": 1, "tpSize": 1, "epSize": 1, "moeA2ABackend": "none"}
 
 
@@ -52,26 +39,18 @@ async def test_slow_health_leaves_rotation_and_returns_without_recreation_an_exi
         "env": [*SHARED_NETNS_ENV["decode"], {"name": "SGLANG_HEALTH_CHECK_TIMEOUT", "value": "3"}],
         "extraArgs": ["--sim-slow-health-s=5", "--sim-inter-token-ms=20"],  # 2 s streams: always busy under load
     }
-    proc_factory.append(operator_process(k8s_cluster, ns, etcd_endpoint, tmp_path, "op-health").start())
-    await create_pdcluster(k8s_api, ns, pdcluster("sim", simulated=True, decode=decode))
-    (tmp_path / "pods").mkdir()
-    async with (
-        PodRunner(k8s_api, tmp_path / "pods", namespace=ns).running_in_background(),
-        Registry(etcd_endpoint) as reg,
-    ):
+    groups = ["decode-0", "prefill-0"]
+    async with sim_stack(k8s_cluster, k8s_api, ns, etcd_endpoint, tmp_path, proc_factory, groups, decode=decode) as sim:
+        reg, base_url = sim.reg, sim.base_url
 
         async def registered() -> dict[str, int] | None:
             entries = {g: e.epoch for g, e in (await reg.endpoints(ns, "sim")).items()}
-            return entries if sorted(entries) == ["decode-0", "prefill-0"] else None
+            return entries if sorted(entries) == groups else None
 
-        before = await eventually(registered, "prefill-0 and decode-0 registered", within=90)
+        before = await eventually(registered, "prefill-0 and decode-0 registered", within=30)
         uids = {p.metadata.name: p.metadata.uid for p in await pods(k8s_api, ns)}
-        port = free_port()
-        proc_factory.append(router_process(etcd_endpoint, ns, "sim", port, tmp_path).start())
-        base_url = f"http://127.0.0.1:{port}/v1"
-        await eventually(lambda: serves(base_url, MODEL), "a completion through the router", within=60)
         async with readiness_prober(k8s_api, ns, "sim-decode-0-0") as transitions:
-            load = await start_load(base_url, MODEL, 16, 30, max_tokens=100)
+            load = await start_load(base_url, SIM_MODEL, 16, 30, max_tokens=100)
 
             async def unrouted() -> bool:
                 return "decode-0" not in await reg.endpoints(ns, "sim")
@@ -84,7 +63,7 @@ async def test_slow_health_leaves_rotation_and_returns_without_recreation_an_exi
         assert back == before  # the same epochs: nothing was recreated
         assert {p.metadata.name: p.metadata.uid for p in await pods(k8s_api, ns)} == uids
         assert transitions[:2] == [False, True]
-        await eventually(lambda: serves(base_url, MODEL), "a completion after decode-0 came back", within=30)
+        await eventually(lambda: serves(base_url, SIM_MODEL), "a completion after decode-0 came back", within=30)
 
         # The container exits: the kubelet (restartPolicy Never) marks it terminated and the pod Failed.
         status = {

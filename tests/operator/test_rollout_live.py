@@ -18,25 +18,11 @@ from kubernetes_asyncio import client
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.devcluster.cluster import DevCluster
-from tandem.devcluster.podrunner import PodRunner
-from tandem.procs import ManagedProcess, free_port
+from tandem.procs import ManagedProcess
 from tests.devcluster_fixtures import eventually
-from tests.operator.live import (
-    SHARED_NETNS_ENV,
-    Registry,
-    create_pdcluster,
-    load_result,
-    operator_process,
-    pdcluster,
-    pods,
-    router_process,
-    run_tool,
-    serves,
-    start_load,
-)
+from tests.operator.live import SHARED_NETNS_ENV, SIM_MODEL, load_result, pods, run_tool, sim_stack, start_load
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(300)]
-MODEL = "kimi-k2.6-sim"
 ONE_NODE = {"groups": 1, "nodesPerGroup": 1, "gpusPerNode": 1, "tpSize": 1, "epSize": 1, "moeA2ABackend": "none"}
 
 
@@ -65,29 +51,16 @@ async def test_rolling_the_worker_image_under_load_never_pairs_across_revisions(
     ns = k8s_namespace
     prefill = {**ONE_NODE, "env": SHARED_NETNS_ENV["prefill"]}
     decode = {**ONE_NODE, "env": SHARED_NETNS_ENV["decode"], "extraArgs": ["--sim-inter-token-ms=20"]}
-    proc_factory.append(operator_process(k8s_cluster, ns, etcd_endpoint, tmp_path, "op-roll").start())
-    await create_pdcluster(k8s_api, ns, pdcluster("sim", simulated=True, prefill=prefill, decode=decode))
-    (tmp_path / "pods").mkdir()
-    async with (
-        PodRunner(k8s_api, tmp_path / "pods", namespace=ns).running_in_background(),
-        Registry(etcd_endpoint) as reg,
-    ):
+    groups = ["decode-0", "prefill-0"]
+    spec = {"prefill": prefill, "decode": decode}
+    async with sim_stack(k8s_cluster, k8s_api, ns, etcd_endpoint, tmp_path, proc_factory, groups, **spec) as sim:
+        reg, base_url = sim.reg, sim.base_url
 
         async def revisions() -> set[str]:
             return {e.revision for e in (await reg.endpoints(ns, "sim")).values()}
 
-        async def one_revision_serving() -> str | None:
-            entries = await reg.endpoints(ns, "sim")
-            found = {e.revision for e in entries.values()}
-            return found.pop() if sorted(entries) == ["decode-0", "prefill-0"] and len(found) == 1 else None
-
-        old = await eventually(one_revision_serving, "prefill-0 and decode-0 registered", within=90)
-        port = free_port()
-        proc_factory.append(router_process(etcd_endpoint, ns, "sim", port, tmp_path).start())
-        base_url = f"http://127.0.0.1:{port}/v1"
-
-        await eventually(lambda: serves(base_url, MODEL), "a completion through the router", within=60)
-        load = await start_load(base_url, MODEL, 8, 45.0, max_tokens=50)
+        (old,) = await revisions()
+        load = await start_load(base_url, SIM_MODEL, 8, 45.0, max_tokens=50)
         await asyncio.sleep(3.0)
         patch = json.dumps({"spec": {"images": {"worker": "tandem-sglang-worker:0.5.23-rollout"}}})
         await run_tool(k8s_cluster, "kubectl", "-n", ns, "patch", "pdcluster/sim", "--type", "merge", "-p", patch)
@@ -101,7 +74,7 @@ async def test_rolling_the_worker_image_under_load_never_pairs_across_revisions(
 
         new = await eventually(rolled, "both roles rolled to the new revision and the old pods gone", within=150)
         result = await load_result(load, within=120)
-    dispatches = await _dispatches(f"http://127.0.0.1:{port}/metrics")
+        dispatches = await _dispatches(sim.metrics_url)
     failed = result["failed_before_first_byte"]
     print(
         f"\nrollout {old} -> {new}: load {result['ok']} ok, {result['cut_mid_stream']} cut, {len(failed)} failed "

@@ -17,26 +17,13 @@ import yaml
 from kubernetes_asyncio import client
 
 from tandem.devcluster.cluster import DevCluster
-from tandem.devcluster.podrunner import PodRunner
-from tandem.procs import ManagedProcess, free_port
+from tandem.procs import ManagedProcess
 from tests.chart.prom import Prometheus, file_sd_scrape_config, pod_monitor_targets
 from tests.devcluster_fixtures import eventually
-from tests.operator.live import (
-    CRDS,
-    Registry,
-    create_pdcluster,
-    load_result,
-    operator_process,
-    pdcluster,
-    pods,
-    router_process,
-    run_tool,
-    start_load,
-)
+from tests.operator.live import CRDS, SIM_MODEL, load_result, pods, run_tool, sim_stack, start_load
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(300)]
 CHART = CRDS.parent
-MODEL = "kimi-k2.6-sim"
 KV_ALERT_EXPR = "sum by (namespace, pod) (increase(sglang:num_transfer_failed_reqs_total[5m])) > 0"
 
 
@@ -69,18 +56,8 @@ async def test_prometheus_scrapes_worker_leaders_and_the_kv_failure_alert_trigge
 ) -> None:
     ns = k8s_namespace
     monitor = await _pod_monitor(k8s_cluster, ns)
-    proc_factory.append(operator_process(k8s_cluster, ns, etcd_endpoint, tmp_path, "op-metrics").start())
-    await create_pdcluster(k8s_api, ns, pdcluster("sim", simulated=True))
-    (tmp_path / "pods").mkdir()
-    async with (
-        PodRunner(k8s_api, tmp_path / "pods", namespace=ns).running_in_background(),
-        Registry(etcd_endpoint) as reg,
-    ):
-
-        async def registered() -> bool:
-            return sorted(await reg.endpoints(ns, "sim")) == ["decode-0", "prefill-0"]
-
-        await eventually(registered, "prefill-0 and decode-0 registered", within=90)
+    groups = ["decode-0", "prefill-0"]
+    async with sim_stack(k8s_cluster, k8s_api, ns, etcd_endpoint, tmp_path, proc_factory, groups) as sim:
         ips = {p.metadata.name: p.status.pod_ip for p in await pods(k8s_api, ns)}
         assert sorted(ips) == ["sim-decode-0-0", "sim-decode-0-1", "sim-prefill-0-0"]
         targets_file = tmp_path / "worker-targets.json"
@@ -103,10 +80,7 @@ async def test_prometheus_scrapes_worker_leaders_and_the_kv_failure_alert_trigge
         url = f"http://{ips['sim-prefill-0-0']}:30000/tandem/sim/faults"
         async with aiohttp.ClientSession() as session, session.post(url, json={"transfer_failure_prob": 1.0}) as r:
             assert r.status == 200, await r.text()
-        port = free_port()
-        proc_factory.append(router_process(etcd_endpoint, ns, "sim", port, tmp_path).start())
-        await asyncio.sleep(2.0)  # the router has synced the registry
-        result = await load_result(await start_load(f"http://127.0.0.1:{port}/v1", MODEL, 4, 5.0), within=60)
+        result = await load_result(await start_load(sim.base_url, SIM_MODEL, 4, 5.0), within=60)
         assert result["failed_before_first_byte"], result  # every transfer fails
 
         async def failing() -> list[dict[str, Any]] | None:

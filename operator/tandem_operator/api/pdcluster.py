@@ -36,10 +36,11 @@ from tandem_operator.api.lifecycle import LifecycleSpec
 from tandem_operator.api.recipe import (
     GangSchedulingSpec,
     HiCacheSpec,
+    HostKvCacheSpec,
     JitCacheSpec,
-    MooncakeStoreSpec,
     SpeculativeSpec,
     WeightCacheSpec,
+    host_cache_rules,
 )
 from tandem_operator.api.rules import CrdModel, Rule, immutable
 from tandem_operator.api.transfer import TransferProtocol as TransferProtocol
@@ -289,28 +290,10 @@ class PrefillSpec(PoolSpec):
     )
 
 
-class KvOffloadSpec(CrdModel):
+class KvOffloadSpec(HostKvCacheSpec):
     """Decode KV-cache offload to host memory and a HiCache storage backend."""
 
-    enabled: bool = False
-    host_memory_gib: int = Field(default=64, ge=1, le=4096, description="Host KV cache per rank (--hicache-size).")
-    storage_backend: Literal["mooncake"] | None = Field(default=None, description="--hicache-storage-backend.")
-    mooncake_store: MooncakeStoreSpec | None = None
-
-    cel_rules = (
-        Rule(
-            cel="!self.enabled || has(self.storageBackend)",
-            message="kvOffload.enabled needs a storageBackend (mooncake)",
-            check=lambda s: not s.enabled or s.storage_backend is not None,
-            field_path=".storageBackend",
-        ),
-        Rule(
-            cel="!has(self.storageBackend) || self.storageBackend != 'mooncake' || has(self.mooncakeStore)",
-            message="storageBackend mooncake needs mooncakeStore",
-            check=lambda s: s.storage_backend != "mooncake" or s.mooncake_store is not None,
-            field_path=".mooncakeStore",
-        ),
-    )
+    cel_rules = host_cache_rules("kvOffload")
 
 
 class DecodeSpec(PoolSpec):

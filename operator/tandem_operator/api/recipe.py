@@ -45,18 +45,25 @@ class MooncakeStoreSpec(CrdModel):
     )
 
 
-class HiCacheSpec(CrdModel):
-    """Prefill-side hierarchical KV cache (HiCache) with an L3 storage backend."""
+class HostKvCacheSpec(CrdModel):
+    """A host KV cache per rank (``--hicache-size``) with an optional L3 storage backend."""
 
     enabled: bool = False
     host_memory_gib: int = Field(default=64, ge=1, le=4096, description="Host KV cache per rank (--hicache-size).")
     storage_backend: Literal["mooncake"] | None = Field(default=None, description="--hicache-storage-backend.")
     mooncake_store: MooncakeStoreSpec | None = None
 
-    cel_rules = (
+    def host_gib_per_rank(self) -> int:
+        segment = self.mooncake_store.global_segment_gib if self.mooncake_store is not None else 0
+        return self.host_memory_gib + segment if self.enabled else 0
+
+
+def host_cache_rules(name: str) -> tuple[Rule, ...]:
+    """The rules of a ``HostKvCacheSpec`` field called ``name`` (messages name the field)."""
+    return (
         Rule(
             cel="!self.enabled || has(self.storageBackend)",
-            message="hicache.enabled needs a storageBackend (mooncake)",
+            message=f"{name}.enabled needs a storageBackend (mooncake)",
             check=lambda s: not s.enabled or s.storage_backend is not None,
             field_path=".storageBackend",
         ),
@@ -68,9 +75,11 @@ class HiCacheSpec(CrdModel):
         ),
     )
 
-    def host_gib_per_rank(self) -> int:
-        segment = self.mooncake_store.global_segment_gib if self.mooncake_store is not None else 0
-        return self.host_memory_gib + segment if self.enabled else 0
+
+class HiCacheSpec(HostKvCacheSpec):
+    """Prefill-side hierarchical KV cache (HiCache) with an L3 storage backend."""
+
+    cel_rules = host_cache_rules("hicache")
 
 
 class SpeculativeSpec(CrdModel):
