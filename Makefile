@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: up test bootstrap k8s-binaries lint typecheck unit bench generate verify format clean
+.PHONY: up test bootstrap setup peers k8s-binaries lint typecheck unit bench generate verify format clean
 
 bootstrap:
 	@scripts/bootstrap.sh
@@ -12,14 +12,28 @@ bootstrap:
 up: bootstrap
 	$(VENV)/bin/tandem up
 
+## peers: install the pinned benchmark/conformance peers (smg, the sglang wheel, a venv with SGLang's real argument
+## parser and torch) into ~/.cache/tandem/, outside the network namespace where PyPI is reachable; a rerun only checks.
+peers: bootstrap
+	$(PY) -m tandem.peers install
+
 ## k8s-binaries: build the test control plane (kube-apiserver, controller-manager, scheduler, etcd, kwok) and
 ## unpack helm/kubectl when missing; cached in ~/.cache/tandem/k8s/<version>/bin, so a rerun only checks.
 k8s-binaries:
 	@scripts/build-k8s.sh
 
+## setup: the two slow installs side by side: the peers (network and disk) next to the control-plane build (CPU).
+setup: bootstrap
+	@$(MAKE) --no-print-directory -j2 peers k8s-binaries
+
 ## test: install everything, then lint, type-check and run every test (inside a loopback-only netns).
-test: bootstrap k8s-binaries lint typecheck
+test: setup lint typecheck
 	scripts/in-netns.sh $(PY) -m pytest $(PYTEST_ARGS)
+
+## unit: the pure tests only (no netns, k8s, slow or process-starting tests), in well under 30 s; no netns needed.
+UNIT_MARKERS := not (netns or k8s or slow or procs)
+unit: bootstrap
+	$(PY) -m pytest -m "$(UNIT_MARKERS)" -p no:cacheprovider $(PYTEST_ARGS)
 
 lint: bootstrap
 	$(VENV)/bin/ruff check .
@@ -32,9 +46,11 @@ format: bootstrap
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-## bench: benchmarks that print tables (ratios measured side by side in one run).
-bench: bootstrap
-	scripts/in-netns.sh $(VENV)/bin/tandem bench
+## bench: benchmarks that print tables (ratios measured side by side in one run) and save them as JSON + PNG under
+## build/bench/<timestamp>/. BENCH_ARGS=--allow-missing-peers reports a peer that cannot run as "not measured".
+BENCH_ARGS ?=
+bench: setup
+	scripts/in-netns.sh $(VENV)/bin/tandem bench $(BENCH_ARGS)
 
 ## generate: rewrite every generated file from its source (one line per generator).
 GENERATED := charts/tandem/crds charts/tandem/values.yaml charts/tandem/values.schema.json charts/tandem/README.md \

@@ -15,30 +15,20 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
 from typing import Any
 
-VERSION = "0.5.23"
-WHEEL_DIR = Path.home() / ".cache" / "tandem" / "wheels"
+from tandem import peers
+
+VERSION = peers.SGLANG_VERSION
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUTPUT = ROOT / "tandem" / "data" / f"sglang_flags_{VERSION}.json"
 FIELDS_PREFIX = "sglang/srt/arg_groups/fields/"
 # Type parsers whose input we can validate without sglang; anything else is taken as a string.
 TYPE_PARSERS = {"json.loads": "json", "json_list_type": "json_list", "human_readable_int": "human_int"}
 SCALARS = {"str": "str", "int": "int", "float": "float", "bool": "bool"}
-
-
-def find_wheel(download: bool) -> Path | None:
-    wheels = sorted(WHEEL_DIR.glob(f"sglang-{VERSION}-*.whl"))
-    if wheels or not download:
-        return wheels[0] if wheels else None
-    WHEEL_DIR.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", f"sglang=={VERSION}", "-d", str(WHEEL_DIR)]
-    subprocess.run(cmd, check=True)
-    return find_wheel(download=False)
 
 
 def _dotted(node: ast.expr) -> str:
@@ -272,10 +262,11 @@ def main() -> int:
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     parser.add_argument("--check", action="store_true", help="fail if the committed file is out of date")
     args = parser.parse_args()
-    wheel = find_wheel(download=True)
-    if wheel is None:
-        print(f"gen_sglang_flags: no sglang-{VERSION} wheel in {WHEEL_DIR}", file=sys.stderr)
-        return 2
+    try:
+        wheel = peers.require("sglang-wheel")  # the pinned, hash-checked wheel that `make peers` fetches
+    except peers.PeerMissingError:
+        peers.PEERS["sglang-wheel"].install()  # `make generate` runs outside the network namespace
+        wheel = peers.require("sglang-wheel")
     text = render(generate(wheel))
     if args.check:
         current = args.output.read_text() if args.output.exists() else ""

@@ -2,8 +2,10 @@
 way the operator registers pods (``tandem.registry_etcd``, one lease), and the router on 127.0.0.1:8000.
 
 A supervisor restarts a worker that dies: its registry key is deleted at once (the router stops sending to it),
-and it is registered again, with a new epoch, once its ``/health`` answers. Ctrl-C (or SIGTERM) stops the router
-first, then the workers, then etcd, each by process group. ``LocalStack`` is also the tests' fixture.
+and it is registered again, with a new epoch, once its ``/health`` answers. With ``deregister_dead=False`` the key
+stays, as when nobody has noticed the death yet (a partitioned node): only the router's breakers keep traffic off.
+Ctrl-C (or SIGTERM) stops the router first, then the workers, then etcd, each by process group. ``LocalStack`` is
+also the tests' fixture.
 """
 
 from __future__ import annotations
@@ -32,19 +34,32 @@ MODEL = "tandem/sim-model"
 
 def start_etcd(workdir: Path, name: str = "etcd") -> tuple[ManagedProcess, str]:
     """A single-member etcd on loopback with its data under ``workdir``; returns it and its ``host:port``."""
+    ((proc, endpoint),) = start_etcd_cluster(workdir, 1, name)
+    return proc, endpoint
+
+
+def start_etcd_cluster(workdir: Path, members: int, name: str = "etcd") -> list[tuple[ManagedProcess, str]]:
+    """``members`` etcd processes on loopback forming one cluster (``name``, or ``name-0`` ... when several), data
+    under ``workdir``; returns each member and its client ``host:port``. A member's ``stop()`` then ``start()``
+    restarts it on the same ports and data."""
     etcd = shutil.which("etcd")
     if etcd is None:
         raise ProcessFailedError("etcd is not installed (Debian package etcd-server; scripts/bootstrap.sh installs it)")
-    client, peer = free_port(), free_port()
-    argv = [
-        etcd, "--name", name, "--data-dir", str(workdir / f"{name}.data"),
-        "--listen-client-urls", f"http://{HOST}:{client}", "--advertise-client-urls", f"http://{HOST}:{client}",
-        "--listen-peer-urls", f"http://{HOST}:{peer}", "--initial-advertise-peer-urls", f"http://{HOST}:{peer}",
-        "--initial-cluster", f"{name}=http://{HOST}:{peer}", "--log-level", "warn",
-    ]  # fmt: skip
-    proc = ManagedProcess(name, argv, workdir / f"{name}.log").start()
-    proc.wait_http(f"http://{HOST}:{client}/health", timeout=30)
-    return proc, f"{HOST}:{client}"
+    names = [name] if members == 1 else [f"{name}-{i}" for i in range(members)]
+    ports = [(free_port(), free_port()) for _ in names]
+    cluster = ",".join(f"{member}=http://{HOST}:{peer}" for member, (_, peer) in zip(names, ports, strict=True))
+    started: list[tuple[ManagedProcess, str]] = []
+    for member, (client, peer) in zip(names, ports, strict=True):
+        argv = [
+            etcd, "--name", member, "--data-dir", str(workdir / f"{member}.data"),
+            "--listen-client-urls", f"http://{HOST}:{client}", "--advertise-client-urls", f"http://{HOST}:{client}",
+            "--listen-peer-urls", f"http://{HOST}:{peer}", "--initial-advertise-peer-urls", f"http://{HOST}:{peer}",
+            "--initial-cluster", cluster, "--log-level", "warn",
+        ]  # fmt: skip
+        started.append((ManagedProcess(member, argv, workdir / f"{member}.log").start(), f"{HOST}:{client}"))
+    for proc, endpoint in started:  # healthy once the members have elected a leader
+        proc.wait_http(f"http://{endpoint}/health", timeout=30)
+    return started
 
 
 WorkerArgv = Callable[[Role, int, int | None], list[str]]
@@ -125,9 +140,11 @@ class LocalStack:
     say: Callable[[str], None] = print
     router_args: Sequence[str] = ()
     restart: bool = True  # False: a dead worker is only deregistered (tests that check it stops getting traffic)
+    deregister_dead: bool = True  # False: a dead worker's registry key stays (tests of the router's own breakers)
     worker_env: dict[str, str] = field(default_factory=dict)
-    etcd: ManagedProcess | None = None
-    etcd_endpoint: str = ""
+    etcd_members: int = 1
+    etcds: list[ManagedProcess] = field(default_factory=list)
+    etcd_endpoints: list[str] = field(default_factory=list)
     workers: list[Worker] = field(default_factory=list)
     router: ManagedProcess | None = None
     writer: EndpointWriter | None = None
@@ -141,8 +158,10 @@ class LocalStack:
         if self.router_port == 0:
             self.router_port = free_port()
         self.say("starting etcd ...")
-        self.etcd, self.etcd_endpoint = await asyncio.to_thread(start_etcd, self.workdir)
-        self.writer = EndpointWriter([self.etcd_endpoint], NAMESPACE, CLUSTER, ttl=5)
+        members = await asyncio.to_thread(start_etcd_cluster, self.workdir, self.etcd_members)
+        self.etcds = [proc for proc, _ in members]
+        self.etcd_endpoints = [endpoint for _, endpoint in members]
+        self.writer = EndpointWriter(self.etcd_endpoints, NAMESPACE, CLUSTER, ttl=5)
         await self.writer.start()
         for role, count in ((Role.PREFILL, self.prefills), (Role.DECODE, self.decodes)):
             for i in range(count):
@@ -168,8 +187,7 @@ class LocalStack:
             str(self.router_port),
             "--discovery",
             "etcd",
-            "--etcd-endpoint",
-            self.etcd_endpoint,
+            *(arg for endpoint in self.etcd_endpoints for arg in ("--etcd-endpoint", endpoint)),
             "--cluster-namespace",
             NAMESPACE,
             "--cluster-name",
@@ -194,10 +212,16 @@ class LocalStack:
         while not stop.is_set():
             for w in self.workers:
                 if w.registered and not w.proc.alive():
-                    assert self.writer is not None
-                    await self.writer.remove(w.endpoint(self.model))
+                    if self.deregister_dead:
+                        assert self.writer is not None
+                        try:
+                            await self.writer.remove(w.endpoint(self.model))
+                        except Exception as err:  # etcd unreachable for now: the next round tries again
+                            self.say(f"  {w.group} exited; deregistering it failed ({err!r}), retrying")
+                            continue
                     w.registered = False
-                    self.say(f"  {w.group} exited ({w.proc.returncode()}); deregistered")
+                    left = "deregistered" if self.deregister_dead else "its registry key left in place"
+                    self.say(f"  {w.group} exited ({w.proc.returncode()}); {left}")
                     w.proc.stop()
                     if not self.restart:
                         continue
@@ -223,8 +247,8 @@ class LocalStack:
         if self.writer is not None:
             with contextlib.suppress(Exception):
                 await self.writer.close()
-        if self.etcd is not None:
-            self.etcd.stop()
+        for etcd in self.etcds:
+            etcd.stop()
 
 
 def _examples(url: str, model: str) -> str:

@@ -78,17 +78,32 @@ class QuarantinedPair(BaseModel):
     since_s: float = Field(ge=0, description="Seconds the pair has been quarantined when the report was written.")
 
 
+class RepeatOffender(BaseModel):
+    """A worker that keeps failing integrity checks across quarantine cycles: the operator recreates its group."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    role: Role
+    worker: str = Field(description="Worker URL (the group's rank-0 server).")
+    epoch: int = Field(ge=0, description="The incarnation that failed (the registry's epoch when reported).")
+    quarantines: int = Field(ge=1, description="Times its pairs were quarantined, re-quarantines included.")
+    reason: str = Field(description="The last integrity failure.")
+
+
 class IntegrityReport(BaseModel):
     """A router's integrity state for one PD cluster, written under the router's lease (gone when it dies).
 
     The operator turns the union of all routers' reports into the PDCluster's ``IntegrityDegraded`` condition
-    and one Event per pair that enters or leaves quarantine."""
+    and one Event per pair that enters or leaves quarantine, and recreates the groups of repeat offenders."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     router: str = Field(min_length=1, description="The reporting router instance (host:pid).")
     quarantined: tuple[QuarantinedPair, ...] = ()
     quarantined_workers: tuple[str, ...] = Field(default=(), description="Workers all of whose pairs are out.")
+    repeat_offenders: tuple[RepeatOffender, ...] = Field(
+        default=(), description="Workers whose pairs were quarantined again and again: recreate their groups."
+    )
 
 
 def integrity_prefix(namespace: str, cluster: str) -> str:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -39,10 +41,55 @@ def parse_endpoint_url(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def grpc_target(endpoints: Sequence[str]) -> str:
+    """One gRPC target naming every etcd member, so a client reaches whichever is up.
+
+    gRPC's default ``pick_first`` policy connects to the first address that answers and, when that connection
+    breaks, to the first that answers again (the RPC in flight fails; the next one goes to a live member). One
+    endpoint stays a plain ``host:port`` (gRPC's DNS resolver already tries every address of a name); several are
+    listed with the ``ipv4:``/``ipv6:`` scheme, names resolved here, each time a client is made.
+    """
+    hostports = [parse_endpoint_url(e) for e in endpoints]
+    if not hostports:
+        raise ValueError("no etcd endpoint given")
+    if len(hostports) == 1:
+        return "{}:{}".format(*hostports[0])
+    v6 = [_ipv6_literal(host) for host, _ in hostports]
+    if any(v6):
+        if not all(v6):
+            raise ValueError(f"etcd endpoints mix IPv6 literals with other hosts: {list(endpoints)}")
+        return "ipv6:" + ",".join(f"[{ip}]:{port}" for ip, (_, port) in zip(v6, hostports, strict=True))
+    addresses = [f"{ip}:{port}" for host, port in hostports for ip in _ipv4_addresses(host)]
+    if not addresses:
+        raise ValueError(f"no etcd endpoint resolves to an IPv4 address: {list(endpoints)}")
+    return "ipv4:" + ",".join(dict.fromkeys(addresses))
+
+
+def _ipv6_literal(host: str) -> str | None:
+    try:
+        return str(ipaddress.IPv6Address(host.strip("[]")))
+    except ValueError:
+        return None
+
+
+def _ipv4_addresses(host: str) -> list[str]:
+    try:
+        return [str(ipaddress.IPv4Address(host))]
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror as err:
+        log.warning("etcd endpoint does not resolve; left out", extra={"host": host, "error": str(err)})
+        return []
+    return sorted({str(info[4][0]) for info in infos})
+
+
 def client(endpoints: Sequence[str], timeout: int = 5) -> Any:
-    """An aetcd client for the first endpoint (aetcd talks to one member; etcd proxies to the leader)."""
-    host, port = parse_endpoint_url(endpoints[0])
-    return aetcd.Client(host=host, port=port, timeout=timeout)
+    """An aetcd client over every endpoint (``grpc_target``); any live member serves (etcd forwards to the leader)."""
+    # aetcd dials f"{host}:{port}": splitting the target at its last colon hands it over unchanged.
+    host, _, port = grpc_target(endpoints).rpartition(":")
+    return aetcd.Client(host=host, port=int(port), timeout=timeout)
 
 
 class EndpointWriter:
@@ -115,8 +162,9 @@ class PrefixWatcher(Generic[T]):
 
     async def _run(self) -> None:
         while True:
-            etcd = client(self.endpoints)
+            etcd: Any = None
             try:
+                etcd = client(self.endpoints)
                 await etcd.connect()
                 await self._list_and_watch(etcd)
             except asyncio.CancelledError:
@@ -124,8 +172,9 @@ class PrefixWatcher(Generic[T]):
             except Exception as err:
                 log.warning("etcd watch lost; re-listing", extra={"prefix": self.prefix.decode(), "error": repr(err)})
             finally:
-                with contextlib.suppress(Exception):
-                    await etcd.close()
+                if etcd is not None:
+                    with contextlib.suppress(Exception):
+                        await etcd.close()
             await asyncio.sleep(self.retry_s)
 
     async def _list_and_watch(self, etcd: Any) -> None:

@@ -38,15 +38,15 @@ def k8s_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster
     cluster.stop()
 
 
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
+@pytest_asyncio.fixture
 async def k8s_api(k8s_cluster: DevCluster) -> AsyncIterator[client.ApiClient]:
-    """An admin (system:masters) kubernetes_asyncio client."""
+    """An admin (system:masters) kubernetes_asyncio client, on the test's own event loop."""
     api = await kube_config.new_client_from_config(config_file=str(k8s_cluster.kubeconfig))
     yield api
     await api.close()
 
 
-@pytest_asyncio.fixture(loop_scope="session")
+@pytest_asyncio.fixture
 async def k8s_namespace(k8s_api: client.ApiClient) -> AsyncIterator[str]:
     """A fresh namespace for one test, deleted afterwards (with everything in it)."""
     core = client.CoreV1Api(k8s_api)

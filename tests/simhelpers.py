@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from tandem.procs import free_port
 from tandem_sim import model
-from tandem_sim.testing import SimWorker, pd_fields
+from tandem_sim.testing import HOST, SimWorker, pd_fields, start_worker
 
 # Rare words only: the simulated model never makes these up, so one in an output was copied from some context.
 WORDS = model.vocabulary()[model.COMMON_WORDS_END :]
@@ -79,3 +82,23 @@ async def metric_sum(url: str, name: str) -> float:
     async with aiohttp.ClientSession() as sess, sess.get(f"{url}/metrics") as resp:
         text = await resp.text()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.split("{")[0].split(" ")[0] == name)
+
+
+def start_group(
+    name: str, log_dir: Path, nnodes: int, extra: Sequence[str], env: Mapping[str, str] | None = None
+) -> list[SimWorker]:
+    """A multi-node SGLang server: ``nnodes`` processes (node 0 first) sharing ``--dist-init-addr``; returns them
+    once every node's ``/health`` answers 200 (node 0's serves the API, the others SGLang's dummy health)."""
+    addr = f"{HOST}:{free_port()}"
+    nodes: list[SimWorker] = []
+    try:
+        for rank in range(nnodes):
+            group = ["--nnodes", str(nnodes), "--node-rank", str(rank), "--dist-init-addr", addr]
+            nodes.append(start_worker(f"{name}-node{rank}", log_dir, [*extra, *group], env, wait=False))
+        for node in nodes:
+            node.proc.wait_http(f"{node.url}/health", timeout=120)
+    except BaseException:
+        for node in nodes:
+            node.proc.stop()
+        raise
+    return nodes

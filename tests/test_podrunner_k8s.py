@@ -14,7 +14,7 @@ from kubernetes_asyncio import client
 from tandem.devcluster.podrunner import PodRunner
 from tests.devcluster_fixtures import create, eventually
 
-pytestmark = [pytest.mark.k8s, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(240)]
 
 
 SERVER_ARGS = ["--model-path", "moonshotai/Kimi-K2.6", "--served-model-name", "kimi", "--trust-remote-code"]

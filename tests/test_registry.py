@@ -5,6 +5,7 @@ import pytest
 
 from tandem import registry
 from tandem.registry import Endpoint, Role
+from tandem.registry_etcd import grpc_target
 
 
 def test_endpoint_round_trip_and_key() -> None:
@@ -55,3 +56,14 @@ def test_integrity_report_round_trip_and_key() -> None:
     key = registry.integrity_key("ns", "c1", report.router)
     assert key == "/tandem/v1/clusters/ns/c1/integrity/host-a:123"
     assert not key.startswith(registry.cluster_prefix("ns", "c1"))  # endpoint watchers never see reports
+
+
+def test_grpc_target_names_every_etcd_member() -> None:
+    assert grpc_target(["http://etcd.ns.svc:2379"]) == "etcd.ns.svc:2379"  # gRPC's DNS resolver: all its addresses
+    assert grpc_target(["127.0.0.1:1", "http://127.0.0.2:2/", "127.0.0.1:1"]) == "ipv4:127.0.0.1:1,127.0.0.2:2"
+    assert grpc_target(["localhost:3", "127.0.0.1:4"]) == "ipv4:127.0.0.1:3,127.0.0.1:4"
+    assert grpc_target(["[::1]:5", "http://[::2]:6"]) == "ipv6:[::1]:5,[::2]:6"
+    with pytest.raises(ValueError, match="mix IPv6"):
+        grpc_target(["[::1]:5", "127.0.0.1:6"])
+    with pytest.raises(ValueError, match="no etcd endpoint given"):
+        grpc_target([])

@@ -1,7 +1,8 @@
 """Batch ``/generate`` (one bootstrap room per item), OpenAI ``n`` > 1 (one room per choice), tool-call and reasoning
 fields, attention-DP routing (``room % dp_size``) and stream error chunks, in aggregated and PD mode.
 
-Real processes on loopback: a prefill with ``--attn-dp-size 2``, a decode and an aggregated reference worker.
+Real processes on loopback: a prefill with ``--tp-size 2 --attn-dp-size 2`` (two ranks), a decode and an aggregated
+reference worker.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import pytest
 from tandem_sim.testing import HOST, SimWorker, start_decode, start_prefill, start_worker
 from tests.simhelpers import prompts
 
+pytestmark = pytest.mark.procs
+
 DP = 2
 
 
@@ -27,7 +30,7 @@ def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SimWorke
     started: list[SimWorker] = []
     try:
         extra = ["--enable-metrics", "--tool-call-parser", "kimi_k2", "--reasoning-parser", "kimi_k2"]
-        started.append(start_prefill("prefill", log_dir, [*extra, "--attn-dp-size", str(DP)]))
+        started.append(start_prefill("prefill", log_dir, [*extra, "--tp-size", str(DP), "--attn-dp-size", str(DP)]))
         started.append(start_decode("decode", log_dir, extra))
         started.append(start_worker("aggregated", log_dir, extra))
         yield started[0], started[1], started[2]
@@ -95,7 +98,7 @@ async def test_batch_needs_one_room_per_item(
     for rooms in (5, [5], [5, 5]):
         status, err = await _post(sess, f"{decode.url}/generate", dict(body, bootstrap_room=rooms))
         assert status == 400
-        assert "bootstrap_room" in err["error"]
+        assert "bootstrap_room" in err["error"]["message"]
 
 
 async def test_openai_n_choices_pd_equals_aggregated(
@@ -155,7 +158,7 @@ async def test_tools_and_reasoning_fields_pass_through(
         dict(base, tools=tools, tool_choice="auto", separate_reasoning=True, chat_template_kwargs={"thinking": True}),
     )
     assert status == 200, auto
-    assert auto["choices"][0]["message"]["tool_calls"] is None
+    assert "tool_calls" not in auto["choices"][0]["message"]  # SGLang's ChatMessage drops it when null
     assert auto["choices"][0]["message"]["reasoning_content"] is None
     named = {"type": "function", "function": {"name": "get_weather"}}
     status, forced = await _post(
@@ -209,3 +212,32 @@ async def test_generate_stream_error_chunk(
     error = json.loads(lines[-2][6:])["error"]
     assert error["code"] == 500
     assert "KVTransferError(bootstrap_room=7)" in error["message"]
+
+
+async def test_completions_batch_prompts_echo_and_integer_logprobs(
+    workers: tuple[SimWorker, SimWorker, SimWorker], sess: aiohttp.ClientSession
+) -> None:
+    """A list of prompts (strings or token lists) is a batch: prompt-major choices, ``n`` per prompt, each prompt
+    counted once in usage; ``echo`` prefixes each choice with its prompt; ``logprobs`` may be an integer."""
+    prefill, decode, reference = workers
+    single = {"model": "sim/model", "max_tokens": 6, "temperature": 0}
+    texts = {}
+    for prompt in ("kala bede", "tokyo osaka trains"):
+        status, got = await _post(sess, f"{reference.url}/v1/completions", dict(single, prompt=prompt))
+        assert status == 200, got
+        texts[prompt] = (got["choices"][0]["text"], got["usage"]["prompt_tokens"])
+    batch = dict(single, prompt=list(texts), n=2, echo=True, logprobs=3, suffix="unused")
+    status, got, p_status = await _pd(sess, prefill, decode, "/v1/completions", batch, _rooms(4, 9))
+    assert (status, p_status) == (200, 200), got
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2, 3]
+    want = [prompt + texts[prompt][0] for prompt in texts for _ in range(2)]  # SGLang's echo: prompt + text
+    assert [c["text"] for c in got["choices"]] == want
+    assert got["usage"]["prompt_tokens"] == sum(tokens for _, tokens in texts.values())
+    ids = [[64, 65, 66], [70, 71]]
+    status, got = await _post(sess, f"{reference.url}/v1/completions", dict(single, prompt=ids))
+    assert status == 200, got
+    assert len(got["choices"]) == 2
+    empties: list[Any] = ["", [], [""], [[]]]
+    for empty in empties:
+        status, err = await _post(sess, f"{reference.url}/v1/completions", dict(single, prompt=empty))
+        assert (status, err["message"]) == (400, "Prompt cannot be empty")

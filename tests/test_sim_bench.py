@@ -16,7 +16,8 @@ def test_bench_sim_quick_prints_tables() -> None:
     out = run_quick_bench("sim", timeout=170)
     assert "## sim: KV transfer over loopback" in out
     assert "## sim: simulated worker capacity" in out
-    for row in ("mooncake tcp", "plain socket", "PD pair, prefill-heavy", "aggregated, decode-heavy"):
+    assert "## sim: KV transfer, 8 ranks per pod vs 1 rank" in out
+    for row in ("mooncake tcp", "plain socket", "PD pair, prefill-heavy", "aggregated, decode-heavy", "| 8 "):
         line = next(line for line in out.splitlines() if row in line)
         numbers = [float(x.replace(",", "")) for x in re.findall(r"\| ([\d,.]+) ", line + " ")]
         assert numbers, line

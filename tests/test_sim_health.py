@@ -8,8 +8,11 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from tandem_sim.testing import start_worker
+
+pytestmark = pytest.mark.procs
 
 
 async def test_health_is_slow_only_under_load(tmp_path: Path) -> None:

@@ -15,13 +15,25 @@ from tandem.procs import ManagedProcess
 from tandem_sim.testing import SimWorker, start_worker
 from tests.simhelpers import prompts
 
+pytestmark = pytest.mark.procs
+
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimWorker]:
     w = start_worker(
         "aggregated",
         tmp_path_factory.mktemp("sim-http"),
-        ["--served-model-name", "kimi", "--enable-metrics", "--context-length", "256", "--page-size", "4"],
+        [
+            "--served-model-name",
+            "kimi",
+            "--enable-metrics",
+            "--context-length",
+            "256",
+            "--page-size",
+            "4",
+            "--log-level",
+            "debug",
+        ],
     )
     yield w
     w.proc.stop()
@@ -68,7 +80,7 @@ async def test_generate_stream_is_sse_and_ends_with_done(worker: SimWorker) -> N
     ("raw", "fragment"),
     [
         (b"{not json", "Invalid JSON"),
-        (b'{"text": "kala", "frobnicate": 1}', "Unknown field"),
+        (b'{"text": "kala", "sampling_params": {"frobnicate": 1}}', "unknown field `frobnicate`, expected one of `max"),
         (b'{"text": "kala", "sampling_params": {"max_new_tokens": -1}}', "max_new_tokens"),
         (b'{"text": "kala", "sampling_params": {"max_new_tokens": 100000}}', "maximum context length"),
         (b'{"text": "' + b" kala" * 300 + b'"}', "longer than the model's context length"),
@@ -81,6 +93,73 @@ async def test_bad_generate_input_is_a_400(worker: SimWorker, raw: bytes, fragme
     status, body = await _post(f"{worker.url}/generate", raw=raw)
     assert status == 400
     assert fragment in str(body)
+
+
+@pytest.mark.parametrize(
+    ("sampling", "error"),
+    [
+        # SGLang's contract gate (http_server.generate_request): 400 {"error": "<serde text>"}
+        ({"temperature": "hot"}, 'invalid type: string "hot", expected f64'),
+        ({"max_new_tokens": 1.5}, "invalid type: floating point `1.5`, expected i64"),
+        # SamplingParams.verify after the gate (http_server._create_error_response): 400 {"error": {"message": ...}}
+        ({"temperature": -1}, {"message": "temperature must be a non-negative finite number, got -1."}),
+        ({"max_new_tokens": -1}, {"message": "max_new_tokens must be at least 0, got -1."}),
+        ({"min_new_tokens": -2}, {"message": "min_new_tokens must be in [0, max_new_tokens(128)], got -2."}),
+        ({"top_p": 0}, {"message": "top_p must be in (0, 1], got 0.0."}),
+    ],
+)
+async def test_generate_errors_have_sglangs_shape_and_words(
+    worker: SimWorker, sampling: dict[str, object], error: object
+) -> None:
+    status, body = await _post(f"{worker.url}/generate", {"text": "kala", "sampling_params": sampling})
+    assert status == 400
+    assert body == {"error": error}
+
+
+def _answer(path: str, doc: object) -> object:
+    assert isinstance(doc, dict)
+    if path == "/generate":
+        return doc["text"]
+    choice = doc["choices"][0]
+    return choice["message"]["content"] if path == "/v1/chat/completions" else choice["text"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/generate", {"text": "kala bede", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}),
+        ("/v1/completions", {"model": "kimi", "prompt": "kala bede", "max_tokens": 4, "temperature": 0}),
+        (
+            "/v1/chat/completions",
+            {"model": "kimi", "messages": [{"role": "user", "content": "kala"}], "max_tokens": 4, "temperature": 0},
+        ),
+    ],
+)
+async def test_unknown_fields_are_ignored_and_logged_at_debug(
+    worker: SimWorker, path: str, body: dict[str, object]
+) -> None:
+    """SGLang ignores top-level fields it does not know (smg sends ``model`` and ``background`` to /generate)."""
+    status, plain = await _post(worker.url + path, body)
+    assert status == 200, plain
+    status, extra = await _post(worker.url + path, {**body, "background": False, "frobnicate": {"x": 1}, "model": "m"})
+    assert status == 200, extra
+    assert _answer(path, extra) == _answer(path, plain)
+    # GenerateReqInput has a `background` field; the OpenAI request models have `model`.
+    ignored = "frobnicate, model" if path == "/generate" else "background, frobnicate"
+    for _ in range(50):
+        if f"ignoring unknown field(s) in {path} request: {ignored}" in worker.proc.log_path.read_text():
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no debug line for the ignored fields of {path}")
+
+
+async def test_openai_model_is_optional_as_in_sglang(worker: SimWorker) -> None:
+    body = {"prompt": "kala bede", "max_tokens": 3, "temperature": 0}
+    status, doc = await _post(f"{worker.url}/v1/completions", body)
+    assert status == 200, doc
+    status, doc = await _post(f"{worker.url}/v1/completions", {**body, "model": 7})
+    assert status == 400
+    assert "model: Input should be a valid string" in str(doc)
 
 
 async def test_bootstrap_fields_validated_in_pd_modes_only(worker: SimWorker) -> None:
@@ -158,7 +237,7 @@ def test_multinode_group_rank0_waits_for_ranks_and_dies_with_them(tmp_path: Path
     from tandem.procs import free_port
 
     addr = f"127.0.0.1:{free_port()}"
-    group = ["--nnodes", "2", "--dist-init-addr", addr]
+    group = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr]
     rank0 = start_worker("rank0", tmp_path, [*group, "--node-rank", "0"], wait=False)
     procs: list[ManagedProcess] = [rank0.proc]
     try:

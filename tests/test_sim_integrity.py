@@ -27,7 +27,7 @@ SPEED = ["--sim-inter-token-ms", "1", "--enable-metrics"]
 
 
 def _start(tmp_path: Path, procs: list[ManagedProcess], race: bool) -> tuple[SimWorker, SimWorker, SimWorker]:
-    prefill = start_prefill("prefill", tmp_path, SPEED)
+    prefill = start_prefill("prefill", tmp_path, [*SPEED, *DECODE_POOL[2:]])  # SGLang wants one --page-size
     procs.append(prefill.proc)
     extra = [*DECODE_POOL, *OFFLOAD, *SPEED] + (["--sim-inject-offload-race"] if race else [])
     decode = start_decode("decode", tmp_path, extra)

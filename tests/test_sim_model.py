@@ -54,6 +54,36 @@ def test_kv_roundtrip_keeps_the_real_word() -> None:
     assert model.read_slot(model.weights(1, 256), kv[0].tobytes()).word != "hello"
 
 
+INVISIBLE_WORDS = ["zero\u200bwidth", "bell\x07", "rtl\u202eword", "e\u0301", "esc\x1b[0m", "\ufeffbom", "🙂", "\x00"]
+
+
+def test_prompt_words_come_back_exactly_as_sglang_detokenizes_them() -> None:
+    """SGLang decodes valid UTF-8 to exactly its characters: copying a word with an invisible or control character
+    out of the prompt reproduces it, never U+FFFD (issue 19 item 2)."""
+    tokens = model.tokenize(" ".join(INVISIBLE_WORDS))
+    assert tokens.words == INVISIBLE_WORDS  # none of these is whitespace to str.split
+    for i, row in enumerate(model.compute_kv(W, tokens)):
+        assert model.read_slot(W, row.tobytes()).word == INVISIBLE_WORDS[i]
+    copied: set[str] = set()
+    for seed in range(40):
+        params = model.SamplingParams(max_new_tokens=64, ignore_eos=True, sampling_seed=seed)
+        words = _generate(tokens, params)
+        assert "\ufffd" not in " ".join(words)
+        copied |= set(words) & set(INVISIBLE_WORDS)
+    assert len(copied) >= 4, copied
+
+
+def test_whitespace_only_text_is_one_token_and_empty_text_none() -> None:
+    assert model.tokenize("\n \t").words == ["\n \t"]
+    assert model.tokenize("").ids == []
+
+
+def test_only_invalid_utf8_detokenizes_to_the_replacement_character() -> None:
+    assert model.detokenize("zero\u200bwidth".encode()) == "zero\u200bwidth"
+    assert model.detokenize(b"ab\xffcd") == "ab\ufffdcd"
+    assert model.detokenize("東".encode()[:2]) == "\ufffd"
+
+
 def test_kv_bytes_minimum() -> None:
     with pytest.raises(ValueError, match="kv_bytes must be >= 64"):
         model.weights(0, model.MIN_KV_BYTES - 1)

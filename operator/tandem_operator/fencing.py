@@ -34,6 +34,7 @@ class FenceReason(StrEnum):
     CONTAINER_RESTARTED = "ContainerRestarted"
     NODE_LOST = "NodeLost"
     START_DEADLINE = "StartDeadlineExceeded"  # Starting/Incomplete past lifecycle.startDeadlineSeconds
+    INTEGRITY_REPEAT_OFFENDER = "IntegrityRepeatOffender"  # routers keep quarantining its pairs (not a pod event)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,11 @@ that dies (or whose lease expires) drops out of the set by itself. A pair counts
 router reports it; the condition names every quarantined pair with its reasons, and the workers all of whose
 pairs are out. A pair entering the union gets one ``PairQuarantined`` Warning Event, a pair leaving it one
 ``PairReleased`` Normal Event; two routers reporting the same pair make one Event, not two.
+
+A worker that a router reports as a *repeat offender* (its pairs were quarantined again and again: probation
+under live load keeps failing) is not going to heal by itself: ``integrity_recreations`` names the registered
+group behind it, at the incarnation the router saw, and the runtime recreates that group (fence, then the
+reconcile pass replaces it with the next epoch). A report about an older incarnation is ignored.
 """
 
 from __future__ import annotations
@@ -12,10 +17,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TypeVar
 
-from tandem.registry import IntegrityReport
+from tandem.registry import Endpoint, IntegrityReport
 from tandem_operator.api.common import Condition
 from tandem_operator.status import condition
+
+K = TypeVar("K")
 
 CONDITION_TYPE = "IntegrityDegraded"
 MAX_LISTED = 20  # pairs named in the condition message; the rest are counted
@@ -122,3 +130,27 @@ def integrity_decision(
         if pair not in now_out
     ]
     return IntegrityDecision(integrity_condition(after, previous, generation, now), tuple(events))
+
+
+def integrity_recreations(
+    reports: Iterable[IntegrityReport], registered: Mapping[K, Endpoint], fenced: Mapping[K, int]
+) -> list[tuple[K, int, str]]:
+    """(group, epoch, note) for each registered group some live router reports as a repeat offender at the
+    epoch it is registered with, unless that incarnation is already fenced. ``registered``/``fenced`` map the
+    caller's group keys to the registered endpoint / the fenced epoch."""
+    by_worker = {(ep.role, ep.url): key for key, ep in registered.items()}
+    found: dict[K, tuple[K, int, str]] = {}
+    for report in reports:
+        for offender in report.repeat_offenders:
+            key = by_worker.get((offender.role, offender.worker))
+            if key is None or key in found:
+                continue
+            epoch = registered[key].epoch
+            if offender.epoch != epoch or fenced.get(key) == epoch:
+                continue
+            note = (
+                f"{offender.role.value} {offender.worker} (epoch {epoch}) quarantined {offender.quarantines} times "
+                f"by router {report.router}; last: {offender.reason}"
+            )
+            found[key] = (key, epoch, note[:1000])
+    return list(found.values())

@@ -1,8 +1,12 @@
 """Leader election over a ``coordination.k8s.io/v1`` Lease: the pure decision. Time is passed in.
 
 Only the holder of the Lease runs handlers; other replicas wait. The holder renews every ``duration / 3``; a
-replica takes over when the holder has not renewed for ``duration`` seconds (``renewTime + leaseDurationSeconds``
-in the past), bumping ``leaseTransitions``. Writes use the Lease's ``resourceVersion`` (optimistic concurrency),
+replica takes over when the holder has not renewed for ``duration`` seconds, bumping ``leaseTransitions``.
+"Not renewed" is judged on this replica's own monotonic clock, from when it last saw the record change
+(``observe``), as client-go does (``LeaderElector.tryAcquireOrRenew``: ``observedTime + LeaseDuration``), never by
+comparing the holder's ``renewTime`` with the local wall clock: with skewed clocks that would take a live holder's
+Lease (standby ahead) or wait far too long for a dead one (standby behind). ``renewTime`` is still written, for
+people and tools. Writes use the Lease's ``resourceVersion`` (optimistic concurrency),
 so two replicas racing for an expired Lease cannot both win. A holder that fails to renew before its Lease
 expires stops itself (exit code 1): a deposed leader must never keep writing.
 """
@@ -11,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
@@ -53,14 +57,38 @@ def lease_state(lease: Mapping[str, Any] | None) -> LeaseState | None:
     )
 
 
-def decide(state: LeaseState | None, me: str, now: datetime) -> LeaseAction:
+@dataclass(frozen=True)
+class Observed:
+    """The Lease as this replica last saw it change, and when: ``at`` is on this replica's monotonic clock."""
+
+    state: LeaseState
+    at: float
+
+
+def _record(state: LeaseState) -> tuple[object, ...]:
+    """What the holder writes (client-go compares the whole LeaderElectionRecord); not the resourceVersion."""
+    return state.holder, state.renew_time, state.acquire_time, state.transitions, state.duration_s
+
+
+def observe(previous: Observed | None, state: LeaseState | None, now: float) -> Observed | None:
+    """The new observation after reading ``state`` at local monotonic time ``now``: unchanged record, same time."""
     if state is None:
+        return None
+    if previous is not None and _record(previous.state) == _record(state):
+        return Observed(state, previous.at)  # the newest resourceVersion, the time of the last change
+    return Observed(state, now)
+
+
+def decide(observed: Observed | None, me: str, now: float) -> LeaseAction:
+    """``now`` is this replica's monotonic clock, the one ``observed.at`` was read from."""
+    if observed is None:
         return LeaseAction.CREATE
+    state = observed.state
     if state.holder == me:
         return LeaseAction.RENEW
     if state.holder is None or state.renew_time is None:
         return LeaseAction.ACQUIRE
-    if state.renew_time + timedelta(seconds=state.duration_s) < now:
+    if observed.at + state.duration_s < now:
         return LeaseAction.ACQUIRE
     return LeaseAction.WAIT
 

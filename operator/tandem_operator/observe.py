@@ -20,6 +20,7 @@ from enum import StrEnum
 from typing import Any
 
 from tandem.registry import Role
+from tandem_operator.api.mooncake_ports import MAX_PORTS_PER_POD
 from tandem_operator.desired.naming import (
     ANNOTATION_EPOCH,
     LABEL_CLUSTER,
@@ -31,7 +32,7 @@ from tandem_operator.desired.naming import (
 )
 
 Pod = Mapping[str, Any]
-MAX_NAMED_PORTS = 16  # a hostNetwork pod's Mooncake names are cleaned one port at a time, up to this many
+MAX_NAMED_PORTS = MAX_PORTS_PER_POD  # a hostNetwork pod's Mooncake names are cleaned one port at a time
 
 
 @dataclass(frozen=True, order=True)

@@ -25,3 +25,4 @@ class Reason(StrEnum):
     INVALID_SPEC = "InvalidSpec"
     PAIR_QUARANTINED = "PairQuarantined"
     PAIR_RELEASED = "PairReleased"
+    INTEGRITY_RECREATE = "IntegrityRecreate"

@@ -2,7 +2,8 @@
 
 Every READY group (``status.group_views``) is advertised by one ``tandem.registry.Endpoint`` built from its rank-0
 pod: the SGLang URL ``http://<pod ip>:<http port>``, the prefill bootstrap port, the Mooncake session
-``<pod ip>:<rpc port>`` when the pod's env fixes one port (rdma; tcp's two-port range leaves it out), the RDMA
+``<pod ip>:<rpc port>`` when the pod's env fixes one port (one rank over rdma; with more ranks, or tcp's two ports
+per rank, rank 0's port is not known in advance and it is left out), the RDMA
 devices, the pod's compatibility revision and its epoch (the group's incarnation). A group fenced at its current
 epoch is not advertised again until it is recreated with a higher epoch.
 """
@@ -26,7 +27,7 @@ def leader_endpoint(spec: PDClusterSpec, role: Role, leader: Pod) -> Endpoint | 
         return None
     ports = spec.role(role).ports
     host = facts.ip
-    rpc_port = facts.mooncake_rpc_port  # None with a range (tcp): the session is one of its ports
+    rpc_port = facts.mooncake_rpc_port  # None with a range (several ranks, or tcp): the session is one of its ports
     labels = (leader.get("metadata") or {}).get("labels") or {}
     return Endpoint(
         role=role,

@@ -22,8 +22,8 @@ from tandem.registry import IntegrityReport
 from tandem_operator.api.pdcluster import PDClusterSpec, PDClusterStatus
 from tandem_operator.desired.naming import ClusterRef
 from tandem_operator.drain import POLL_S as DRAIN_POLL_S
-from tandem_operator.fencing import Fence, fence_decision, unroute_decision
-from tandem_operator.integrity import integrity_decision
+from tandem_operator.fencing import Fence, FenceReason, fence_decision, unroute_decision
+from tandem_operator.integrity import integrity_decision, integrity_recreations
 from tandem_operator.integrity_watch import IntegrityWatcher
 from tandem_operator.k8s.kube import Kube
 from tandem_operator.observe import Pod
@@ -126,7 +126,9 @@ class ClusterRuntime:
     # -- integrity -------------------------------------------------------------------------------------------
     async def _on_integrity(self, reports: dict[str, IntegrityReport]) -> None:
         """A router's report changed: one Event per pair entering or leaving quarantine; the reconcile pass
-        writes the ``IntegrityDegraded`` condition. A restarted operator announces the pairs it finds again."""
+        writes the ``IntegrityDegraded`` condition. A restarted operator announces the pairs it finds again.
+        Groups reported as repeat offenders are fenced, so the reconcile pass recreates them (an
+        ``IntegrityRecreate`` Event, and ``tandem_operator_fences_total{reason="IntegrityRepeatOffender"}``)."""
         state = self.state
         decision = integrity_decision(
             state.integrity_reports or {},
@@ -149,6 +151,12 @@ class ClusterRuntime:
                     "decode": event.pair.decode,
                 },
             )
+        fenced = {k: r.epoch for k, r in state.fenced.items()}
+        for group, epoch, note in integrity_recreations(reports.values(), state.registered, fenced):
+            note = f"recreating group {group.name}: {note}"
+            self.executor.emit(Reason.INTEGRITY_RECREATE, note, "Recreate", EventType.WARNING)
+            fence = Fence(group, epoch, FenceReason.INTEGRITY_REPEAT_OFFENDER, "integrity")
+            await self.executor.fence(fence, time.monotonic())
         self.kick()
 
     # -- the reconcile loop ----------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ sent to a worker.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 import uuid
@@ -19,19 +20,20 @@ import pydantic
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from tandem.registry import Role
-from tandem_router.canary import CanaryConfig, CanaryProber
+from tandem_router.canary import CanaryConfig
 from tandem_router.config import DiscoveryMode, RouterSettings
 from tandem_router.discovery import Discovery, make_discovery
 from tandem_router.health import HealthChecker
 from tandem_router.integrity.monitor import IntegrityConfig, IntegrityMonitor
 from tandem_router.integrity.quarantine import QuarantinePolicy
-from tandem_router.integrity_publisher import IntegrityPublisher
+from tandem_router.integrity_hooks import IntegrityHooks, build_hooks
+from tandem_router.integrity_publisher import IntegrityPublisher, integrity_document
 from tandem_router.metrics import RouterMetrics
+from tandem_router.openai.requests import canonical, param_path, refusal
 from tandem_router.openapi import document
 from tandem_router.policy.breaker import BreakerConfig
 from tandem_router.policy.retry import RetryConfig
-from tandem_router.pool import Pair, PairGate, WorkerPool
+from tandem_router.pool import PairGate, WorkerPool
 from tandem_router.proxy import Proxy, ProxyRequest
 from tandem_router.schema import (
     REQUEST_MODELS,
@@ -43,7 +45,6 @@ from tandem_router.schema import (
     item_count,
     prompt_text,
 )
-from tandem_router.shadow import ShadowSampler
 from tandem_router.transport import Transport, TransportConfig
 
 log = logging.getLogger("tandem.router")
@@ -64,8 +65,7 @@ class RouterState:
     health: HealthChecker
     discovery: Discovery
     integrity: IntegrityMonitor | None = None
-    canary: CanaryProber | None = None
-    shadow: ShadowSampler | None = None
+    hooks: IntegrityHooks | None = None
     background: list[asyncio.Task[None]] = field(default_factory=list)
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     in_flight: int = 0
@@ -81,13 +81,13 @@ def error(
     message: str,
     type_: ErrorType,
     *,
-    code: str | int | None = None,
+    code: str | None = None,
     param: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> web.Response:
     return web.Response(
         status=status,
-        body=error_body(message, type_, code=code if code is not None else status, param=param),
+        body=error_body(message, type_, code=code, param=param),
         content_type="application/json",
         headers=headers,
     )
@@ -97,19 +97,18 @@ def integrity_config(settings: RouterSettings) -> IntegrityConfig:
     return IntegrityConfig(
         enabled=settings.integrity,
         leak_ngram=settings.leak_ngram_words,
+        independent_clients=settings.integrity_independent_clients,
         policy=QuarantinePolicy(
             threshold=settings.quarantine_threshold,
             window_s=settings.quarantine_window_s,
             probe_initial_s=settings.quarantine_probe_initial_s,
             probe_max_s=max(settings.quarantine_probe_max_s, settings.quarantine_probe_initial_s),
-            probation_s=settings.quarantine_probation_s,
+            comparisons_to_release=settings.probation_comparisons,
+            watch_s=settings.quarantine_watch_s,
+            max_detector_share=settings.max_detector_ejection_share,
+            report_after=settings.report_after_quarantines,
         ),
     )
-
-
-def all_pairs(pool: WorkerPool) -> list[Pair]:
-    """Every (prefill, decode) pair the pool's members can form, quarantined or not."""
-    return [Pair(p.spec, d.spec) for p in pool.of_role(Role.PREFILL) for d in pool.of_role(Role.DECODE)]
 
 
 def build_app(settings: RouterSettings, gates: tuple[PairGate, ...] = ()) -> web.Application:
@@ -124,7 +123,8 @@ def build_app(settings: RouterSettings, gates: tuple[PairGate, ...] = ()) -> web
     )
     metrics = RouterMetrics(pool)
     retry_cfg = RetryConfig(settings.retry_max_attempts, settings.retry_initial_backoff_s)
-    shadow = ShadowSampler(monitor, transport, pool, settings.shadow_rate) if monitor is not None else None
+    canary_cfg = CanaryConfig(interval_s=settings.canary_interval_s)
+    hooks = build_hooks(monitor, transport, pool, canary_cfg, settings.shadow_rate) if monitor is not None else None
     state = RouterState(
         settings,
         pool,
@@ -136,17 +136,12 @@ def build_app(settings: RouterSettings, gates: tuple[PairGate, ...] = ()) -> web
             metrics,
             retry_cfg,
             observer=monitor,
-            on_complete=shadow.completed if shadow is not None else None,
+            on_complete=hooks.completed if hooks is not None else None,
         ),
         HealthChecker(pool, transport, settings.health_interval_s),
         make_discovery(pool, settings),
     )
-    if monitor is not None:
-        state.integrity = monitor
-        state.shadow = shadow
-        state.canary = CanaryProber(
-            monitor, transport, lambda: _pairs_for_canary(state), CanaryConfig(interval_s=settings.canary_interval_s)
-        )
+    state.integrity, state.hooks = monitor, hooks
     app = web.Application(
         client_max_size=settings.max_body_bytes, middlewares=[_errors_and_metrics, _auth], handler_args=None
     )
@@ -170,20 +165,13 @@ def state_of(app: web.Application) -> RouterState:
     return app[_STATE]
 
 
-def _pairs_for_canary(state: RouterState) -> list[Pair]:
-    pairs = all_pairs(state.pool)
-    if state.integrity is not None:
-        state.integrity.set_pairs([p.key for p in pairs])
-    return pairs
-
-
 async def _startup(app: web.Application) -> None:
     s = app[_STATE]
     await s.discovery.start()
     await s.health.check_all()
     s.health.start()
-    if s.canary is not None:
-        s.background.append(asyncio.create_task(s.canary.run(s.stop)))
+    if s.hooks is not None:
+        s.background.append(asyncio.create_task(s.hooks.canary.run(s.stop)))
     if s.integrity is not None and s.settings.discovery is DiscoveryMode.ETCD:
         publisher = IntegrityPublisher(
             s.integrity, s.settings.etcd_endpoints, s.settings.cluster_namespace, s.settings.cluster_name
@@ -200,8 +188,8 @@ async def _cleanup(app: web.Application) -> None:
     s = app[_STATE]
     s.stop.set()
     await asyncio.gather(*s.background, return_exceptions=True)
-    if s.shadow is not None:
-        await s.shadow.drain()
+    if s.hooks is not None:
+        await s.hooks.drain()
     await s.health.stop()
     await s.discovery.stop()
     await s.proxy.drain_background()
@@ -258,7 +246,7 @@ def _proxied(route: Route) -> Handler:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return error(413, f"request body exceeds {s.settings.max_body_bytes} bytes", ErrorType.INVALID_REQUEST)
-        body, problem = _parse(raw, model_cls)
+        body, problem = _parse(raw, route, model_cls)
         if problem is not None:
             return problem
         model = body.get("model")
@@ -278,6 +266,7 @@ def _proxied(route: Route) -> Handler:
             prompt=prompt if s.integrity is not None else "",
             request_id=request.headers.get("X-Request-Id") or uuid.uuid4().hex,
             started=started,
+            client=client_identity(request, s.settings),
         )
         s.in_flight += 1
         try:
@@ -288,21 +277,39 @@ def _proxied(route: Route) -> Handler:
     return handle
 
 
-def _parse(raw: bytes, model_cls: type[pydantic.BaseModel]) -> tuple[dict[str, Any], web.Response | None]:
+def client_identity(request: web.Request, settings: RouterSettings) -> str:
+    """Who sent a request, for integrity evidence (one client's findings alone never quarantine a pair): its API
+    key when the router checks keys (``api_keys``; an unchecked token could be made up per request), else the
+    value of ``client_id_header`` when the operator set one (a header that a trusted proxy in front of the router
+    sets), else the peer address."""
+    header = request.headers.get("Authorization", "")
+    if settings.api_keys and header[:7].lower() == "bearer " and header[7:]:
+        return "key:" + hashlib.sha256(header[7:].encode()).hexdigest()[:16]
+    if settings.client_id_header and request.headers.get(settings.client_id_header):
+        return "header:" + request.headers[settings.client_id_header][:256]
+    return f"peer:{request.remote or 'unknown'}"
+
+
+def _parse(raw: bytes, route: Route, model_cls: type[pydantic.BaseModel]) -> tuple[dict[str, Any], web.Response | None]:
+    """The canonical body to forward (``openai.requests.canonical``), or the OpenAI error that refuses it."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as err:
         return {}, error(400, f"request body is not valid JSON: {err}", ErrorType.INVALID_REQUEST)
     if not isinstance(body, dict):
         return {}, error(400, "request body must be a JSON object", ErrorType.INVALID_REQUEST)
+    body = canonical(route, body)
     try:
         model_cls.model_validate(body)
     except pydantic.ValidationError as err:
         first = err.errors(include_url=False)[0]
-        where = ".".join(str(p) for p in first["loc"]) or None
+        where = param_path(first["loc"])
         return {}, error(
             400, f"{where}: {first['msg']}" if where else first["msg"], ErrorType.INVALID_REQUEST, param=where
         )
+    refused = refusal(route, body)
+    if refused is not None:
+        return {}, error(400, refused.message, ErrorType.INVALID_REQUEST, param=refused.param)
     return body, None
 
 
@@ -335,26 +342,9 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 async def _integrity(request: web.Request) -> web.Response:
-    """Quarantined pairs and why, and workers all of whose pairs are quarantined."""
+    """Quarantined pairs (probation included) and why, workers that are out, repeat offenders."""
     s = request.app[_STATE]
-    if s.integrity is None:
-        return web.Response(body=orjson.dumps({"enabled": False, "quarantined": []}), content_type="application/json")
-    now = time.monotonic()
-    doc = {
-        "enabled": True,
-        "quarantined": [
-            {
-                "prefill": q.prefill.split(":", 1)[1],
-                "decode": q.decode.split(":", 1)[1],
-                "since_s": round(now - q.since, 3),
-                "reason": q.reason,
-                "next_probe_in_s": round(max(0.0, q.next_probe_at - now), 3),
-                "clean_probes": q.clean_probes,
-            }
-            for q in s.integrity.quarantined()
-        ],
-        "quarantined_workers": sorted(w.split(":", 1)[1] for w in s.integrity.quarantined_workers()),
-    }
+    doc = {"enabled": False, "quarantined": []} if s.integrity is None else integrity_document(s.integrity)
     return web.Response(body=orjson.dumps(doc), content_type="application/json")
 
 

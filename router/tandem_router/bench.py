@@ -1,10 +1,11 @@
 """``tandem bench router``: the router's own cost, side by side in one run.
 
 The same *instant* PD workers (prefill answers at once, decode streams 16 SSE chunks) are reached directly,
-through Tandem's router and through SGLang's Rust gateway ``smg`` (installed from PyPI into its own venv under
-``~/.cache/tandem/``, pinned). Throughput comes from ``wrk`` (C, with a Lua body) at 32 connections; TTFT at
-concurrency 1 from a blocking socket client that timestamps the first body byte. Every process is started here
-and stopped by process group.
+through Tandem's router and through SGLang's Rust gateway ``smg`` (pinned, installed by ``make peers`` into its
+own venv under ``~/.cache/tandem/``: tandem.peers). Throughput comes from ``wrk`` (C, with a Lua body) at 32
+connections; TTFT at concurrency 1 from a blocking socket client that timestamps the first body byte. Every
+process is started here and stopped by process group. A peer that cannot run fails the section unless
+``--allow-missing-peers`` (then its row says "not measured").
 """
 
 from __future__ import annotations
@@ -24,11 +25,10 @@ from pathlib import Path
 
 import orjson
 
-from tandem.bench import BenchArgs, Table
+from tandem import peers
+from tandem.bench import NOT_MEASURED, BenchArgs, Plot, Table
 from tandem.procs import ManagedProcess, ProcessFailedError, free_port
 
-SMG_VERSION = "1.13.0"
-CACHE = Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem"))
 BODY = {"model": "instant-model", "messages": [{"role": "user", "content": "Say hi"}], "stream": True, "max_tokens": 16}
 DIRECT_BODY = {**BODY, "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 12345}
 PATH = "/v1/chat/completions"
@@ -54,28 +54,6 @@ class Result:
 
 
 NO_INTEGRITY = "tandem router --no-integrity"
-
-
-def smg_python() -> Path | None:
-    """The Python of a venv with ``smg`` pinned, created on first use; None if it cannot be installed here."""
-    venv = CACHE / f"smg-{SMG_VERSION}"
-    python = venv / "bin" / "python"
-    stamp = venv / ".installed"
-    if stamp.exists():
-        return python
-    try:
-        if not python.exists():
-            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
-        subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", f"smg=={SMG_VERSION}"],
-            check=True,
-            capture_output=True,
-            timeout=600,
-        )
-    except (subprocess.SubprocessError, OSError):
-        return None
-    stamp.write_text(SMG_VERSION)
-    return python
 
 
 def wrk(
@@ -156,7 +134,9 @@ def ttft(url: str, body: dict[str, object], n: int) -> tuple[float, float]:
 
 
 @contextlib.contextmanager
-def _processes(workdir: Path, quick: bool) -> Iterator[tuple[list[Target], list[ManagedProcess], list[str]]]:
+def _processes(
+    workdir: Path, allow_missing_peers: bool
+) -> Iterator[tuple[list[Target], list[ManagedProcess], list[str]]]:
     procs: list[ManagedProcess] = []
     notes: list[str] = []
     py = sys.executable
@@ -206,36 +186,17 @@ def _processes(workdir: Path, quick: bool) -> Iterator[tuple[list[Target], list[
             f"http://127.0.0.1:{t2_port}/readiness",
         )
         targets.append(Target("tandem router --workers 2", f"http://127.0.0.1:{t2_port}", BODY, tandem2))
-        smg = smg_python()
-        if smg is None:
-            notes.append(f"smg {SMG_VERSION} could not be installed here (no PyPI?): its row is missing")
-        else:
+        smg_name = f"smg {peers.smg_version()}"
+        try:
             s_port = free_port()
-            try:
-                smg_proc = start(
-                    "smg",
-                    [
-                        str(smg),
-                        "-m",
-                        "smg.launch_router",
-                        "--pd-disaggregation",
-                        "--prefill",
-                        prefill,
-                        "8998",
-                        "--decode",
-                        decode,
-                        "--host",
-                        "127.0.0.1",
-                        "--port",
-                        str(s_port),
-                        "--policy",
-                        "round_robin",
-                    ],
-                    f"http://127.0.0.1:{s_port}/health",
-                )
-                targets.append(Target(f"smg {SMG_VERSION}", f"http://127.0.0.1:{s_port}", BODY, smg_proc))
-            except ProcessFailedError as err:
-                notes.append(f"smg did not start: {str(err).splitlines()[0]}")
+            argv = peers.smg_argv([(prefill, 8998)], [decode], s_port, free_port())
+            smg_proc = start("smg", argv, f"http://127.0.0.1:{s_port}/health")
+            targets.append(Target(smg_name, f"http://127.0.0.1:{s_port}", BODY, smg_proc))
+        except (peers.PeerMissingError, ProcessFailedError) as err:
+            if not allow_missing_peers:
+                raise peers.PeerMissingError(f"{smg_name} cannot run here: {str(err).splitlines()[0]}") from err
+            targets.append(Target(smg_name, "", BODY))  # url "": not measured
+            notes.append(f"{smg_name} not measured: {str(err).splitlines()[0]}")
         yield targets, procs, notes
     finally:
         for proc in reversed(procs):
@@ -255,16 +216,22 @@ def run(args: BenchArgs) -> list[Table]:
 def router_cost(args: BenchArgs) -> Table:
     seconds = 2 if args.quick else 8
     n_ttft = 50 if args.quick else 300
-    results: dict[str, Result] = {}
+    peers.require("wrk")  # every row is measured with wrk
+    if not args.allow_missing_peers:
+        peers.require("smg")  # fail before starting anything
+    results: dict[str, Result | None] = {}
     with (
         tempfile.TemporaryDirectory(prefix="tandem-bench-router-") as tmp,
-        _processes(Path(tmp), args.quick) as (
+        _processes(Path(tmp), args.allow_missing_peers) as (
             targets,
             _,
             notes,
         ),
     ):
         for t in targets:
+            if not t.url:
+                results[t.name] = None
+                continue
             wrk(t.url, t.body, 8, 1, Path(tmp))  # warm up connections and caches
             cpu0 = group_cpu_seconds(t.proc.pid) if t.proc else 0.0
             rps, p50, p99, errors, total = wrk(t.url, t.body, 32, seconds, Path(tmp))
@@ -272,6 +239,7 @@ def router_cost(args: BenchArgs) -> Table:
             t50, t99 = ttft(t.url, t.body, n_ttft)
             results[t.name] = Result(cpu, rps, p50, p99, errors, t50, t99)
     direct = results["direct to decode"]
+    assert direct is not None
     smg = next((r for name, r in results.items() if name.startswith("smg")), None)
     table = Table(
         "router cost: instant PD workers (prefill answers at once, decode streams 16 chunks), wrk -c32 / TTFT at c=1",
@@ -287,14 +255,18 @@ def router_cost(args: BenchArgs) -> Table:
             "TTFT p99 ms",
             "TTFT p50 over direct ms",
         ],
+        plot=Plot("bar", "target", ["req/s @32"], "requests/s at 32 connections"),
     )
     for name, r in results.items():
+        if r is None:
+            table.rows.append([name, *[NOT_MEASURED] * (len(table.columns) - 1)])
+            continue
         table.rows.append(
             [
                 name,
                 "-" if r is direct else r.cpu_us,
                 r.rps,
-                f"{r.rps / smg.rps:.2f}x" if smg else "-",
+                f"{r.rps / smg.rps:.2f}x" if smg else NOT_MEASURED,
                 r.p50_ms,
                 r.p99_ms,
                 r.errors,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import aiohttp
 
-from tandem.bench import BenchArgs, Table
+from tandem.bench import BenchArgs, Plot, Table
 from tandem.procs import ManagedProcess, free_port
 
 HOST = "127.0.0.1"
@@ -102,6 +102,7 @@ async def _measure(prefill: str, bootstrap_port: int, decode: str, router: str, 
             "end to end on simulated workers (1 prefill + 1 decode, 16 tokens, stream): router vs client-side PD",
             ["concurrency", "requests", "direct TTFT p50 ms", "router TTFT p50 ms", "added p50 ms", "added p99 ms",
              "direct req/s", "router req/s", "errors d/r"],
+            plot=Plot("line", "concurrency", ["direct TTFT p50 ms", "router TTFT p50 ms"], "TTFT p50 ms", log_y=True),
         )  # fmt: skip
         for concurrency, n in plan:
             await _drive(min(concurrency, 8), min(n, 16), routed)  # warm both paths

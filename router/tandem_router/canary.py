@@ -2,10 +2,13 @@
 
 Every ``interval_s`` one canary prompt (temperature 0, fixed seed) goes through every pair the pool can form,
 quarantined ones included. The reference answer is the pool's strict-majority answer for that prompt
-(``integrity.consensus``); pairs that disagree fail the canary. Quarantined pairs are also re-probed on the
-book's backoff schedule, with a concurrent burst of every canary whose reference is known, and are released
-after enough clean probes. A pair that cannot be reached is the breakers' business, not an integrity failure:
-it is skipped.
+(``integrity.consensus``); pairs that disagree fail the canary. Canary rounds never release a quarantined pair.
+
+Bursts: every canary whose reference is known, cycled up to ``size`` concurrent requests through one pair.
+They confirm a detector finding that a shadow re-run cannot (the suspect request was not deterministic), and
+they give a pair on probation comparisons at the pool's live concurrency when no mirrorable live traffic does
+(``probation.py`` mirrors live requests otherwise). A pair that cannot be reached is the breakers' business, not
+an integrity failure: it is skipped.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from tandem_router.transport import Transport
 
 log = logging.getLogger("tandem.router.canary")
 
+MAX_BURST = 64  # concurrent canaries through one pair
+
 CANARY_PROMPTS: tuple[str, ...] = (
     "Canary: list the planets of the solar system in order from the sun.",
     "Canary: explain in one paragraph why the sky appears blue during the day.",
@@ -39,6 +44,7 @@ class CanaryConfig:
     max_new_tokens: int = 32
     timeout_s: float = 30.0
     seed: int = 1234
+    probation_idle_s: float = 5.0  # a pair on probation without comparisons this long gets a canary burst
 
 
 class CanaryProber:
@@ -49,17 +55,21 @@ class CanaryProber:
         pairs: Callable[[], list[Pair]],
         cfg: CanaryConfig | None = None,
         rng: random.Random | None = None,
+        concurrency: Callable[[PairKey], int] = lambda pair: 1,
     ) -> None:
         self.monitor = monitor
         self.transport = transport
         self.pairs = pairs
+        self.concurrency = concurrency  # concurrent requests through a pair at the pool's live load
         self.cfg = cfg or CanaryConfig()
+        self._tasks: set[asyncio.Task[None]] = set()
         self.rng = rng or random.Random()
         self.references: dict[str, str] = {}
         self._round = 0
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Rounds every ``interval_s``, re-probes of quarantined pairs in between (checked every 0.5 s)."""
+        """Rounds every ``interval_s``; in between (every 0.5 s) quarantined pairs whose wait is over go on
+        probation, and pairs on probation without comparisons for ``probation_idle_s`` get a canary burst."""
         next_round = 0.0
         loop = asyncio.get_running_loop()
         while not stop.is_set():
@@ -67,7 +77,8 @@ class CanaryProber:
                 if loop.time() >= next_round:
                     await self.round()
                     next_round = loop.time() + self.cfg.interval_s
-                await self.reprobe_due()
+                self.monitor.start_probations()
+                await self.probation_bursts()
             except Exception:
                 log.exception("canary iteration failed")
             with contextlib.suppress(TimeoutError):
@@ -98,21 +109,36 @@ class CanaryProber:
         for key in verdict.failed - self.monitor.quarantined_keys():
             self.monitor.canary_result(key, False, f"canary answer differs from the pool's: {by_pair[key][:80]!r}")
 
-    async def reprobe_due(self) -> None:
-        """Re-probe quarantined pairs that are due with a concurrent burst of every canary whose reference is
-        known: garbling that needs concurrency (slot reuse) shows in a burst where a lone probe passes."""
-        due = set(self.monitor.probes_due())
-        if not due or not self.references:
+    async def probation_bursts(self) -> None:
+        """A burst at the pool's live concurrency through each pair on probation that mirroring left idle."""
+        due = set(self.monitor.idle_probations(self.cfg.probation_idle_s))
+        pairs = [p for p in self.pairs() if p.key in due]
+        await asyncio.gather(*(self.burst(pair, self.concurrency(pair.key)) for pair in pairs))
+
+    def confirm_soon(self, key: PairKey) -> None:
+        """Confirm a detector finding on ``key`` with a canary burst, in the background."""
+        pair = next((p for p in self.pairs() if p.key == key), None)
+        if pair is None or not self.references:
             return
-        for pair in [p for p in self.pairs() if p.key in due]:
-            prompts = list(self.references)
-            answers = await asyncio.gather(*(self.probe(pair, prompt) for prompt in prompts))
-            answered = [(prompt, a) for prompt, a in zip(prompts, answers, strict=True) if a is not None]
-            if not answered:
-                continue
-            wrong = [a for prompt, a in answered if a != self.references[prompt]]
-            reason = f"re-probe answer differs: {wrong[0][:80]!r}" if wrong else ""
-            self.monitor.canary_result(pair.key, not wrong, reason)
+        task = asyncio.create_task(self.burst(pair, self.concurrency(pair.key)))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self) -> None:
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def burst(self, pair: Pair, size: int) -> None:
+        """``size`` concurrent canaries (known references, cycled) through ``pair``; each answer is scored."""
+        known = list(self.references)
+        if not known:
+            return
+        prompts = [known[i % len(known)] for i in range(max(len(known), min(size, MAX_BURST)))]
+        answers = await asyncio.gather(*(self.probe(pair, prompt) for prompt in prompts))
+        for prompt, answer in zip(prompts, answers, strict=True):
+            if answer is not None:
+                wrong = answer != self.references[prompt]
+                reason = f"canary burst answer differs: {answer[:80]!r}" if wrong else ""
+                self.monitor.canary_result(pair.key, not wrong, reason)
 
     async def probe(self, pair: Pair, prompt: str) -> str | None:
         """The decode's text for ``prompt`` through exactly this pair, or None if the pair could not answer."""

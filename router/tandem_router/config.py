@@ -66,9 +66,26 @@ class RouterSettings(BaseSettings):
         default=2, ge=1, description="Integrity failures within the window that quarantine a pair."
     )
     quarantine_window_s: float = Field(default=60.0, gt=0)
-    quarantine_probe_initial_s: float = Field(default=5.0, gt=0, description="First re-probe of a quarantined pair.")
-    quarantine_probe_max_s: float = Field(default=300.0, gt=0)
-    quarantine_probation_s: float = Field(default=300.0, ge=0, description="After release, one failure re-quarantines.")
+    quarantine_probe_initial_s: float = Field(
+        default=5.0, gt=0, description="Wait before a quarantined pair's first probation; doubles per quarantine."
+    )
+    quarantine_probe_max_s: float = Field(default=300.0, gt=0, description="Longest wait before a probation.")
+    quarantine_watch_s: float = Field(default=300.0, ge=0, description="After release, one failure re-quarantines.")
+    probation_comparisons: int = Field(
+        default=100, ge=1, description="Clean comparisons at live concurrency that release a pair on probation."
+    )
+    max_detector_ejection_share: float = Field(
+        default=0.5, gt=0, le=1, description="Share of pairs detector findings alone may quarantine (min one pair)."
+    )
+    integrity_independent_clients: int = Field(
+        default=2, ge=2, description="Clients with disjoint findings that quarantine without a canary/shadow."
+    )
+    client_id_header: str | None = Field(
+        default=None, description="Header naming the client (set by a trusted proxy); else API key or peer address."
+    )
+    report_after_quarantines: int = Field(
+        default=3, ge=1, description="Quarantines of a worker's pairs after which it is reported for recreation."
+    )
     shadow_rate: float = Field(
         default=0.01, ge=0, le=1, description="Fraction of deterministic requests re-run on a second pair and compared."
     )
@@ -122,7 +139,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quarantine-window-s", type=float)
     p.add_argument("--quarantine-probe-initial-s", type=float)
     p.add_argument("--quarantine-probe-max-s", type=float)
-    p.add_argument("--quarantine-probation-s", type=float)
+    p.add_argument("--quarantine-watch-s", type=float)
+    p.add_argument("--probation-comparisons", type=int)
+    p.add_argument("--max-detector-ejection-share", type=float)
+    p.add_argument("--integrity-independent-clients", type=int)
+    p.add_argument("--client-id-header", help="header that names the client (only if a trusted proxy sets it)")
+    p.add_argument("--report-after-quarantines", type=int)
     p.add_argument("--leak-ngram-words", type=int)
     p.add_argument("--shadow-rate", type=float, help="fraction of deterministic requests shadowed (default 0.01)")
     p.add_argument("--log-level")

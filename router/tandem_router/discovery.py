@@ -123,20 +123,41 @@ class EtcdDiscovery:
 
 
 class KubernetesDiscovery:
-    """Lists and watches pods matching the prefill and decode label selectors (kubernetes_asyncio)."""
+    """Lists, then watches, the pods matching the prefill and decode label selectors (kubernetes_asyncio).
 
-    def __init__(self, pool: WorkerPool, settings: RouterSettings) -> None:
+    Every (re)connection starts with a listing that replaces the role's workers (``resync``), then watches from
+    the listing's resourceVersion. A watch that ends or fails -- a dropped connection, an API server restart, a
+    ``410 Gone`` for an expired resourceVersion -- is followed by a new listing, so pods deleted during the gap
+    leave the pool: no DELETED event will ever come for them (client-go's reflector does the same).
+    """
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        settings: RouterSettings,
+        kubeconfig: str | None = None,
+        retry_s: float = 1.0,
+        watch_timeout_s: int = 300,
+    ) -> None:
         self.pool, self.settings = pool, settings
+        self.kubeconfig, self.retry_s, self.watch_timeout_s = kubeconfig, retry_s, watch_timeout_s
+        self.listings = 0  # (re-)listings done: one per role at start, one more after every watch gap
         self._tasks: list[asyncio.Task[None]] = []
         self._seen: dict[Role, dict[str, str]] = {Role.PREFILL: {}, Role.DECODE: {}}
+        self._config: Any = None
 
     async def start(self) -> None:
+        from kubernetes_asyncio import client
         from kubernetes_asyncio import config as k8s_config
 
-        try:
-            k8s_config.load_incluster_config()  # type: ignore[no-untyped-call]
-        except k8s_config.ConfigException:
-            await k8s_config.load_kube_config()
+        self._config = client.Configuration()
+        if self.kubeconfig is not None:
+            await k8s_config.load_kube_config(config_file=self.kubeconfig, client_configuration=self._config)
+        else:
+            try:
+                k8s_config.load_incluster_config(client_configuration=self._config)  # type: ignore[no-untyped-call]
+            except k8s_config.ConfigException:
+                await k8s_config.load_kube_config(client_configuration=self._config)
         for role, selector in (
             (Role.PREFILL, self.settings.k8s_prefill_selector),
             (Role.DECODE, self.settings.k8s_decode_selector),
@@ -159,26 +180,42 @@ class KubernetesDiscovery:
             self._seen[role][name] = spec.key
             self.pool.upsert(spec)
 
+    def resync(self, role: Role, pods: list[Mapping[str, Any]]) -> None:
+        """A (re-)listing: the role's workers become exactly the listed pods that may get traffic."""
+        listed = {str((pod.get("metadata") or {}).get("name", "")): pod for pod in pods}
+        for gone in self._seen[role].keys() - listed.keys():
+            self.apply(role, "DELETED", {"metadata": {"name": gone}})
+        for pod in listed.values():
+            self.apply(role, "MODIFIED", pod)
+
     async def _watch(self, role: Role, selector: str) -> None:
         from kubernetes_asyncio import client, watch
 
-        async with client.ApiClient() as api:
+        namespace = self.settings.k8s_namespace
+        async with client.ApiClient(configuration=self._config) as api:
             core = client.CoreV1Api(api)
             while True:
                 try:
-                    stream = watch.Watch().stream(
-                        core.list_namespaced_pod,
-                        self.settings.k8s_namespace,
-                        label_selector=selector,
-                        _request_timeout=300,
-                    )
-                    async for event in stream:
-                        self.apply(role, event["type"], api.sanitize_for_serialization(event["object"]))
+                    listing = await core.list_namespaced_pod(namespace, label_selector=selector, _request_timeout=30)
+                    self.resync(role, [api.sanitize_for_serialization(pod) for pod in listing.items])
+                    self.listings += 1
+                    async with watch.Watch() as pods:
+                        stream = pods.stream(
+                            core.list_namespaced_pod,
+                            namespace,
+                            label_selector=selector,
+                            resource_version=listing.metadata.resource_version,
+                            timeout_seconds=self.watch_timeout_s,
+                            _request_timeout=self.watch_timeout_s + 30,
+                        )
+                        async for event in stream:
+                            self.apply(role, event["type"], api.sanitize_for_serialization(event["object"]))
+                    continue  # the server ended the watch (its timeout): list again at once
                 except asyncio.CancelledError:
                     raise
                 except Exception as err:
-                    log.warning("pod watch failed; retrying", extra={"role": role.value, "error": repr(err)})
-                    await asyncio.sleep(1.0)
+                    log.warning("pod watch failed; re-listing", extra={"role": role.value, "error": repr(err)})
+                await asyncio.sleep(self.retry_s)
 
 
 def make_discovery(pool: WorkerPool, settings: RouterSettings) -> Discovery:

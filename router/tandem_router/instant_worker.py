@@ -4,9 +4,10 @@ exercise the router against real sockets with scripted faults.
 
 It checks what a PD router must send (``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room`` with one room per
 item for batches) and answers 400 otherwise, keeps the recent bodies it received (``GET /_requests``), and takes
-faults through ``POST /_faults``: ``{"status": 503, "count": 2}`` fails the next two requests,
-``{"break_after": 3}`` cuts the next stream after 3 chunks, ``{"stream_error": true}`` starts the next stream
-with an error event, ``{"hang": true}`` never answers the next request, ``{"delay_s": 0.2}`` delays every answer.
+faults through ``POST /_faults``: ``{"status": 503, "count": 2}`` fails the next two requests (with ``"body"`` as
+the JSON error body when given), ``{"break_after": 3}`` cuts the next stream after 3 chunks,
+``{"stream_error": true}`` starts the next stream with an error event (``"stream_error_code"``, default 500),
+``{"hang": true}`` never answers the next request, ``{"delay_s": 0.2}`` delays every answer.
 
 ``python -m tandem_router.instant_worker --role decode --port 31000``
 """
@@ -35,8 +36,10 @@ class Faults:
     count: int = 0
     break_after: int = -1
     stream_error: bool = False
+    stream_error_code: int = 500
     hang: bool = False
     delay_s: float = 0.0
+    body: dict[str, Any] | None = None
 
 
 @dataclass
@@ -147,7 +150,7 @@ async def _serve(request: web.Request) -> web.StreamResponse:
         await asyncio.sleep(f.delay_s)
     if f.count > 0:
         f.count -= 1
-        return web.json_response({"detail": f"injected failure {f.status}"}, status=f.status)
+        return web.json_response(f.body or {"detail": f"injected failure {f.status}"}, status=f.status)
     if s.role == "prefill":
         return web.Response(
             body=b'{"text":"","meta_info":{"finish_reason":{"type":"length","length":0}}}',
@@ -159,9 +162,8 @@ async def _serve(request: web.Request) -> web.StreamResponse:
     await resp.prepare(request)
     if f.stream_error:
         f.stream_error = False
-        await resp.write(
-            b'data: {"error": {"object": "error", "message": "injected KV transfer failure", "code": 500}}\n\n'
-        )
+        error = {"object": "error", "message": "injected KV transfer failure", "code": f.stream_error_code}
+        await resp.write(b"data: " + orjson.dumps({"error": error}) + b"\n\n")
         return resp
     chunks = _STREAMS.get(request.path, _STREAMS["/generate"])[: s.chunks]
     s.in_flight += 1

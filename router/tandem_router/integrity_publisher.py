@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tandem import registry, registry_etcd
-from tandem.registry import IntegrityReport, QuarantinedPair
+from tandem.registry import IntegrityReport, QuarantinedPair, RepeatOffender, Role
 from tandem_router.integrity.monitor import IntegrityMonitor
 
 log = logging.getLogger("tandem.router.integrity")
@@ -40,7 +40,38 @@ def report_of(monitor: IntegrityMonitor, router: str, now: float) -> IntegrityRe
             for q in monitor.quarantined()
         ),
         quarantined_workers=tuple(sorted(_url(w) for w in monitor.quarantined_workers())),
+        repeat_offenders=tuple(
+            RepeatOffender(role=Role(w.split(":", 1)[0]), worker=_url(w), epoch=epoch, quarantines=n, reason=why)
+            for w, epoch, n, why in monitor.repeat_offenders()
+        ),
     )
+
+
+def integrity_document(monitor: IntegrityMonitor) -> dict[str, Any]:
+    """The router's ``GET /integrity`` document."""
+    now = time.monotonic()
+    return {
+        "enabled": True,
+        "quarantined": [
+            {
+                "prefill": _url(q.prefill),
+                "decode": _url(q.decode),
+                "since_s": round(now - q.since, 3),
+                "reason": q.reason,
+                "probation": q.probation,
+                "next_probation_in_s": round(max(0.0, q.next_probe_at - now), 3),
+                "clean_comparisons": q.clean_comparisons,
+                "quarantines": q.quarantines,
+            }
+            for q in monitor.quarantined()
+        ],
+        "quarantined_workers": sorted(_url(w) for w in monitor.quarantined_workers()),
+        "quarantined_share": round(monitor.quarantined_share(), 4),
+        "repeat_offenders": [
+            {"worker": _url(w), "epoch": epoch, "quarantines": n, "reason": why}
+            for w, epoch, n, why in monitor.repeat_offenders()
+        ],
+    }
 
 
 class IntegrityPublisher:
@@ -74,7 +105,10 @@ class IntegrityPublisher:
                         lease, written = await etcd.lease(self.ttl), None
                     report = report_of(self.monitor, self.router, time.monotonic())
                     # "since_s" changes every second; rewrite only when the set of pairs or reasons changed.
-                    identity = tuple((q.prefill, q.decode, q.reason) for q in report.quarantined)
+                    identity = (
+                        tuple((q.prefill, q.decode, q.reason) for q in report.quarantined),
+                        tuple((o.worker, o.epoch) for o in report.repeat_offenders),
+                    )
                     if identity != written:
                         await etcd.put(self.key, report.model_dump_json().encode(), lease=lease)
                         written = identity

@@ -142,6 +142,10 @@ class WorkerPool:
     def of_role(self, role: Role) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.spec.role is role]
 
+    def all_pairs(self) -> list[Pair]:
+        """Every (prefill, decode) pair the members can form, whatever their health or gates."""
+        return [Pair(p.spec, d.spec) for p in self.of_role(Role.PREFILL) for d in self.of_role(Role.DECODE)]
+
     def models(self) -> set[str]:
         names: set[str] = set()
         for w in self.workers.values():

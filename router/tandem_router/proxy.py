@@ -5,7 +5,9 @@ concurrently, and race three things: the prefill failing, the decode's head + fi
 The decode's first chunk is relayed as soon as it arrives, without waiting for the prefill's body (which is
 drained in the background: it only reports whether the KV transfer succeeded). Until a byte reached the client,
 a transport error or a retryable status on either side moves the request to another pair with a new room.
-After that, a failure ends the stream with an OpenAI error event.
+After that, a failure ends the stream with an OpenAI error event. A worker's 4xx (other than 408/429), from
+whichever side answers first, is the client's mistake: the other side is cancelled, nothing is retried or counted
+against the pair, and the client gets the worker's message as an OpenAI error with the same status.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from aiohttp import web
 
 from tandem_router.integrity.textextract import StreamTexts, body_texts
 from tandem_router.metrics import RouterMetrics
+from tandem_router.openai.errors import client_error_body, stream_error_status
+from tandem_router.openai.responses import StreamConformer, conform_body
 from tandem_router.policy import bootstrap, retry
 from tandem_router.pool import Pair, WorkerPool
 from tandem_router.schema import ErrorType, Route, error_body, stream_error_event
@@ -45,6 +49,7 @@ class ProxyRequest:
     request_id: str
     started: float  # monotonic time the request arrived
     prompt: str = ""  # the whole prompt as text, when an observer inspects responses
+    client: str = ""  # who sent it (API key, trusted header or peer address): integrity evidence is per client
 
 
 @dataclass
@@ -52,15 +57,28 @@ class _Failure:
     reason: str
     retryable: bool
     status: int = 502
-    body: bytes | None = None  # the worker's own error body, relayed when not retryable
-    content_type: str = "application/json"
+    body: bytes | None = None  # the worker's own error body (a client error's message)
     detail: str = ""
+
+    @property
+    def client_error(self) -> bool:
+        """The worker refused the request itself (a 4xx that is not 408/429): the client's to fix."""
+        return 400 <= self.status < 500 and not self.retryable
+
+
+def _http_failure(side: str, status: int, body: bytes) -> _Failure:
+    """A worker's non-200 answer: 408, 429, 500, 502-504 (any 5xx from the prefill, whose KV the decode waits for)
+    are retryable, the worker's trouble; other 4xx are the client's."""
+    if status < 400:
+        return _Failure(f"{side}_http_{status}", False, 502, detail="unexpected status")
+    retryable = retry.is_retryable_status(status) or (side == "prefill" and status >= 500)
+    return _Failure(f"{side}_http_{status}", retryable, status, body)
 
 
 class ResponseObserver(Protocol):
     """Sees every request's prompt and the text the client received (the integrity monitor)."""
 
-    def started(self, request_id: str, prompt: str) -> None: ...
+    def started(self, request_id: str, prompt: str, client: str) -> None: ...
 
     def finished(self, pair: tuple[str, str], request_id: str, prompt: str, outputs: list[str]) -> object: ...
 
@@ -98,7 +116,7 @@ class Proxy:
     async def handle(self, req: ProxyRequest, http: web.Request) -> web.StreamResponse:
         if self.observer is None:
             return await self._handle(req, http)
-        self.observer.started(req.request_id, req.prompt)
+        self.observer.started(req.request_id, req.prompt, req.client)
         try:
             return await self._handle(req, http)
         finally:
@@ -120,6 +138,8 @@ class Proxy:
                 failure = await self._attempt(pair, req, http)
             except _CommittedError as done:
                 return done.response
+            if failure.client_error:
+                break
             self.metrics.pair_failure(pair, failure.reason)
             if not failure.retryable:
                 break
@@ -139,11 +159,11 @@ class Proxy:
             await asyncio.sleep(retry.backoff(attempt, self.retry_cfg, self.rng))
         if failure is None:
             return _error(503, "no healthy prefill/decode pair is available", ErrorType.UNAVAILABLE, req.request_id)
-        if failure.body is not None and not failure.retryable:
+        if failure.client_error:
             return web.Response(
                 status=failure.status,
-                body=failure.body,
-                content_type=failure.content_type.split(";")[0],
+                body=client_error_body(failure.status, failure.body or b"", req.body),
+                content_type="application/json",
                 headers={"X-Request-Id": req.request_id},
             )
         return _error(
@@ -178,6 +198,11 @@ class Proxy:
                     return self._failed(pair, prefill_failure, prefill_side=True)
             head = await decode_task
             if isinstance(head, _Failure):
+                if head.retryable and prefill_task.done():
+                    # The prefill's own refusal explains the decode's failure: the client's mistake, not the pair's.
+                    prefill_failure = prefill_task.result()
+                    if prefill_failure is not None and prefill_failure.client_error:
+                        return prefill_failure
                 prefill_task.cancel()
                 return self._failed(pair, head, prefill_side=False)
             resp, first = head
@@ -195,11 +220,9 @@ class Proxy:
         try:
             resp = await self.transport.open_post(pair.prefill.url, path, data, headers)
             async with resp:
-                await resp.read()
+                body = await resp.read()
                 if resp.status >= 400:
-                    return _Failure(
-                        f"prefill_http_{resp.status}", retry.is_retryable_status(resp.status) or resp.status >= 500, 502
-                    )
+                    return _http_failure("prefill", resp.status, body)
                 return None
         except WorkerUnreachableError as err:
             return _Failure("prefill_unreachable", True, detail=str(err))
@@ -220,18 +243,15 @@ class Proxy:
             if resp.status != 200:
                 body = await resp.read()
                 resp.release()
-                return _Failure(
-                    f"decode_http_{resp.status}",
-                    retry.is_retryable_status(resp.status),
-                    resp.status,
-                    body,
-                    resp.headers.get("Content-Type", "application/json"),
-                )
+                return _http_failure("decode", resp.status, body)
             first = await resp.content.readany() if stream else await resp.read()
             if stream and (not first or first.startswith(_ERROR_EVENT)):
                 # An empty stream or an error event before any token (e.g. the KV transfer failed): nothing has
-                # reached the client yet, so this is retryable like an HTTP error.
+                # reached the client yet, so this is retryable like an HTTP error, unless the event is a 4xx.
                 resp.close()
+                status = stream_error_status(first)
+                if status is not None and status < 500 and not retry.is_retryable_status(status):
+                    return _Failure("decode_stream_error", False, status, first.split(b"\n\n", 1)[0][6:])
                 return _Failure("decode_stream_error", True, detail=first[:300].decode(errors="replace"))
             return resp, first
         except (TimeoutError, aiohttp.ClientError) as err:
@@ -258,7 +278,7 @@ class Proxy:
             now = time.monotonic()
             if failure is None:
                 self.pool.record_worker(pair.prefill, True, now)
-            else:
+            elif not failure.client_error:
                 self._failed(pair, failure, prefill_side=True)
                 self.metrics.pair_failure(pair, failure.reason)
 
@@ -280,7 +300,7 @@ class Proxy:
                     self._finished(pair, req, body_texts(route, first))
                 self.metrics.ttft.labels(route).observe(time.monotonic() - req.started)
                 return web.Response(
-                    body=first,
+                    body=conform_body(req.route, first),
                     status=200,
                     headers={
                         "Content-Type": resp.headers.get("Content-Type", "application/json"),
@@ -297,9 +317,10 @@ class Proxy:
             )
             if texts is not None:
                 texts.feed(first)
+            shaped = StreamConformer(req.route) if req.route is not Route.GENERATE else None
             try:
                 await out.prepare(http)
-                await out.write(first)
+                await out.write(first if shaped is None else shaped.feed(first))
             except ConnectionResetError:
                 client_gone = True
                 return out
@@ -314,6 +335,9 @@ class Proxy:
                     ok = True
                     if texts is not None:
                         self._finished(pair, req, texts.texts())
+                    if shaped is not None:
+                        with contextlib.suppress(ConnectionResetError):
+                            await out.write(shaped.flush())
                     break
                 except (TimeoutError, aiohttp.ClientError) as err:
                     self.metrics.stream_errors.labels(route).inc()
@@ -323,12 +347,12 @@ class Proxy:
                         extra={"request_id": req.request_id, "decode": pair.decode.url, "error": repr(err)},
                     )
                     with contextlib.suppress(ConnectionResetError):
-                        await out.write(stream_error_event(f"decode worker stream failed: {type(err).__name__}", 502))
+                        await out.write(stream_error_event(f"decode worker stream failed: {type(err).__name__}"))
                     break
                 if texts is not None:
                     texts.feed(chunk)
                 try:
-                    await out.write(chunk)
+                    await out.write(chunk if shaped is None else shaped.feed(chunk))
                 except ConnectionResetError:
                     client_gone = True  # the client left: stop the decode (closing its connection aborts it)
                     return out
@@ -364,7 +388,7 @@ class Proxy:
 def _error(status: int, message: str, type_: ErrorType, request_id: str) -> web.Response:
     return web.Response(
         status=status,
-        body=error_body(message, type_, code=status),
+        body=error_body(message, type_),
         content_type="application/json",
         headers={"X-Request-Id": request_id},
     )

@@ -85,7 +85,7 @@ class ErrorDetail(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: str | int | None = None
+    code: str | None = None  # OpenAI's schema: a string or null, never the HTTP status
 
 
 class ErrorResponse(BaseModel):
@@ -109,13 +109,14 @@ class ModelList(BaseModel):
 class ErrorType(StrEnum):
     INVALID_REQUEST = "invalid_request_error"
     AUTHENTICATION = "authentication_error"
+    PERMISSION = "permission_error"
     NOT_FOUND = "not_found_error"
     RATE_LIMIT = "rate_limit_exceeded"
     SERVER = "server_error"
     UNAVAILABLE = "service_unavailable"
 
 
-def error_body(message: str, type_: ErrorType, *, code: str | int | None = None, param: str | None = None) -> bytes:
+def error_body(message: str, type_: ErrorType, *, code: str | None = None, param: str | None = None) -> bytes:
     """The JSON bytes of an OpenAI error."""
     return (
         ErrorResponse(error=ErrorDetail(message=message, type=type_.value, param=param, code=code))
@@ -124,9 +125,9 @@ def error_body(message: str, type_: ErrorType, *, code: str | int | None = None,
     )
 
 
-def stream_error_event(message: str, code: int = 502) -> bytes:
+def stream_error_event(message: str) -> bytes:
     """An SSE event carrying an OpenAI error; the ``openai`` SDK raises ``APIError`` when it reads one."""
-    detail = ErrorDetail(message=message, type=ErrorType.SERVER.value, code=code)
+    detail = ErrorDetail(message=message, type=ErrorType.SERVER.value)
     return b"data: " + ErrorResponse(error=detail).model_dump_json().encode() + b"\n\n"
 
 

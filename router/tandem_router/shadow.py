@@ -5,6 +5,10 @@ sampled fraction of them (``rate``), the same body goes to a second pair, with a
 client got its answer; if the texts differ, a third pair breaks the tie and the pair in the minority gets an
 integrity failure. No third pair, or three different answers: nobody is blamed. At most ``max_in_flight``
 shadows run at once, so the extra load stays bounded whatever the traffic.
+
+The same comparison *confirms* a detector finding (``confirm``): the suspect request itself is re-run on two other
+pairs, preferably ones that share no worker with the suspect pair. A client that provoked the finding with its
+own prompt gets the same text everywhere, so nothing is blamed; a garbling pair is in the minority.
 """
 
 from __future__ import annotations
@@ -34,6 +38,16 @@ def deterministic(body: dict[str, Any]) -> bool:
     return bool(params.get("temperature", 1.0) == 0)
 
 
+async def rerun(
+    transport: Transport, pair: Pair, req: ProxyRequest, tag: str, rng: random.Random, timeout_s: float = 60.0
+) -> str | None:
+    """The text of a client request re-run through exactly ``pair`` (None if it could not answer, or not one)."""
+    texts = await texts_from_pair(
+        transport, pair, req.route.value, req.body, rng=rng, request_id=f"{tag}-{req.request_id}", timeout_s=timeout_s
+    )
+    return texts[0] if texts is not None and len(texts) == 1 else None
+
+
 class ShadowSampler:
     def __init__(
         self,
@@ -43,11 +57,21 @@ class ShadowSampler:
         rate: float,
         max_in_flight: int = 4,
         rng: random.Random | None = None,
+        max_confirming: int = 16,
     ) -> None:
         self.monitor, self.transport, self.pool = monitor, transport, pool
-        self.rate, self.max_in_flight = rate, max_in_flight
+        self.rate, self.max_in_flight, self.max_confirming = rate, max_in_flight, max_confirming
         self.rng = rng or random.Random()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._confirming: set[asyncio.Task[None]] = set()
+
+    def confirm(self, pair: Pair, req: ProxyRequest, text: str) -> None:
+        """Re-run a suspect deterministic request on two other pairs (its own budget, ``max_confirming``)."""
+        if len(self._confirming) >= self.max_confirming:
+            return
+        task = asyncio.create_task(self._compare(pair, req, text))
+        self._confirming.add(task)
+        task.add_done_callback(self._confirming.discard)
 
     def completed(self, pair: Pair, req: ProxyRequest, outputs: list[str]) -> None:
         """Called by the proxy when a response reached the client in full."""
@@ -65,12 +89,20 @@ class ShadowSampler:
         task.add_done_callback(self._tasks.discard)
 
     async def drain(self) -> None:
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._confirming, return_exceptions=True)
+
+    def _other_pair(self, req: ProxyRequest, avoid: list[Pair]) -> Pair | None:
+        """A pair other than ``avoid``, preferring one whose decode none of them uses."""
+        keys = frozenset(p.key for p in avoid)
+        decodes = {p.decode.key for p in avoid}
+        sharing = frozenset(p.key for p in self.pool.all_pairs() if p.decode.key in decodes)
+        now = time.monotonic()
+        pair = self.pool.choose_pair(req.prefix, now, keys | sharing) or self.pool.choose_pair(req.prefix, now, keys)
+        return None if pair is None or pair.key in keys else pair
 
     async def _compare(self, original: Pair, req: ProxyRequest, text: str) -> None:
-        now = time.monotonic()
-        second = self.pool.choose_pair(req.prefix, now, frozenset({original.key}))
-        if second is None or second.key == original.key:
+        second = self._other_pair(req, [original])
+        if second is None:
             return
         other = await self._run(second, req)
         if other is None:
@@ -78,8 +110,8 @@ class ShadowSampler:
         self.monitor.shadow_result(other == text)
         if other == text:
             return
-        third = self.pool.choose_pair(req.prefix, time.monotonic(), frozenset({original.key, second.key}))
-        if third is None or third.key in {original.key, second.key}:
+        third = self._other_pair(req, [original, second])
+        if third is None:
             log.info("shadow mismatch without a third pair to break the tie", extra={"request_id": req.request_id})
             return
         tie = await self._run(third, req)
@@ -89,13 +121,4 @@ class ShadowSampler:
             self.monitor.failure(second.key, f"shadow: text differs from two other pairs ({other[:60]!r})")
 
     async def _run(self, pair: Pair, req: ProxyRequest) -> str | None:
-        texts = await texts_from_pair(
-            self.transport,
-            pair,
-            req.route.value,
-            req.body,
-            rng=self.rng,
-            request_id=f"shadow-{req.request_id}",
-            timeout_s=60,
-        )
-        return texts[0] if texts is not None and len(texts) == 1 else None
+        return await rerun(self.transport, pair, req, "shadow", self.rng)

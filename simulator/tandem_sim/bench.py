@@ -1,4 +1,5 @@
-"""``tandem bench sim``: Mooncake TCP KV transfer vs a plain loopback socket copy, and simulated worker capacity.
+"""``tandem bench sim``: Mooncake TCP KV transfer vs a plain loopback socket copy, 8 ranks per pod vs 1 rank
+(``bench_ranks``), and simulated worker capacity.
 
 Runs inside a loopback-only network namespace (``make bench``). The transfer table moves the same bytes both
 ways in one run and reports the ratio; the capacity table drives real worker processes over HTTP.
@@ -20,6 +21,7 @@ import numpy as np
 
 from tandem.bench import BenchArgs, Table
 from tandem_sim import model
+from tandem_sim.bench_ranks import rank_transfer_table
 from tandem_sim.testing import SimWorker, pd_fields, start_decode, start_prefill, start_worker
 from tandem_sim.transfer import MooncakeTransfer
 
@@ -170,4 +172,4 @@ def run(args: BenchArgs) -> list[Table]:
             "moved by Mooncake in PD rows; every process (client too) shares the machine's cores",
         ],
     )
-    return [transfer, capacity]
+    return [transfer, rank_transfer_table(args.quick), capacity]

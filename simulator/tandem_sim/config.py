@@ -12,12 +12,33 @@ import argparse
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tandem.sglang_args import SGLANG_VERSION, add_sglang_flags
 from tandem_sim.model import MIN_KV_BYTES
+from tandem_sim.ranks import KVLayout, Topology, check_parallel_flags, layout_error
 
 HICACHE_BACKENDS_SIMULATED = ("file", "mooncake")
+# Mooncake 0.3.13's own RPC port range when ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT`` are unset or invalid.
+MOONCAKE_DEFAULT_PORTS = (15000, 17000)
+# Linux's default ``net.ipv4.ip_local_port_range``, when /proc does not say.
+EPHEMERAL_PORTS = (32768, 60999)
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return EPHEMERAL_PORTS
+
+
+def mooncake_range_valid(low: int, high: int, ephemeral: tuple[int, int]) -> bool:
+    """Measured (mooncake-transfer-engine 0.3.13, config.cpp): a range below 1024, with min > max or touching the
+    kernel's ephemeral ports logs "Invalid port range [min, max], falling back to default [15000, 17000]" and
+    Mooncake uses the default."""
+    return 1024 <= low <= high <= 65535 and (high < ephemeral[0] or low > ephemeral[1])
 
 
 class ConfigError(ValueError):
@@ -62,6 +83,29 @@ class PdEnv:
 
 
 @dataclass(frozen=True)
+class MooncakeEnv:
+    """The Mooncake transfer engine's environment as SGLang 0.5.23 reads it.
+
+    ``protocol``: ``MOONCAKE_PROTOCOL`` (SGLang's ``envs.MOONCAKE_PROTOCOL``, default ``rdma``), or ``tcp`` when
+    ``MC_FORCE_TCP`` is set (Mooncake then installs its TCP transport whatever the protocol). ``ports``: the
+    inclusive ``[MC_MIN_RPC_PORT, MC_MAX_RPC_PORT]`` every engine of the process picks its ports from.
+    """
+
+    protocol: str = "rdma"
+    ports: tuple[int, int] = MOONCAKE_DEFAULT_PORTS
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], ephemeral: tuple[int, int] = EPHEMERAL_PORTS) -> MooncakeEnv:
+        force_tcp = env.get("MC_FORCE_TCP", "").strip().lower() in {"1", "true", "yes", "on"}
+        protocol = "tcp" if force_tcp else (env.get("MOONCAKE_PROTOCOL") or "rdma").strip().lower()
+        low = int(env.get("MC_MIN_RPC_PORT") or MOONCAKE_DEFAULT_PORTS[0])
+        high = int(env.get("MC_MAX_RPC_PORT") or MOONCAKE_DEFAULT_PORTS[1])
+        if not mooncake_range_valid(low, high, ephemeral):
+            low, high = MOONCAKE_DEFAULT_PORTS
+        return cls(protocol, (low, high))
+
+
+@dataclass(frozen=True)
 class SimConfig:
     """Everything the simulator acts on, resolved from flags and environment."""
 
@@ -71,10 +115,14 @@ class SimConfig:
     port: int
     mode: str  # "null" (aggregated) | "prefill" | "decode"
     bootstrap_port: int
+    tp_size: int
     attn_dp_size: int
     nnodes: int
     node_rank: int
     dist_init_addr: str | None
+    dist_timeout_s: float
+    kv_heads: int  # 0 = MLA (the latent row on every TP rank); else MHA heads split over the TP ranks
+    mooncake: MooncakeEnv
     page_size: int
     max_total_tokens: int
     host_pool_tokens: int
@@ -93,6 +141,14 @@ class SimConfig:
     slow_health_s: float  # /health answers this much later while requests run (a health check queued under load)
     pd: PdEnv
     server_args: Mapping[str, Any]  # every SGLang flag's resolved value, shown in /server_info
+
+    @property
+    def topology(self) -> Topology:
+        return Topology(self.tp_size, self.attn_dp_size, self.nnodes, self.node_rank)
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return KVLayout(self.kv_bytes_per_token, self.kv_heads, self.topology.attn_tp_size)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,6 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
         "/health waits up to SGLANG_HEALTH_CHECK_TIMEOUT for any scheduler output, then answers 503)",
     )
     sim.add_argument("--sim-host-pool-tokens", type=int, default=None, help="host KV pool size (default 4x device)")
+    sim.add_argument(
+        "--sim-kv-heads",
+        type=int,
+        default=0,
+        help="0 (default): MLA like Kimi K2.x/DeepSeek, every TP rank holds the whole KV row; N: MHA/GQA with N KV "
+        "heads split over the attention-TP ranks",
+    )
     return parser
 
 
@@ -153,14 +216,24 @@ def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> SimConfig:
         raise ConfigError(
             f"--disaggregation-transfer-backend {ns.disaggregation_transfer_backend}: simulated: mooncake"
         )
-    attn_dp = int(ns.attn_dp_size)
+    attn_dp, dp_size = int(ns.attn_dp_size), int(ns.dp_size)
     if ns.enable_dp_attention and attn_dp == 1:
-        attn_dp = int(ns.dp_size)  # the deprecated spelling --dp-size N --enable-dp-attention
+        attn_dp, dp_size = dp_size, 1  # handle_deprecated_dp_attention: --dp-size N --enable-dp-attention
     nnodes = _positive("--nnodes", int(ns.nnodes))
     if not 0 <= int(ns.node_rank) < nnodes:
         raise ConfigError(f"--node-rank {ns.node_rank} must be in [0, {nnodes})")
     if nnodes > 1 and not ns.dist_init_addr:
         raise ConfigError("--nnodes > 1 requires --dist-init-addr")
+    tp_size = int(ns.tp_size)
+    if (refused := check_parallel_flags(tp_size, nnodes, attn_dp, dp_size)) is not None:
+        raise ConfigError(refused)
+    for flag, value in (("--dp-size", dp_size), ("--pp-size", int(ns.pp_size)), ("--attn-cp-size", ns.attn_cp_size)):
+        if value not in (None, 1):
+            raise ConfigError(f"{flag} {value}: the simulator runs tensor and attention-data parallelism only")
+    if (
+        bad_layout := layout_error(int(ns.sim_kv_bytes_per_token), int(ns.sim_kv_heads), tp_size // attn_dp)
+    ) is not None:
+        raise ConfigError(bad_layout)
     if ns.sim_kv_bytes_per_token < MIN_KV_BYTES:
         raise ConfigError(
             f"--sim-kv-bytes-per-token must be >= {MIN_KV_BYTES} (token id, position and the word's UTF-8 bytes "
@@ -182,7 +255,9 @@ def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> SimConfig:
     if ns.hicache_storage_backend == "file" and uses_l3:
         file_dir = env.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR") or "/tmp/hicache"
     server_args = {k: v for k, v in vars(ns).items() if not k.startswith("sim_")}
-    server_args.update(attn_dp_size=attn_dp, page_size=page_size, max_total_tokens=max_total)
+    server_args.update(attn_dp_size=attn_dp, dp_size=dp_size, page_size=page_size, max_total_tokens=max_total)
+    if ns.enable_dp_attention:
+        server_args["enable_dp_attention"] = False  # resolved into attn_dp_size, as SGLang reports it
     server_args["context_length"] = context_length
     return SimConfig(
         model_path=str(ns.model_path),
@@ -191,10 +266,14 @@ def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> SimConfig:
         port=int(ns.port),
         mode=mode,
         bootstrap_port=int(ns.disaggregation_bootstrap_port),
-        attn_dp_size=_positive("--attn-dp-size", attn_dp),
+        tp_size=tp_size,
+        attn_dp_size=attn_dp,
         nnodes=nnodes,
         node_rank=int(ns.node_rank),
         dist_init_addr=ns.dist_init_addr,
+        dist_timeout_s=float(ns.dist_timeout or 600),  # None: torch.distributed's default (10 minutes)
+        kv_heads=int(ns.sim_kv_heads),
+        mooncake=MooncakeEnv.from_env(env, ephemeral_ports()),
         page_size=page_size,
         max_total_tokens=max_total,
         host_pool_tokens=int(ns.sim_host_pool_tokens or 4 * max_total),

@@ -25,8 +25,9 @@ import numpy as np
 from tandem_sim import hicache, model
 from tandem_sim.config import SimConfig
 from tandem_sim.hicache import FileStore
-from tandem_sim.kvpool import PagedPool
+from tandem_sim.kvpool import PagedPool, ShardedPool
 from tandem_sim.metrics import Metrics
+from tandem_sim.ranks import KVLayout
 
 # Simulated device->host(+storage backend) copy time per page: not instantaneous, which is the races' window.
 OFFLOAD_COPY_S = 0.05
@@ -61,11 +62,13 @@ def _tokens_at(req: RunningRequest, start: int, end: int) -> model.Tokens:
 
 
 class Engine:
-    def __init__(self, cfg: SimConfig, metrics: Metrics) -> None:
+    def __init__(self, cfg: SimConfig, metrics: Metrics, layout: KVLayout) -> None:
         self.cfg = cfg
         self.metrics = metrics
         self.weights = model.weights(cfg.seed, cfg.kv_bytes_per_token)
-        self.pool = PagedPool(cfg.max_total_tokens // cfg.page_size, cfg.page_size, cfg.kv_bytes_per_token)
+        # The KV of this attention-DP group, sharded over its attention-TP ranks.
+        self.pool = ShardedPool(cfg.max_total_tokens // cfg.page_size, cfg.page_size, layout)
+        self.group: list[Engine] = [self]  # every DP group's engine of this server: the gauges sum over them
         host_pages = max(1, cfg.host_pool_tokens // cfg.page_size)
         self.host = PagedPool(host_pages, cfg.page_size, cfg.kv_bytes_per_token)
         self._host_cursor = 0
@@ -249,19 +252,20 @@ class Engine:
 
     # -- state -------------------------------------------------------------------------------------------------
     def _gauges(self) -> None:
-        m = self.metrics
-        m.num_running_reqs.set(self._running)
-        m.num_queue_reqs.set(self._queued)
-        m.kv_used_tokens.set(self.pool.used_tokens)
-        m.kv_available_tokens.set(self.pool.free_pages * self.pool.page_size)
-        m.token_usage.set(self.pool.used_tokens / max(1, len(self.pool.data)))
+        m, group = self.metrics, self.group
+        used = sum(e.pool.used_tokens for e in group)
+        m.num_running_reqs.set(sum(e._running for e in group))
+        m.num_queue_reqs.set(sum(e._queued for e in group))
+        m.kv_used_tokens.set(used)
+        m.kv_available_tokens.set(sum(e.pool.free_pages * e.pool.page_size for e in group))
+        m.token_usage.set(used / max(1, sum(e.pool.capacity_tokens for e in group)))
 
     def internal_state(self) -> dict[str, object]:
         return {
             "num_running_reqs": self._running,
             "num_queue_reqs": self._queued,
             "kv_used_tokens": self.pool.used_tokens,
-            "max_total_num_tokens": len(self.pool.data),
+            "max_total_num_tokens": self.pool.capacity_tokens,
             "offloaded_pages": self.offloaded_pages,
             "offload_poisoned_pages": self.poisoned_pages,
         }

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from tandem_sim.ranks import KVLayout
+
 
 class OutOfPagesError(RuntimeError):
     """The pool cannot hold the request even when empty."""
@@ -76,3 +78,74 @@ class PagedPool:
             self.data[slot] = kv[0]
             return
         self.data[self.slots(pages, start, len(kv))] = kv
+
+
+class ShardedPool:
+    """The KV pool of one attention-DP group: one ``PagedPool`` shard per attention-TP rank, one page allocator.
+
+    SGLang's TP ranks allocate identically (the same request gets the same KV indices on every rank), so pages are
+    handed out once, by shard 0's allocator, and mean the same slots in every shard. Shard ``r`` holds the bytes of
+    each token's row that rank ``r`` holds (``KVLayout.columns``). Reading assembles whole rows from the shards;
+    where several ranks hold the same bytes (MLA's latent on every rank, or replicated GQA heads), position ``p``
+    is read from holder ``p % holders``, so the text depends on every rank's copy.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, layout: KVLayout) -> None:
+        self.layout = layout
+        self.page_size = page_size
+        self.kv_bytes = layout.kv_bytes
+        self.shards = [PagedPool(num_pages, page_size, layout.columns(r)[1]) for r in range(layout.attn_tp)]
+        self._holders = layout.holders()
+        self._single = len(self.shards) == 1
+
+    @property
+    def num_pages(self) -> int:
+        return self.shards[0].num_pages
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def free_pages(self) -> int:
+        return self.shards[0].free_pages
+
+    @property
+    def used_tokens(self) -> int:
+        return self.shards[0].used_tokens
+
+    def alloc(self, tokens: int) -> list[int] | None:
+        return self.shards[0].alloc(tokens)
+
+    def free(self, pages: Sequence[int]) -> None:
+        self.shards[0].free(pages)
+
+    def read(self, pages: Sequence[int], start: int, count: int) -> npt.NDArray[np.uint8]:
+        if self._single:
+            return self.shards[0].read(pages, start, count)
+        out = np.empty((count, self.kv_bytes), dtype=np.uint8)
+        positions = np.arange(start, start + count)
+        for first, length, ranks in self._holders:
+            if len(ranks) == 1:
+                out[:, first : first + length] = self._cols(ranks[0], pages, start, count, first, length)
+                continue
+            for i, rank in enumerate(ranks):
+                mine = np.flatnonzero(positions % len(ranks) == i)
+                if len(mine):
+                    rows = self._cols(rank, pages, start, count, first, length)
+                    out[mine, first : first + length] = rows[mine]
+        return out
+
+    def _cols(
+        self, rank: int, pages: Sequence[int], start: int, count: int, first: int, length: int
+    ) -> npt.NDArray[np.uint8]:
+        offset = first - self.layout.columns(rank)[0]
+        return self.shards[rank].read(pages, start, count)[:, offset : offset + length]
+
+    def write(self, pages: Sequence[int], start: int, kv: npt.NDArray[np.uint8]) -> None:
+        if self._single:
+            self.shards[0].write(pages, start, kv)
+            return
+        for rank, shard in enumerate(self.shards):
+            first, length = self.layout.columns(rank)
+            shard.write(pages, start, np.ascontiguousarray(kv[:, first : first + length]))

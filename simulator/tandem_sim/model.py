@@ -75,9 +75,9 @@ def _hashed_id(word: str) -> int:
 
 def tokenize(text: str) -> Tokens:
     """Whitespace word tokenizer: vocabulary words map to their id, any other word to a hashed word id; every
-    token keeps its surface word."""
+    token keeps its surface word. Text of whitespace only is one token (a real tokenizer encodes it too)."""
     known = _word_ids()
-    words = text.split()
+    words = text.split() or ([text] if text else [])
     ids = [known.get(w, -1) for w in words]
     return Tokens([i if i >= 0 else _hashed_id(w) for i, w in zip(ids, words, strict=True)], words)
 
@@ -222,12 +222,17 @@ class SlotReading:
     word: str
 
 
-def _clean_word(raw: bytes) -> str:
-    """Bytes of a slot as one output word: garbage shows as U+FFFD, never as whitespace or control characters."""
-    text = raw.decode("utf-8", errors="replace")
-    if text.isprintable() and not any(c.isspace() for c in text):
-        return text
-    return "".join(c if c.isprintable() and not c.isspace() else "\ufffd" for c in text)
+def detokenize(raw: bytes) -> str:
+    """A slot's surface bytes as text, the way SGLang's detokenizer turns token bytes into text.
+
+    SGLang decodes output ids with the tokenizer (``DetokenizerManager`` in ``sglang/srt/managers/
+    detokenizer_manager.py``): every valid UTF-8 sequence comes out as exactly its characters (zero-width and
+    control characters included), and U+FFFD appears only for bytes that are not valid UTF-8; while streaming it
+    holds back an incomplete character (``find_printable_text``) until the next token completes it. A simulated
+    token is a whole word, so a clean slot (the prompt's own word) is always complete, valid UTF-8 and comes back
+    unchanged; only corrupted bytes produce U+FFFD.
+    """
+    return raw.decode("utf-8", errors="replace")
 
 
 def read_slot(w: Weights, raw: bytes) -> SlotReading:
@@ -243,7 +248,7 @@ def read_slot(w: Weights, raw: bytes) -> SlotReading:
         return SlotReading(token, position, vocabulary()[token])
     a, b = _SURFACE_AT + 1, _SURFACE_AT + 1 + min(length, w.surface_capacity)
     plain = int.from_bytes(raw[a:b], "big") ^ int.from_bytes(key[a:b], "big") ^ int.from_bytes(pattern[a:b], "big")
-    return SlotReading(token, position, _clean_word(plain.to_bytes(b - a, "big")) or "\ufffd")
+    return SlotReading(token, position, detokenize(plain.to_bytes(b - a, "big")))
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,14 @@
 """Parse ``/v1/completions`` and ``/v1/chat/completions`` bodies (SGLang 0.5.23 OpenAI serving classes). Pure.
 
 ``n`` > 1 gives one item per choice (sampled independently when temperature > 0; in PD mode ``bootstrap_room`` is
-a list, one room per choice, as a router sends it). Tool calling and reasoning fields are validated and passed
-through as SGLang does: ``tools``/``tool_choice`` with ``"required"`` or a named function make the answer a call
-of that function (SGLang constrains decoding to the tool's schema); ``separate_reasoning`` and
-``chat_template_kwargs`` are accepted (the simulated model emits no reasoning section).
+a list, one room per choice, as a router sends it). A completions ``prompt`` may be a batch (a list of strings or
+of token-id lists): items are prompt-major, ``n`` per prompt, as ``OpenAIServingCompletion`` numbers its choices;
+``echo`` puts each prompt's text in front of its choices' text; ``suffix`` is accepted and, as in SGLang without a
+completion template, unused; ``logprobs`` (an integer for completions) is accepted, but no logprobs are computed.
+Tool calling and reasoning fields are validated and passed through as SGLang does: ``tools``/``tool_choice`` with
+``"required"`` or a named function make the answer a call of that function (SGLang constrains decoding to the
+tool's schema); ``separate_reasoning`` and ``chat_template_kwargs`` are accepted (the simulated model emits no
+reasoning section).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from tandem_sim.requests import (
     prompt_tokens,
     sampling_params,
 )
+from tandem_sim.sglang_fields import CHAT_FIELDS, COMPLETION_FIELDS, ignored_fields
 
 _SAMPLING = (
     ("temperature", "temperature"),
@@ -40,6 +45,9 @@ class OpenAIRequest:
     include_usage: bool
     continuous_usage: bool
     tool_call: str | None  # the function every choice calls (tool_choice "required" or named), else None
+    ignored: tuple[str, ...] = ()  # top-level fields SGLang's request model does not know (and ignores)
+    n: int = 1  # choices per prompt (items are prompt-major)
+    echo: tuple[str, ...] = ()  # completions ``echo``: each item's prompt text, put before its text
 
 
 def _openai_sampling(body: dict[str, Any]) -> dict[str, Any]:
@@ -82,10 +90,13 @@ def _tool_call(body: dict[str, Any]) -> str | None:
     raise BadRequestError("tool_choice: must be 'none', 'auto', 'required' or {'type': 'function', 'function': {...}}")
 
 
-def _check_pass_through(body: dict[str, Any]) -> None:
-    for name in ("separate_reasoning", "stream_reasoning", "parallel_tool_calls", "logprobs", "echo"):
+def _check_pass_through(body: dict[str, Any], chat: bool) -> None:
+    for name in ("separate_reasoning", "stream_reasoning", "parallel_tool_calls", "logprobs" if chat else "echo"):
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise BadRequestError(f"{name}: Input should be a valid boolean")
+    logprobs = body.get("logprobs")
+    if not chat and logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)):
+        raise BadRequestError("logprobs: Input should be a valid integer")
     for name in ("chat_template_kwargs", "stream_options", "response_format"):
         if body.get(name) is not None and not isinstance(body[name], dict):
             raise BadRequestError(f"{name}: Input should be a valid dictionary")
@@ -105,37 +116,50 @@ def _chat_prompt(messages: Any) -> model.Tokens:
     return model.tokenize(model.apply_chat_template(turns))
 
 
-def _completion_prompt(prompt: Any) -> model.Tokens:
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return prompt_tokens(None, prompt)
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        return prompt_tokens(prompt[0], None)
-    if isinstance(prompt, str):
-        return prompt_tokens(prompt, None)
-    raise BadRequestError("prompt: must be a string, a list of one string or a list of token ids")
+def _completion_prompts(prompt: Any) -> list[tuple[model.Tokens, str]]:
+    """Each prompt of a completions request (a batch when a list of strings or of token lists) and its echo text
+    (``_get_echo_text``: the string itself, token ids decoded)."""
+    if not prompt or (isinstance(prompt, list) and all(not p for p in prompt)):
+        raise BadRequestError("Prompt cannot be empty")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not all(isinstance(p, str | list) for p in prompt):
+        raise BadRequestError("prompt: must be a string, a list of strings, token ids or lists of token ids")
+    prompts = []
+    for p in prompt:
+        tokens = prompt_tokens(p, None) if isinstance(p, str) else prompt_tokens(None, p)
+        prompts.append((tokens, p if isinstance(p, str) else " ".join(tokens.words)))
+    return prompts
 
 
 def parse_openai(body: Any, *, chat: bool, mode: str, context_length: int) -> OpenAIRequest:
     if not isinstance(body, dict):
         raise BadRequestError("Request body must be a JSON object")
-    if not isinstance(body.get("model"), str):
-        raise BadRequestError("model: Field required")
-    _check_pass_through(body)
+    if "model" in body and not isinstance(body["model"], str):  # optional in SGLang (protocol.py: default name)
+        raise BadRequestError("model: Input should be a valid string")
+    _check_pass_through(body, chat)
     tool_call = _tool_call(body) if chat else None
-    prompt = _chat_prompt(body.get("messages")) if chat else _completion_prompt(body.get("prompt"))
-    params = sampling_params(
-        _openai_sampling(body), context_length=context_length, prompt_len=len(prompt.ids), default_max=context_length
-    )
+    prompts = [(_chat_prompt(body.get("messages")), "")] if chat else _completion_prompts(body.get("prompt"))
     n = body.get("n", 1)
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 128:
         raise BadRequestError(f"n must be an integer in [1, 128], got {n!r}")
-    rooms = bootstrap_list(body, mode, n)
-    rids = item_rids(body.get("rid"), n)
+    count = len(prompts) * n
+    rooms = bootstrap_list(body, mode, count)
+    rids = item_rids(body.get("rid"), count)
     stream = bool(body.get("stream", False))
-    items = [
-        GenerateInput(rid, prompt, model.replace_sample(params, i), stream, room)
-        for i, (rid, room) in enumerate(zip(rids, rooms, strict=True))
-    ]
+    items = []
+    for p, (prompt, _) in enumerate(prompts):
+        params = sampling_params(
+            _openai_sampling(body),
+            context_length=context_length,
+            prompt_len=len(prompt.ids),
+            default_max=context_length,
+        )
+        items += [
+            GenerateInput(rids[p * n + i], prompt, model.replace_sample(params, i), stream, rooms[p * n + i])
+            for i in range(n)
+        ]
+    echo = tuple(text for _, text in prompts for _ in range(n)) if not chat and body.get("echo") else ()
     options = body.get("stream_options") or {}
     return OpenAIRequest(
         items,
@@ -143,4 +167,7 @@ def parse_openai(body: Any, *, chat: bool, mode: str, context_length: int) -> Op
         include_usage=bool(options.get("include_usage")),
         continuous_usage=bool(options.get("continuous_usage_stats")),
         tool_call=tool_call,
+        ignored=ignored_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS),
+        n=n,
+        echo=echo,
     )

@@ -1,8 +1,11 @@
-"""Prefill side of PD (mimics SGLang 0.5.23 ``MooncakeKVManager`` in prefill mode, over HTTP instead of ZMQ).
+"""Prefill side of PD for one GPU rank (mimics SGLang 0.5.23 ``MooncakeKVManager`` in prefill mode, over HTTP instead
+of ZMQ). A prefill server has one ``PrefillSide`` per TP rank, each with its own transfer engine and staging shard.
 
-Per request: wait for the decode's destination pages for the room (``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT``),
-compute the prompt KV into a staging pool registered with Mooncake, write it into the decode's pages with
-``batch_transfer_sync_write``, then answer the decode (success or the failure reason) and the client.
+Per request: wait until ``required_dst_info_num`` decode ranks handed over their destination pages for the room
+(``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT``; ``bootstrap_thread`` in ``mooncake/conn.py``), put this rank's part
+of the prompt KV into a staging shard registered with Mooncake, write it into each (non-dummy) decode rank's pages
+with ``batch_transfer_sync_write`` (whole rows as ``send_kvcache``; a head slice per token as
+``send_kvcache_slice`` when the attention TP sizes differ), then answer the decode ranks and the client.
 A failed send blacklists the decode's Mooncake session; later requests for it fail fast until it re-registers,
 the probe (``send_probe``, interval doubling up to the max) succeeds, or it is dropped after the idle timeout.
 """
@@ -24,6 +27,7 @@ from tandem_sim.config import SimConfig
 from tandem_sim.hicache import FileStore, page_keys
 from tandem_sim.kvpool import PagedPool
 from tandem_sim.metrics import Metrics
+from tandem_sim.ranks import KVLayout, Rank, head_slice
 from tandem_sim.transfer import MooncakeTransfer
 
 log = logging.getLogger("tandem_sim.prefill")
@@ -37,20 +41,36 @@ class RoomExpiredError(RuntimeError):
     """The decode's hand-over for a room waited the bootstrap timeout without a prefill request."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class DecodeRegistration:
+    """One decode rank's KV args (SGLang's ``KVArgsRegisterInfo``)."""
+
     session_id: str
     kv_addr: int
-    kv_bytes_per_token: int
+    row_bytes: int  # dst_kv_item_len per token: the bytes of each token's row this decode rank holds
     page_size: int
+    tp_rank: int  # dst_tp_rank (the decode's attention-TP rank)
+    attn_tp_size: int  # dst_attn_tp_size
+    kv_heads: int  # the decode's model: 0 = MLA
+
+
+@dataclass(frozen=True)
+class HandOver:
+    """One decode rank's transfer request for a room (SGLang's ``TransferInfo``)."""
+
+    session_id: str
+    pages: list[int]
+    required_dst_info_num: int
+    is_dummy: bool
 
 
 @dataclass
 class RoomState:
-    """Rendezvous of the prefill request and the decode's transfer request for one bootstrap room."""
+    """Rendezvous of the prefill request and the decode ranks' transfer requests for one bootstrap room."""
 
-    dst: asyncio.Future[tuple[str, list[int]]]  # (decode session id, destination pages)
+    handed_over: asyncio.Future[None]  # set once required_dst_info_num decode ranks handed over
     result: asyncio.Future[str | None]  # None = success, else the failure reason
+    infos: dict[str, HandOver] = field(default_factory=dict)  # by decode session id
     created: float = field(default_factory=time.monotonic)
 
 
@@ -66,6 +86,26 @@ def _slots(pages: list[int], page_size: int, tokens: int) -> npt.NDArray[np.int6
     return np.asarray(pages, dtype=np.int64)[positions // page_size] * page_size + positions % page_size
 
 
+@dataclass(frozen=True)
+class RowSlice:
+    """Which bytes of each token move: ``length`` bytes at ``src_offset`` of a ``src_row``-byte source row into
+    ``dst_offset`` of a ``dst_row``-byte destination row."""
+
+    src_row: int
+    dst_row: int
+    src_offset: int = 0
+    dst_offset: int = 0
+    length: int | None = None  # None: the whole row
+
+    @property
+    def whole_rows(self) -> bool:
+        return (
+            self.src_row == self.dst_row
+            and self.src_offset == self.dst_offset == 0
+            and self.length in (None, self.src_row)
+        )
+
+
 def transfer_segments(
     src_base: int,
     src_pages: list[int],
@@ -74,17 +114,25 @@ def transfer_segments(
     dst_pages: list[int],
     dst_page_size: int,
     tokens: int,
-    row: int,
+    rows: RowSlice,
 ) -> tuple[list[int], list[int], list[int]]:
-    """Contiguous (src address, dst address, length) runs moving ``tokens`` KV rows between two paged pools.
+    """(src address, dst address, length) segments moving ``tokens`` KV rows (or a slice of each) between two
+    paged pools.
 
-    A run ends only where the source or the destination slots stop being adjacent: Mooncake's TCP transport
-    pays per segment (about 0.2 ms each on loopback), so a 200-token prompt in adjacent pages is one segment.
+    Whole rows go in contiguous runs: a run ends only where the source or the destination slots stop being
+    adjacent (Mooncake's TCP transport pays per segment, about 0.2 ms each on loopback, so a 200-token prompt in
+    adjacent pages is one segment). A head slice goes token by token, as ``send_kvcache_slice`` does.
     """
     if tokens <= 0:
         return [], [], []
     src_slots = _slots(src_pages, src_page_size, tokens)
     dst_slots = _slots(dst_pages, dst_page_size, tokens)
+    if not rows.whole_rows:
+        length = rows.src_row if rows.length is None else rows.length
+        src = (src_base + src_slots * rows.src_row + rows.src_offset).tolist()
+        dst = (dst_base + dst_slots * rows.dst_row + rows.dst_offset).tolist()
+        return src, dst, [length] * tokens
+    row = rows.src_row
     breaks = np.flatnonzero((np.diff(src_slots) != 1) | (np.diff(dst_slots) != 1)) + 1
     starts = np.concatenate(([0], breaks))
     counts = np.diff(np.concatenate((starts, [tokens])))
@@ -94,19 +142,26 @@ def transfer_segments(
 
 
 class PrefillSide:
-    def __init__(self, cfg: SimConfig, metrics: Metrics, transfer: MooncakeTransfer) -> None:
+    """One prefill GPU rank: its transfer engine, its staging shard, its registered decode ranks and blacklist."""
+
+    def __init__(
+        self, cfg: SimConfig, metrics: Metrics, transfer: MooncakeTransfer, rank: Rank, layout: KVLayout
+    ) -> None:
         self.cfg = cfg
         self.metrics = metrics
         self.transfer = transfer
+        self.rank = rank
+        self.layout = layout
+        self.columns = layout.columns(rank.attn_tp_rank)  # (first byte, length) of each row this rank holds
         self.weights = model.weights(cfg.seed, cfg.kv_bytes_per_token)
-        self.staging = PagedPool(cfg.max_total_tokens // cfg.page_size, cfg.page_size, cfg.kv_bytes_per_token)
+        self.staging = PagedPool(cfg.max_total_tokens // cfg.page_size, cfg.page_size, self.columns[1])
         transfer.register(self.staging.address, self.staging.nbytes)
         self.decodes: dict[str, DecodeRegistration] = {}
         self.rooms: dict[int, RoomState] = {}
         self.failed_sessions: set[str] = set()
         self.probes: dict[str, FailedSessionProbe] = {}
         self._staging_free = asyncio.Condition()
-        self._rng = random.Random(cfg.seed ^ 0x5EED)
+        self._rng = random.Random(cfg.seed ^ 0x5EED ^ rank.tp_rank)
         self.failure_prob = cfg.transfer_failure_prob
         self.l3 = (
             FileStore(cfg.hicache_file_dir, cfg.kv_bytes_per_token, cfg.page_size) if cfg.hicache_file_dir else None
@@ -123,15 +178,16 @@ class PrefillSide:
 
     # -- decode-facing ------------------------------------------------------------------------------------------
     def register_decode(self, reg: DecodeRegistration) -> None:
-        """A decode (re-)registered its session: a re-registration clears its blacklist entry."""
+        """A decode rank (re-)registered its session: a re-registration clears its blacklist entry."""
         self.decodes[reg.session_id] = reg
         self._unblacklist(reg.session_id)
 
-    async def await_transfer(self, room: int, session_id: str, dst_pages: list[int]) -> str | None:
-        """Decode's side of the room: hand over destination pages, wait for the outcome (None = success)."""
+    async def await_transfer(self, room: int, hand_over: HandOver) -> str | None:
+        """A decode rank's side of the room: hand over destination pages, wait for the outcome (None = success)."""
         state = self._room(room)
-        if not state.dst.done():
-            state.dst.set_result((session_id, dst_pages))
+        state.infos[hand_over.session_id] = hand_over
+        if len(state.infos) >= hand_over.required_dst_info_num and not state.handed_over.done():
+            state.handed_over.set_result(None)
         try:
             return await asyncio.wait_for(asyncio.shield(state.result), timeout=self.cfg.pd.bootstrap_timeout_s)
         except TimeoutError:
@@ -145,11 +201,11 @@ class PrefillSide:
                 self.rooms.pop(room, None)
 
     # -- client-facing ------------------------------------------------------------------------------------------
-    async def prefill(self, room: int, prompt: model.Tokens) -> None:
-        """Compute and send the KV of ``prompt`` for ``room``; raises TransferFailedError on failure."""
+    async def prefill(self, room: int, kv: npt.NDArray[np.uint8]) -> None:
+        """Send this rank's part of the prompt KV (``kv``: the whole rows) for ``room``; raises TransferFailedError."""
         state = self._room(room)
         try:
-            await self._prefill(room, prompt, state)
+            await self._prefill(room, kv, state)
         except TransferFailedError as err:
             if not state.result.done():
                 state.result.set_result(str(err))
@@ -162,17 +218,15 @@ class PrefillSide:
             if not state.result.done():
                 state.result.set_result(None)
         finally:
-            if not state.dst.done() or state.result.done():
+            if not state.handed_over.done() or state.result.done():
                 self.rooms.pop(room, None)
 
-    async def _prefill(self, room: int, prompt: model.Tokens, state: RoomState) -> None:
+    async def _prefill(self, room: int, kv: npt.NDArray[np.uint8], state: RoomState) -> None:
         self.bootstrap_waiting += 1
         self.metrics.num_prefill_bootstrap_queue_reqs.set(self.bootstrap_waiting)
         started = time.monotonic()
         try:
-            session_id, dst_pages = await asyncio.wait_for(
-                asyncio.shield(state.dst), timeout=self.cfg.pd.bootstrap_timeout_s
-            )
+            await asyncio.wait_for(asyncio.shield(state.handed_over), timeout=self.cfg.pd.bootstrap_timeout_s)
         except TimeoutError:
             self.metrics.num_bootstrap_failed_reqs.inc()
             elapsed = time.monotonic() - started
@@ -182,33 +236,36 @@ class PrefillSide:
         finally:
             self.bootstrap_waiting -= 1
             self.metrics.num_prefill_bootstrap_queue_reqs.set(self.bootstrap_waiting)
-        if session_id in self.failed_sessions:
-            probe = self.probes.get(session_id)
-            if probe is not None:
-                probe.last_requested = time.monotonic()
-            self._transfer_failed()
-            raise TransferFailedError(
-                f"Decode instance could be dead, remote mooncake session {session_id} is not alive"
-            )
-        reg = self.decodes.get(session_id)
-        if reg is None:
-            self._transfer_failed()
-            raise TransferFailedError(f"Decode session {session_id} is not registered with this prefill")
-        n = len(prompt.ids)
+        targets = [h for h in state.infos.values() if not h.is_dummy]
+        for hand_over in targets:
+            if hand_over.session_id in self.failed_sessions:
+                probe = self.probes.get(hand_over.session_id)
+                if probe is not None:
+                    probe.last_requested = time.monotonic()
+                self._transfer_failed()
+                raise TransferFailedError(
+                    f"Decode instance could be dead, remote mooncake session {hand_over.session_id} is not alive"
+                )
+            if hand_over.session_id not in self.decodes:
+                self._transfer_failed()
+                raise TransferFailedError(f"Decode session {hand_over.session_id} is not registered with this prefill")
+        if not targets:
+            return  # MLA: a dummy rank for every decode rank of this room sends nothing
+        n = len(kv)
         pages = await self._alloc_staging(n)
         try:
-            await asyncio.sleep(self.cfg.prefill_ms_per_token * n / 1000.0)
-            self.staging.write(pages, 0, self._prompt_kv(prompt))
-            self.metrics.prompt_tokens.inc(n)
-            await self._send(room, reg, pages, dst_pages, n)
+            first, length = self.columns
+            self.staging.write(pages, 0, np.ascontiguousarray(kv[:, first : first + length]))
+            for hand_over in targets:
+                await self._send(room, self.decodes[hand_over.session_id], pages, hand_over.pages, n)
         finally:
             self.staging.free(pages)
             async with self._staging_free:
                 self._staging_free.notify_all()
 
-    def _prompt_kv(self, prompt: model.Tokens) -> npt.NDArray[np.uint8]:
-        """The prompt's KV: the longest prefix of pages found in the L3 store is read back (a prefix hit), the rest
-        computed and written through to the store."""
+    def prompt_kv(self, prompt: model.Tokens) -> npt.NDArray[np.uint8]:
+        """The prompt's KV rows: the longest prefix of pages found in the L3 store is read back (a prefix hit), the
+        rest computed and written through to the store."""
         kv = model.compute_kv(self.weights, prompt, 0)
         if self.l3 is None:
             return kv
@@ -228,15 +285,36 @@ class PrefillSide:
                 await self._staging_free.wait()
         return pages
 
+    def _row_slice(self, reg: DecodeRegistration) -> RowSlice | str:
+        """What this rank writes into each of ``reg``'s token rows, or why it cannot (SGLang's checks)."""
+        layout, src_row = self.layout, self.columns[1]
+        if reg.kv_heads != layout.total_heads:
+            return "Decode KV layout does not match this prefill (MLA vs. KV heads)"
+        if layout.is_mla or reg.attn_tp_size == layout.attn_tp:  # send_kvcache: whole rows
+            if reg.row_bytes != src_row:
+                return "Decode KV layout does not match this prefill (KV bytes per token)"
+            return RowSlice(src_row, reg.row_bytes)
+        heads = head_slice(layout.attn_tp, reg.attn_tp_size, self.rank.tp_rank, reg.tp_rank, layout.total_heads)
+        length = heads.num_heads * layout.head_bytes
+        if length > reg.row_bytes:
+            return f"slice size ({length}) exceeds target token slot size ({reg.row_bytes})"
+        return RowSlice(
+            src_row,
+            reg.row_bytes,
+            heads.src_head_start * layout.head_bytes,
+            heads.dst_head_start * layout.head_bytes,
+            length,
+        )
+
     async def _send(
         self, room: int, reg: DecodeRegistration, src_pages: list[int], dst_pages: list[int], n: int
     ) -> None:
-        row = self.cfg.kv_bytes_per_token
-        if len(dst_pages) * reg.page_size < n or reg.kv_bytes_per_token != row:
+        rows = self._row_slice(reg)
+        if isinstance(rows, str) or len(dst_pages) * reg.page_size < n:
             self._transfer_failed()
-            raise TransferFailedError("Decode KV layout does not match this prefill (KV bytes per token or pages)")
+            raise TransferFailedError(rows if isinstance(rows, str) else "Decode KV pages do not hold the prompt")
         src, dst, lengths = transfer_segments(
-            self.staging.address, src_pages, self.cfg.page_size, reg.kv_addr, dst_pages, reg.page_size, n, row
+            self.staging.address, src_pages, self.cfg.page_size, reg.kv_addr, dst_pages, reg.page_size, n, rows
         )
         started = time.monotonic()
         if self.failure_prob > 0 and self._rng.random() < self.failure_prob:
@@ -301,6 +379,8 @@ class PrefillSide:
 
     def internal_state(self) -> dict[str, Any]:
         return {
+            "tp_rank": self.rank.tp_rank,
+            "session_id": self.transfer.session_id,
             "registered_decode_sessions": sorted(self.decodes),
             "failed_sessions": sorted(self.failed_sessions),
             "num_prefill_bootstrap_queue_reqs": self.bootstrap_waiting,

@@ -6,87 +6,14 @@ follow SGLang 0.5.23 (``tokenizer_manager._validate_one_request``, OpenAI servin
 
 from __future__ import annotations
 
+import math
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from tandem_sim import model
+from tandem_sim import contract, model
+from tandem_sim.sglang_fields import GENERATE_FIELDS, ignored_fields
 
-# /generate fields SGLang 0.5.23's GenerateReqInput knows (the contract rejects others).
-GENERATE_FIELDS = frozenset(
-    {
-        "text",
-        "input_ids",
-        "input_embeds",
-        "sampling_params",
-        "rid",
-        "return_logprob",
-        "logprob_start_len",
-        "top_logprobs_num",
-        "token_ids_logprob",
-        "return_text_in_logprobs",
-        "stream",
-        "stream_options",
-        "lora_path",
-        "lora_id",
-        "custom_logit_processor",
-        "bootstrap_host",
-        "bootstrap_port",
-        "bootstrap_room",
-        "bootstrap_pair_key",
-        "data_parallel_rank",
-        "routed_dp_rank",
-        "image_data",
-        "video_data",
-        "audio_data",
-        "modalities",
-        "session_params",
-        "log_metrics",
-        "return_hidden_states",
-        "return_routed_experts",
-        "priority",
-        "extra_key",
-        "routing_key",
-        "no_logs",
-        "custom_labels",
-        "return_bytes",
-        "conversation_id",
-        "label",
-        "require_reasoning",
-        "return_entropy",
-        "external_trace_header",
-        "received_time",
-    }
-)
-SAMPLING_FIELDS = frozenset(
-    {
-        "max_new_tokens",
-        "min_new_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "stop",
-        "stop_token_ids",
-        "stop_regex",
-        "ignore_eos",
-        "skip_special_tokens",
-        "spaces_between_special_tokens",
-        "no_stop_trim",
-        "n",
-        "frequency_penalty",
-        "presence_penalty",
-        "repetition_penalty",
-        "json_schema",
-        "regex",
-        "ebnf",
-        "structural_tag",
-        "custom_params",
-        "sampling_seed",
-        "logit_bias",
-        "thinking_budget",
-    }
-)
 MAX_ROOM = 2**63 - 1
 
 
@@ -116,11 +43,9 @@ class GenerateInput:
         return self.prompt.ids
 
 
-def _number(value: Any, name: str, kind: type, lo: float | None = None) -> Any:
+def _number(value: Any, name: str, kind: type) -> Any:
     if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and not isinstance(value, int)):
         raise BadRequestError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
-    if lo is not None and value < lo:
-        raise BadRequestError(f"{name} must be at least {lo}, got {value}")
     return value
 
 
@@ -129,11 +54,8 @@ def sampling_params(raw: Any, *, context_length: int, prompt_len: int, default_m
         raw = {}
     if not isinstance(raw, dict):
         raise BadRequestError("sampling_params must be an object")
-    unknown = sorted(set(raw) - SAMPLING_FIELDS)
-    if unknown:
-        raise BadRequestError(f"Unknown sampling parameter(s): {', '.join(unknown)}")
     max_new = raw.get("max_new_tokens")
-    max_new = default_max if max_new is None else _number(max_new, "max_new_tokens", int, 0)
+    max_new = default_max if max_new is None else _number(max_new, "max_new_tokens", int)
     if prompt_len >= context_length:
         raise BadRequestError(
             f"The input ({prompt_len} tokens) is longer than the model's context length ({context_length} tokens)."
@@ -147,15 +69,21 @@ def sampling_params(raw: Any, *, context_length: int, prompt_len: int, default_m
             f"and {max_new} tokens for the completion. Please reduce the number of tokens in the input messages "
             "or the completion to fit within the limit."
         )
-    temperature = float(_number(raw.get("temperature", 1.0), "temperature", float, 0))
+    # Value checks in the order and words of SGLang's ``SamplingParams.verify`` (sampling/sampling_params.py).
+    raw_temperature = _number(raw.get("temperature", 1.0), "temperature", float)
+    if not math.isfinite(raw_temperature) or raw_temperature < 0:
+        raise BadRequestError(f"temperature must be a non-negative finite number, got {raw_temperature}.")
+    temperature = float(raw_temperature)
     top_p = float(_number(raw.get("top_p", 1.0), "top_p", float))
     if not 0 < top_p <= 1:
         raise BadRequestError(f"top_p must be in (0, 1], got {top_p}.")
     top_k = int(_number(raw.get("top_k", -1), "top_k", int))
     if top_k < -1 or top_k == 0:
         raise BadRequestError(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
-    min_new = int(_number(raw.get("min_new_tokens", 0), "min_new_tokens", int, 0))
-    if min_new > max_new:
+    if max_new < 0:
+        raise BadRequestError(f"max_new_tokens must be at least 0, got {max_new}.")
+    min_new = int(_number(raw.get("min_new_tokens", 0), "min_new_tokens", int))
+    if not 0 <= min_new <= max_new:
         raise BadRequestError(f"min_new_tokens must be in [0, max_new_tokens({max_new})], got {min_new}.")
     stop = raw.get("stop") or ()
     if isinstance(stop, str):
@@ -219,6 +147,7 @@ class ParsedRequest:
     items: list[GenerateInput]
     batch: bool  # /generate answers a list
     stream: bool
+    ignored: tuple[str, ...] = ()  # top-level fields SGLang does not know (and ignores); logged at debug level
 
 
 def _per_item(value: Any, count: int, name: str) -> list[Any]:
@@ -269,9 +198,7 @@ def _nested(input_ids: Any) -> bool:
 def parse_generate(body: Any, *, mode: str, context_length: int) -> ParsedRequest:
     if not isinstance(body, dict):
         raise BadRequestError("Request body must be a JSON object")
-    unknown = sorted(set(body) - GENERATE_FIELDS)
-    if unknown:
-        raise BadRequestError(f"Unknown field(s) in /generate request: {', '.join(unknown)}")
+    contract.check_generate(body)  # raises ContractError: 400 {"error": "<text>"} (other errors: {"error": {...}})
     text, input_ids = body.get("text"), body.get("input_ids")
     batch = isinstance(text, list) or (
         isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
@@ -299,4 +226,4 @@ def parse_generate(body: Any, *, mode: str, context_length: int) -> ParsedReques
         GenerateInput(rid, prompt, params, stream, room)
         for rid, (prompt, params), room in zip(rids, expanded, rooms, strict=True)
     ]
-    return ParsedRequest(items, batch or count > 1, stream)
+    return ParsedRequest(items, batch or count > 1, stream, ignored_fields(body, GENERATE_FIELDS))

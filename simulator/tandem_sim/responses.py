@@ -74,9 +74,10 @@ def openai_finish(out: Outcome) -> tuple[str | None, Any]:
     return ("stop" if kind == "stop" else "length"), fr.get("matched")
 
 
-def usage(outs: Sequence[Outcome]) -> dict[str, Any]:
-    """Usage of one prompt's choices: the prompt counted once, every choice's completion tokens."""
-    prompt = outs[0].prompt_tokens if outs else 0
+def usage(outs: Sequence[Outcome], n: int = 1) -> dict[str, Any]:
+    """Usage of prompt-major choices, ``n`` per prompt: each prompt counted once, every choice's completion tokens
+    (``UsageProcessor.calculate_response_usage``)."""
+    prompt = sum(o.prompt_tokens for o in outs[::n])
     completion = sum(len(o.output_ids) for o in outs)
     return {
         "prompt_tokens": prompt,
@@ -94,32 +95,35 @@ def tool_calls(out: Outcome, name: str) -> list[dict[str, Any]]:
     return [{"id": call_id, "index": 0, "type": "function", "function": {"name": name, "arguments": arguments}}]
 
 
-def completion_body(outs: Sequence[Outcome], model_name: str, created: int) -> dict[str, Any]:
+def completion_body(
+    outs: Sequence[Outcome], model_name: str, created: int, n: int = 1, echo: Sequence[str] = ()
+) -> dict[str, Any]:
+    """``echo``: each choice's prompt text, put in front of its text (``_prepare_echo_prompts``)."""
     choices = []
     for index, out in enumerate(outs):
         reason, matched = openai_finish(out)
-        choices.append(
-            {"index": index, "text": out.text, "logprobs": None, "finish_reason": reason, "matched_stop": matched}
-        )
+        text = echo[index] + out.text if echo else out.text
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason, "matched_stop": matched}
+        choices.append(choice)
     return {
         "id": outs[0].rid,
         "object": "text_completion",
         "created": created,
         "model": model_name,
         "choices": choices,
-        "usage": usage(outs),
+        "usage": usage(outs, n),
     }
 
 
 def chat_message(out: Outcome, tool_call: str | None) -> tuple[dict[str, Any], str | None, Any]:
-    """(message, finish_reason, matched_stop) of one chat choice."""
+    """(message, finish_reason, matched_stop) of one chat choice. SGLang's ``ChatMessage`` drops ``tool_calls``
+    when it is null."""
     reason, matched = openai_finish(out)
-    message: dict[str, Any]
     if tool_call is not None and reason is not None:
-        message = {"role": "assistant", "content": None, "reasoning_content": None, "tool_calls": None}
-        message["tool_calls"] = tool_calls(out, tool_call)
+        calls = tool_calls(out, tool_call)
+        message = {"role": "assistant", "content": None, "reasoning_content": None, "tool_calls": calls}
         return message, "tool_calls", None
-    return {"role": "assistant", "content": out.text, "reasoning_content": None, "tool_calls": None}, reason, matched
+    return {"role": "assistant", "content": out.text, "reasoning_content": None}, reason, matched
 
 
 def chat_body(outs: Sequence[Outcome], model_name: str, created: int, tool_call: str | None) -> dict[str, Any]:
@@ -175,12 +179,12 @@ def chat_chunk(
     }
 
 
-def usage_chunk(outs: Sequence[Outcome], model_name: str, created: int, chat: bool) -> dict[str, Any]:
+def usage_chunk(outs: Sequence[Outcome], model_name: str, created: int, chat: bool, n: int = 1) -> dict[str, Any]:
     return {
         "id": outs[0].rid,
         "object": "chat.completion.chunk" if chat else "text_completion",
         "created": created,
         "model": model_name,
         "choices": [],
-        "usage": usage(outs),
+        "usage": usage(outs, n),
     }

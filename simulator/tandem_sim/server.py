@@ -2,8 +2,8 @@
 
 Native ``/generate``; OpenAI ``/v1/completions``, ``/v1/chat/completions`` (streaming, ``usage``),
 ``/v1/models``; ``/health``, ``/health_generate``, ``/ready``, ``/model_info``, ``/server_info`` (+ ``/get_*``),
-``/flush_cache``, ``/abort_request``, ``/metrics``. Prefill ranks also serve the PD hand-over under
-``/tandem/pd/`` (SGLang uses ZMQ for this), and ``/tandem/sim/faults`` changes fault injection at runtime.
+``/flush_cache``, ``/abort_request``, ``/metrics``. ``/tandem/sim/faults`` changes fault injection at runtime.
+Each prefill rank serves its PD hand-over on its own port (``rankserver.py``).
 """
 
 from __future__ import annotations
@@ -11,26 +11,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 
 from tandem.sglang_args import SGLANG_VERSION
 from tandem_sim import responses
 from tandem_sim.config import SimConfig
-from tandem_sim.decode import MAX_MESSAGE, PD_PATH
+from tandem_sim.contract import ContractError
 from tandem_sim.openai_requests import parse_openai
-from tandem_sim.prefill import DecodeRegistration, RoomExpiredError
 from tandem_sim.requests import BadRequestError, GenerateInput, parse_generate
 from tandem_sim.responses import Outcome
 from tandem_sim.streaming import OpenAIStream
-from tandem_sim.worker import GenerationError, OnProgress, Worker
+from tandem_sim.worker import GenerationError, OnProgress, Worker, run_together
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+log = logging.getLogger("tandem_sim.server")
+
+
+def _log_ignored(path: str, ignored: tuple[str, ...]) -> None:
+    """SGLang ignores request fields it does not know (tandem_sim.sglang_fields); so do we, at debug level."""
+    if ignored:
+        log.debug("ignoring unknown field(s) in %s request: %s", path, ", ".join(ignored))
 
 
 def _json(doc: Any, status: int = 200) -> web.Response:
@@ -43,7 +49,6 @@ class Server:
         self.worker = worker
         self.ready = ready
         self.created = int(time.time())
-        self._channels: set[web.WebSocketResponse] = set()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -62,16 +67,8 @@ class Server:
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_post("/abort_request", self.abort_request)
         r.add_get("/metrics", self.metrics)
-        r.add_post(f"{PD_PATH}/register", self.pd_register)
-        r.add_get(f"{PD_PATH}/ws", self.pd_channel)
         r.add_post("/tandem/sim/faults", self.faults)
-        app.on_shutdown.append(self._close_channels)
         return app
-
-    async def _close_channels(self, app: web.Application) -> None:
-        """Hand-over channels stay open for the decode's life: close them so shutdown does not wait on them."""
-        for ws in list(self._channels):
-            await ws.close(code=aiohttp.WSCloseCode.GOING_AWAY, message=b"prefill shutting down")
 
     # -- generation -------------------------------------------------------------------------------------------
     async def _body(self, request: web.Request) -> Any:
@@ -94,18 +91,12 @@ class Server:
 
     async def _run_all(self, items: list[GenerateInput], progress: list[OnProgress] | None = None) -> list[Outcome]:
         """Run every item (batch entry or choice) concurrently; the first failure fails the request."""
-        jobs = [
-            self._track(inp, self.worker.run(inp, None if progress is None else progress[i]))
-            for i, inp in enumerate(items)
-        ]
-        if len(jobs) == 1:
-            return [await jobs[0]]
-        tasks = [asyncio.ensure_future(job) for job in jobs]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            for task in tasks:
-                task.cancel()
+        return await run_together(
+            [
+                self._track(inp, self.worker.run(inp, None if progress is None else progress[i]))
+                for i, inp in enumerate(items)
+            ]
+        )
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -114,10 +105,11 @@ class Server:
             parsed = parse_generate(
                 await self._body(request), mode=self.cfg.mode, context_length=self.cfg.context_length
             )
-        except BadRequestError as err:
-            return _json({"error": str(err)}, err.status)
-        except GenerationError as err:
+        except ContractError as err:  # SGLang's contract gate: http_server.generate_request
+            return _json({"error": str(err)}, 400)
+        except (BadRequestError, GenerationError) as err:  # ValueErrors after the gate: _create_error_response
             return _json(responses.generate_error(str(err), err.status), err.status)
+        _log_ignored(request.path, parsed.ignored)
         if not parsed.stream:
             try:
                 outs = await self._run_all(parsed.items)
@@ -167,6 +159,7 @@ class Server:
             req = parse_openai(body, chat=chat, mode=self.cfg.mode, context_length=self.cfg.context_length)
         except (BadRequestError, GenerationError) as err:
             return _json(responses.openai_error(str(err), err.status), err.status)
+        _log_ignored(request.path, req.ignored)
         name = self.cfg.served_model_name
         if not req.stream:
             try:
@@ -176,7 +169,7 @@ class Server:
             return _json(
                 responses.chat_body(outs, name, self.created, req.tool_call)
                 if chat
-                else responses.completion_body(outs, name, self.created)
+                else responses.completion_body(outs, name, self.created, req.n, req.echo)
             )
         resp = await self._start_stream(request)
         stream = OpenAIStream(resp, name, self.created, chat, req)
@@ -185,7 +178,7 @@ class Server:
             for index, out in enumerate(outs):
                 await stream.emit(index, out, final=True)
             if req.include_usage:
-                await resp.write(responses.sse(responses.usage_chunk(outs, name, self.created, chat)))
+                await resp.write(responses.sse(responses.usage_chunk(outs, name, self.created, chat, req.n)))
         except GenerationError as err:
             await resp.write(responses.sse({"error": responses.openai_error(str(err), err.status)}))
         await resp.write(responses.SSE_DONE)
@@ -243,7 +236,7 @@ class Server:
 
     async def server_info(self, request: web.Request) -> web.Response:
         info = dict(self.cfg.server_args)
-        info["internal_states"] = [self.worker.internal_state()]
+        info["internal_states"] = self.worker.internal_states()
         info["version"] = SGLANG_VERSION
         info["tandem_sim"] = {
             "seed": self.cfg.seed,
@@ -278,69 +271,8 @@ class Server:
     async def metrics(self, request: web.Request) -> web.Response:
         if not self.cfg.enable_metrics:
             return web.Response(status=404, text="Metrics are disabled; start with --enable-metrics")
-        self.worker.metrics.gen_throughput.set(self.worker.engine.gen_throughput())
+        self.worker.metrics.gen_throughput.set(self.worker.gen_throughput())
         return web.Response(body=self.worker.metrics.render(), content_type="text/plain", charset="utf-8")
-
-    # -- PD hand-over (prefill ranks) -------------------------------------------------------------------------
-    async def pd_register(self, request: web.Request) -> web.Response:
-        if self.worker.prefill is None:
-            return _json({"error": "not a prefill worker"}, 400)
-        try:
-            body = await request.json()
-            reg = DecodeRegistration(
-                str(body["session_id"]), int(body["kv_addr"]), int(body["kv_bytes_per_token"]), int(body["page_size"])
-            )
-        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as err:
-            return _json({"error": f"bad registration: {err!r}"}, 400)
-        self.worker.prefill.register_decode(reg)
-        return _json({"status": "ok"})
-
-    async def pd_channel(self, request: web.Request) -> web.WebSocketResponse:
-        """One decode's hand-over channel: ``{room, session_id, dst_pages}`` in, ``{room, status[, reason]}`` out."""
-        ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE, heartbeat=None)
-        await ws.prepare(request)
-        prefill = self.worker.prefill
-        if prefill is None:
-            await ws.close(code=aiohttp.WSCloseCode.POLICY_VIOLATION, message=b"not a prefill worker")
-            return ws
-        tasks: set[asyncio.Task[None]] = set()
-        self._channels.add(ws)
-
-        async def answer(room: int, session: str, pages: list[int]) -> None:
-            reply: dict[str, Any] = {"room": room}
-            try:
-                reason = await prefill.await_transfer(room, session, pages)
-            except RoomExpiredError:
-                reply["status"] = "expired"  # settles the room; the decode fails it on its own timeout
-            else:
-                reply.update({"status": "success"} if reason is None else {"status": "failed", "reason": reason})
-            with contextlib.suppress(ConnectionError, RuntimeError):
-                await ws.send_bytes(orjson.dumps(reply))
-
-        try:
-            await self._serve_channel(ws, answer, tasks)
-        finally:
-            self._channels.discard(ws)
-        return ws
-
-    async def _serve_channel(
-        self,
-        ws: web.WebSocketResponse,
-        answer: Callable[[int, str, list[int]], Coroutine[Any, Any, None]],
-        tasks: set[asyncio.Task[None]],
-    ) -> None:
-        async for msg in ws:
-            if msg.type != aiohttp.WSMsgType.BINARY:
-                continue
-            try:
-                body = orjson.loads(msg.data)
-                room, session, pages = int(body["room"]), str(body["session_id"]), [int(p) for p in body["dst_pages"]]
-            except (ValueError, KeyError, TypeError, orjson.JSONDecodeError) as err:
-                await ws.close(code=aiohttp.WSCloseCode.UNSUPPORTED_DATA, message=f"bad hand-over: {err!r}".encode())
-                break
-            task = asyncio.get_running_loop().create_task(answer(room, session, pages))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
 
     async def faults(self, request: web.Request) -> web.Response:
         try:
@@ -348,9 +280,10 @@ class Server:
             prob = float(body["transfer_failure_prob"])
         except (ValueError, KeyError, TypeError, json.JSONDecodeError) as err:
             return _json({"error": f"expected {{'transfer_failure_prob': float}}: {err!r}"}, 400)
-        if not 0.0 <= prob <= 1.0 or self.worker.prefill is None:
+        if not 0.0 <= prob <= 1.0 or not self.worker.prefill_ranks:
             return _json({"error": "transfer_failure_prob must be in [0, 1], on a prefill worker"}, 400)
-        self.worker.prefill.failure_prob = prob
+        for rank in self.worker.prefill_ranks:
+            rank.failure_prob = prob
         return _json({"transfer_failure_prob": prob})
 
 

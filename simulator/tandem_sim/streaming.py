@@ -21,6 +21,7 @@ class OpenAIStream:
         self.req = req
         self.sent_chars = [0] * len(req.items)
         self.sent_role = [False] * len(req.items)
+        self.echoed = [False] * len(req.items)
 
     def progress(self, index: int) -> OnProgress:
         async def on_progress(out: Outcome) -> None:
@@ -33,6 +34,9 @@ class OpenAIStream:
         self.sent_chars[index] = len(out.text)
         with_usage = self.req.continuous_usage
         if not self.chat:
+            if self.req.echo and not self.echoed[index]:  # the first chunk of a choice carries its echo
+                delta_text = self.req.echo[index] + delta_text
+                self.echoed[index] = True
             chunk = responses.completion_chunk(out, index, self.model_name, self.created, delta_text, final, with_usage)
             await self.resp.write(responses.sse(chunk))
             return
@@ -44,7 +48,7 @@ class OpenAIStream:
             self.sent_role[index] = True
         if final:
             message, reason, matched = responses.chat_message(out, tool_call)
-            delta["tool_calls"] = message["tool_calls"]
+            delta["tool_calls"] = message.get("tool_calls")
             finish = (reason, matched)
         else:
             finish = (None, None)

@@ -9,6 +9,12 @@ are coalesced into the next ``batch_transfer_sync_write`` call (SGLang's transfe
 destination session). Measured on loopback TCP: concurrent sync writes from several threads contend inside the
 engine (4 threads move ~3x fewer transfers per second than one), so one writer thread that batches is fastest.
 A failed batch fails every room in it, as a dead peer would.
+
+One ``MooncakeTransfer`` is one GPU rank's engine (SGLang's ``MooncakeTransferEngine`` in
+``sglang/srt/distributed/device_communicators/mooncake_transfer_engine.py``): a pod with 8 ranks has 8, each with its
+own RPC port and session id. Mooncake reads ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT`` once, when ``mooncake.engine``
+is first imported (measured), so the import is deferred until the first engine is made and ``main`` can set the
+range first.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from mooncake.engine import TransferEngine
+# SGLang's message when ``TransferEngine.initialize`` fails (``MooncakeTransferEngine.initialize``).
+INIT_FAILED = "Mooncake Transfer Engine initialization failed."
 
 
 class TransferEngineError(RuntimeError):
@@ -36,10 +43,12 @@ class _PendingWrite:
 
 class MooncakeTransfer:
     def __init__(self, hostname: str) -> None:
+        from mooncake.engine import TransferEngine  # deferred: Mooncake reads its port range at import
+
         self.engine = TransferEngine()
         rc = self.engine.initialize(hostname, "P2PHANDSHAKE", "tcp", "")
         if rc != 0:
-            raise TransferEngineError(f"TransferEngine.initialize({hostname!r}, P2PHANDSHAKE, tcp) returned {rc}")
+            raise TransferEngineError(INIT_FAILED)
         self.hostname = hostname
         self.rpc_port = int(self.engine.get_rpc_port())
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mooncake-write")

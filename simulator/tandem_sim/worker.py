@@ -1,23 +1,36 @@
-"""One simulated SGLang worker process: runs a parsed request in aggregated, prefill or decode mode.
+"""One simulated SGLang server node: runs a parsed request in aggregated, prefill or decode mode over its GPU ranks.
 
 ``Worker.run`` is the whole life of a request (admission, prompt KV, decode loop, release); the HTTP layer
 (``server.py``) only parses bodies and formats responses.
+
+SGLang's process model (``ranks.py``): the node runs ``tp_size / nnodes`` ranks. Ranks are grouped into
+attention-DP groups; each group has one KV pool sharded over its attention-TP ranks (one ``Engine``) and, in PD
+mode, every rank has its own Mooncake engine (own session id) and its own ``PrefillSide``/``DecodeSide``. A prefill
+request runs on DP group ``room % attn_dp_size`` (``follow_bootstrap_room``, SGLang's prefill default), a decode or
+aggregated request on the next group in turn (``round_robin``, the default otherwise), and on every rank of the
+group at once: the first rank that fails fails the request, as the scheduler's all-reduced poll does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+import numpy as np
 
 from tandem_sim import model
 from tandem_sim.config import SimConfig
-from tandem_sim.decode import DecodeSide, KVTransferError
+from tandem_sim.decode import DecodeSide, KVTransferError, SchedulerCrashError
 from tandem_sim.engine import Engine, RunningRequest
 from tandem_sim.kvpool import OutOfPagesError
 from tandem_sim.metrics import Metrics
+from tandem_sim.multinode import Rendezvous
 from tandem_sim.prefill import PrefillSide, TransferFailedError
+from tandem_sim.ranks import Topology
 from tandem_sim.requests import GenerateInput
 from tandem_sim.responses import Outcome
 from tandem_sim.transfer import MooncakeTransfer
@@ -34,22 +47,85 @@ class GenerationError(RuntimeError):
 OnProgress = Callable[[Outcome], Awaitable[None]]
 
 
+T = TypeVar("T")
+log = logging.getLogger("tandem_sim.worker")
+
+
+def remote_nodes(topology: Topology, dp_rank: int) -> list[int]:
+    """The other nodes that run ranks of attention-DP group ``dp_rank``."""
+    attn_tp = topology.attn_tp_size
+    nodes = {tp // topology.ranks_per_node for tp in range(dp_rank * attn_tp, (dp_rank + 1) * attn_tp)}
+    return sorted(nodes - {topology.node_rank})
+
+
+class RankStartError(RuntimeError):
+    """A rank could not start (SGLang: its scheduler process dies during initialization)."""
+
+    def __init__(self, tp_rank: int, cause: Exception) -> None:
+        super().__init__(f"Rank {tp_rank} scheduler died during initialization: {type(cause).__name__}: {cause}")
+        self.tp_rank = tp_rank
+        self.cause = cause
+
+
+async def run_together(jobs: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run the jobs (one per rank, or per batch item) concurrently; the first failure cancels the others and is
+    raised."""
+    if len(jobs) == 1:
+        return [await jobs[0]]
+    tasks = [asyncio.ensure_future(job) for job in jobs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 class Worker:
-    def __init__(self, cfg: SimConfig, metrics: Metrics, rank_host: str) -> None:
+    def __init__(self, cfg: SimConfig, metrics: Metrics, rank_host: str, group: Rendezvous | None = None) -> None:
         self.cfg = cfg
         self.metrics = metrics
-        self.engine = Engine(cfg, metrics)
-        self.transfer: MooncakeTransfer | None = None
-        self.prefill: PrefillSide | None = None
-        self.decode: DecodeSide | None = None
+        self.group = group
+        topology = cfg.topology
+        self.ranks = topology.local_ranks()
+        layout = cfg.kv_layout
+        # Node 0 runs every DP group's scheduling (and keeps a copy of remote ranks' KV shards to decode from).
+        leader = cfg.node_rank == 0
+        dp_ranks = list(range(cfg.attn_dp_size)) if leader else sorted({r.attn_dp_rank for r in self.ranks})
+        self._remote_nodes = {dp: remote_nodes(topology, dp) for dp in dp_ranks}
+        self.engines = {dp: Engine(cfg, metrics, layout) for dp in dp_ranks}
+        for engine in self.engines.values():
+            engine.group = list(self.engines.values())
+        self.engine = self.engines[dp_ranks[0]]
+        self._turn = itertools.cycle(dp_ranks)
+        self.transfers: list[MooncakeTransfer] = []
+        self.prefill_ranks: list[PrefillSide] = []
+        self.decode_ranks: list[DecodeSide] = []
+        self._prefill_by_dp: dict[int, list[PrefillSide]] = {dp: [] for dp in dp_ranks}
+        self._decode_by_dp: dict[int, list[DecodeSide]] = {dp: [] for dp in dp_ranks}  # ranks of this node
         if cfg.mode != "null":
-            self.transfer = MooncakeTransfer(rank_host)
-            if cfg.mode == "prefill":
-                self.prefill = PrefillSide(cfg, metrics, self.transfer)
-            else:
-                self.decode = DecodeSide(cfg, metrics, self.transfer, self.engine.pool)
+            for rank in self.ranks:
+                try:
+                    transfer = MooncakeTransfer(rank_host)  # one engine per GPU rank
+                except Exception as err:
+                    self.close_transfers()
+                    raise RankStartError(rank.tp_rank, err) from err
+                self.transfers.append(transfer)
+                if cfg.mode == "prefill":
+                    side = PrefillSide(cfg, metrics, transfer, rank, layout)
+                    self.prefill_ranks.append(side)
+                    self._prefill_by_dp[rank.attn_dp_rank].append(side)
+                else:
+                    shard = self.engines[rank.attn_dp_rank].pool.shards[rank.attn_tp_rank]
+                    decode = DecodeSide(cfg, metrics, transfer, shard, rank, layout)
+                    self.decode_ranks.append(decode)
+                    self._decode_by_dp[rank.attn_dp_rank].append(decode)
         self.tasks: dict[str, asyncio.Task[Any]] = {}
         self._background: set[asyncio.Task[None]] = set()
+        self.crashed = asyncio.Event()  # a scheduler hit an exception: SGLang's server goes down with it
+
+    @property
+    def session_ids(self) -> list[str]:
+        return [t.session_id for t in self.transfers]
 
     async def run(self, inp: GenerateInput, on_progress: OnProgress | None = None) -> Outcome:
         """Run one request to the end. Raises GenerationError (SGLang's status and message)."""
@@ -64,11 +140,17 @@ class Worker:
         return out
 
     async def _run_prefill(self, inp: GenerateInput, out: Outcome) -> None:
-        if self.prefill is None or inp.bootstrap is None:
+        if not self.prefill_ranks or inp.bootstrap is None:
             raise GenerationError("prefill mode requires bootstrap fields", 400)
         room = inp.bootstrap.room
+        dp_rank = room % self.cfg.attn_dp_size
+        n = len(inp.input_ids)
         try:
-            await self.prefill.prefill(room, inp.prompt)
+            await asyncio.sleep(self.cfg.prefill_ms_per_token * n / 1000.0)
+            self.metrics.prompt_tokens.inc(n)
+            message = {"op": "prefill", "room": room, "ids": inp.prompt.ids, "words": inp.prompt.words}
+            remote = [self._call(node, message, TransferFailedError) for node in self._remote_nodes[dp_rank]]
+            await run_together([self._prefill_here(dp_rank, room, inp.prompt), *remote])
         except TransferFailedError as err:
             raise GenerationError(
                 f"Prefill transfer failed for request rank=0 req.rid={inp.rid!r} req.bootstrap_room={room} "
@@ -79,17 +161,20 @@ class Worker:
 
     async def _run_decode(self, inp: GenerateInput, out: Outcome, on_progress: OnProgress | None) -> None:
         req = RunningRequest(inp.rid, inp.prompt, inp.params)
+        dp_rank = next(self._turn)
+        engine = self.engines[dp_rank]
         try:
-            await self.engine.admit(req)
+            await engine.admit(req)
         except OutOfPagesError as err:
             raise GenerationError(f"Request does not fit the KV cache: {err}", 400) from None
         received = False
+        pd = bool(self.decode_ranks)
         try:
-            if self.decode is not None:
-                received = await self._receive(inp, req)
+            if pd:
+                received = await self._receive(inp, req, dp_rank)
             else:
                 await asyncio.sleep(self.cfg.prefill_ms_per_token * len(inp.input_ids) / 1000.0)
-                self.engine.write_prompt_kv_locally(req)
+                engine.write_prompt_kv_locally(req)
                 self.metrics.prompt_tokens.inc(len(inp.input_ids))
                 received = True
             first = time.monotonic()
@@ -112,33 +197,99 @@ class Worker:
                     await on_progress(out)
                 return True
 
-            reason = await self.engine.decode(req, on_token)
+            reason = await engine.decode(req, on_token)
             if out.finish_reason is None:
                 if reason == "stop":
                     out.finish_reason = {"type": "stop", "matched": model.EOS_ID}
                 else:
                     out.finish_reason = {"type": "length", "length": len(out.output_ids)}
         finally:
-            if self.decode is not None and inp.bootstrap is not None and not received:
+            if pd and inp.bootstrap is not None and not received:
                 # SGLang's deferred decode KV release: the pages stay held until the prefill stopped writing.
-                task = asyncio.get_running_loop().create_task(self._deferred_release(inp.bootstrap.room, req))
+                task = asyncio.get_running_loop().create_task(self._deferred_release(inp.bootstrap.room, req, dp_rank))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
             else:
-                await self.engine.release(req)
+                await engine.release(req)
 
-    async def _deferred_release(self, room: int, req: RunningRequest) -> None:
-        if self.decode is not None:
-            await self.decode.quiesce(room)
-        await self.engine.release(req)
+    async def _prefill_here(self, dp_rank: int, room: int, prompt: model.Tokens) -> None:
+        group = self._prefill_by_dp.get(dp_rank)
+        if group:
+            kv = group[0].prompt_kv(prompt)  # every rank computes the same rows; each sends its part
+            await run_together([rank.prefill(room, kv) for rank in group])
 
-    async def _receive(self, inp: GenerateInput, req: RunningRequest) -> bool:
-        if self.decode is None or inp.bootstrap is None:
+    async def _call(self, node: int, message: dict[str, Any], error: Callable[[str], Exception]) -> dict[str, Any]:
+        """Run ``message`` on the ranks of ``node`` (SGLang: TP rank 0 broadcasts the batch to the TP group)."""
+        assert self.group is not None
+        try:
+            reply = await self.group.call(node, message)
+        except ConnectionError as err:
+            raise error(str(err)) from None
+        if reply.get("error"):
+            raise error(str(reply["error"]))
+        return reply
+
+    async def serve_call(self, message: dict[str, Any]) -> dict[str, Any]:
+        """A node > 0 runs node 0's call on its own ranks; errors travel back in the answer."""
+        dp_rank = int(message.get("dp", message["room"] % self.cfg.attn_dp_size))
+        if message["op"] == "prefill":
+            try:
+                await self._prefill_here(dp_rank, int(message["room"]), model.Tokens(message["ids"], message["words"]))
+            except TransferFailedError as err:
+                return {"error": str(err)}
+            return {"error": None}
+        pages = [int(p) for p in message["pages"]]
+        ranks = self._decode_by_dp[dp_rank]
+        try:
+            await run_together(
+                [r.receive_kv(int(message["room"]), message["host"], int(message["port"]), pages) for r in ranks]
+            )
+        except SchedulerCrashError as err:
+            log.error(f"Scheduler hit an exception: RuntimeError: {err}")
+            self.crashed.set()
+            return {"error": str(err)}
+        except KVTransferError as err:
+            return {"error": err.reason}
+        n = int(message["tokens"])
+        return {
+            "error": None,
+            "rows": {str(r.rank.attn_tp_rank): r.pool.read(pages, 0, n).tobytes().hex() for r in ranks},
+        }
+
+    async def _receive_remote(self, node: int, message: dict[str, Any], room: int, pages: list[int]) -> None:
+        reply = await self._call(node, message, lambda reason: KVTransferError(room, reason))
+        engine = self.engines[int(message["dp"])]
+        for attn_tp_rank, rows in reply["rows"].items():
+            shard = engine.pool.shards[int(attn_tp_rank)]
+            data = np.frombuffer(bytes.fromhex(rows), dtype=np.uint8).reshape(-1, shard.kv_bytes)
+            shard.write(pages, 0, data)
+
+    async def _deferred_release(self, room: int, req: RunningRequest, dp_rank: int) -> None:
+        await asyncio.gather(*(rank.quiesce(room) for rank in self._decode_by_dp[dp_rank]))
+        await self.engines[dp_rank].release(req)
+
+    async def _receive(self, inp: GenerateInput, req: RunningRequest, dp_rank: int) -> bool:
+        if inp.bootstrap is None:
             raise GenerationError("decode mode requires bootstrap fields", 400)
         b = inp.bootstrap
         port = b.port if b.port is not None else self.cfg.bootstrap_port
+        message = {
+            "op": "receive",
+            "dp": dp_rank,
+            "room": b.room,
+            "host": b.host,
+            "port": port,
+            "pages": req.pages,
+            "tokens": req.prompt_len,
+        }
+        local = [rank.receive_kv(b.room, b.host, port, req.pages) for rank in self._decode_by_dp[dp_rank]]
+        remote = [self._receive_remote(node, message, b.room, req.pages) for node in self._remote_nodes[dp_rank]]
         try:
-            await self.decode.receive_kv(b.room, b.host, port, req.pages)
+            await run_together([*local, *remote])
+        except SchedulerCrashError as err:
+            log.error(f"Scheduler hit an exception: RuntimeError: {err}")
+            self.crashed.set()
+            raise GenerationError(str(err), 500) from None
         except KVTransferError as err:
             raise GenerationError(
                 f"Decode transfer failed for request rank=0 decode_req.req.rid={inp.rid!r} "
@@ -158,18 +309,23 @@ class Worker:
         finally:
             await self.engine.release(req)
 
-    def internal_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = dict(self.engine.internal_state())
-        if self.prefill is not None:
-            state.update(self.prefill.internal_state())
-        if self.decode is not None:
-            state.update(self.decode.internal_state())
-        return state
+    def gen_throughput(self) -> float:
+        return sum(engine.gen_throughput() for engine in self.engines.values())
+
+    def internal_states(self) -> list[dict[str, Any]]:
+        """One entry per rank (per DP group in aggregated mode): its DP group's engine state and its PD state."""
+        sides: list[PrefillSide | DecodeSide] = [*self.prefill_ranks, *self.decode_ranks]
+        if not sides:
+            return [dict(engine.internal_state()) for engine in self.engines.values()]
+        return [{**self.engines[side.rank.attn_dp_rank].internal_state(), **side.internal_state()} for side in sides]
+
+    def close_transfers(self) -> None:
+        for transfer in self.transfers:
+            transfer.close()
 
     async def close(self) -> None:
         for task in list(self._background):
             task.cancel()
-        if self.decode is not None:
-            await self.decode.close()
-        if self.transfer is not None:
-            self.transfer.close()
+        for decode in self.decode_ranks:
+            await decode.close()
+        self.close_transfers()

@@ -28,6 +28,7 @@ from openai import AsyncOpenAI, OpenAIError
 from tandem.devcluster.cluster import DevCluster
 from tandem.devcluster.podrunner import PodRunner
 from tandem.procs import ManagedProcess, free_port
+from tests.netns import require_loopback_only
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "tandem"
@@ -139,6 +140,7 @@ def no_time_wait() -> Iterator[None]:
     dead pod's IP to its replacement, whose Mooncake ports are fixed: the dead process's TIME_WAIT sockets on
     ``ip:port`` would make the new one's bind fail for 60 s. The sysctl is per network namespace.
     """
+    require_loopback_only(f"writing {TIME_WAIT_BUCKETS}")
     before = TIME_WAIT_BUCKETS.read_text()
     TIME_WAIT_BUCKETS.write_text("0")
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import pytest_asyncio
 import yaml
 
 from tandem.devcluster.cluster import DevCluster
@@ -53,7 +54,7 @@ async def _render(cluster: DevCluster, namespace: str, *args: str) -> list[dict[
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
-@pytest.fixture(scope="module")
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def monitoring_kinds(k8s_cluster: DevCluster) -> None:
     docs = [
         _stand_in_crd("ServiceMonitor", "servicemonitors"),

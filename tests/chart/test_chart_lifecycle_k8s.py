@@ -44,7 +44,7 @@ from tests.chart.stack import (
 )
 from tests.devcluster_fixtures import eventually
 
-pytestmark = [pytest.mark.k8s, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(300)]
 
 RELEASE = "tandem"
 MODEL = "kimi-k2.6-sim"

@@ -10,24 +10,18 @@ import yaml
 
 from tandem.chart import generate
 from tandem.chart.dashboard import PANELS
+from tandem.devcluster.config import default_bin_dir, require_binaries
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "tandem"
 VALUES_FILES = sorted((ROOT / "deploy").glob("values-*.yaml"))
 
 
-def _helm_bin() -> Path | None:
-    found = sorted(Path.home().glob(".cache/tandem/k8s/*/bin/helm"))
-    return found[-1] if found else None
-
-
-HELM = _helm_bin()
-needs_helm = pytest.mark.skipif(HELM is None, reason="helm is built by scripts/build-k8s.sh (make test runs it)")
-
-
 def helm(*args: str) -> subprocess.CompletedProcess[str]:
-    assert HELM is not None
-    return subprocess.run([str(HELM), *args], capture_output=True, text=True, check=False, timeout=60)
+    """Run the helm of the configured control-plane binaries ($TANDEM_K8S_BIN, else the build cache); a missing
+    helm fails the test with the command that builds it (``make k8s-binaries``), never skips it."""
+    binary = require_binaries(default_bin_dir())["helm"]
+    return subprocess.run([str(binary), *args], capture_output=True, text=True, check=False, timeout=60)
 
 
 def test_generated_files_are_current() -> None:
@@ -49,7 +43,6 @@ def test_dashboard_panels_have_queries() -> None:
     assert [p["targets"][0]["expr"] for p in doc["panels"]] == [p.expr for p in PANELS]
 
 
-@needs_helm
 @pytest.mark.parametrize("values", [None, *VALUES_FILES], ids=lambda p: "defaults" if p is None else p.name)
 def test_lint_and_template(values: Path | None) -> None:
     extra = [] if values is None else ["-f", str(values)]
@@ -61,7 +54,6 @@ def test_lint_and_template(values: Path | None) -> None:
     assert {"Deployment", "Service", "ClusterRole"} <= kinds
 
 
-@needs_helm
 @pytest.mark.parametrize(
     ("sets", "message"),
     [
@@ -81,7 +73,6 @@ def test_invalid_values_fail_with_the_key_named(sets: list[str], message: str) -
     assert message in result.stderr
 
 
-@needs_helm
 def test_optional_components_render() -> None:
     result = helm(
         "template", "t", str(CHART),

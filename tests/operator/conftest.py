@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import pytest_asyncio
 
 from tandem.devcluster.cluster import DevCluster
 from tandem.procs import ManagedProcess, free_port
@@ -70,7 +71,7 @@ def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         proc.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def tandem_crds(k8s_cluster: DevCluster) -> None:
     """The generated CRDs applied once per session and Established."""
     await run_tool(k8s_cluster, "kubectl", "apply", "--server-side", "-f", str(CRDS))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, get_args
 
 import pytest
@@ -26,7 +27,7 @@ def test_kimi_defaults() -> None:
     assert (s.prefill.deepep_mode, s.decode.deepep_mode) == (DeepEPMode.NORMAL, DeepEPMode.LOW_LATENCY)
     assert (s.prefill.tp_size, s.prefill.ep_size, s.prefill.gpus_per_node) == (8, 8, 8)
     assert s.decode.kv_offload.enabled is False
-    assert set(s.prefill.ports.all()).isdisjoint(s.decode.ports.all())
+    assert s.role_ports(Role.PREFILL).isdisjoint(s.role_ports(Role.DECODE))
     assert s.transfer.protocol is TransferProtocol.TCP
 
 
@@ -69,9 +70,28 @@ def test_wire_form_is_camel_case_and_round_trips() -> None:
         (
             {
                 "transfer": {"protocol": "tcp", "hostNetwork": True},
-                "decode": {"ports": {"http": 30000, "bootstrap": 2, "distInit": 3, "mooncakeRpc": 4}},
+                "decode": {"ports": {"http": 30000, "bootstrap": 2, "distInit": 3, "mooncakeRpc": 20000}},
             },
-            "with transfer.hostNetwork, prefill.ports and decode.ports must not share a port",
+            "with transfer.hostNetwork, prefill.ports and decode.ports (Mooncake ranges included) must not share",
+        ),
+        (
+            {  # prefill's range is [15000, 15015] with tcp and 8 GPUs per pod: 15010 is inside it
+                "transfer": {"protocol": "tcp", "hostNetwork": True},
+                "decode": {"ports": {"http": 30001, "bootstrap": 8999, "distInit": 5001, "mooncakeRpc": 15010}},
+            },
+            "with transfer.hostNetwork, prefill.ports and decode.ports (Mooncake ranges included) must not share",
+        ),
+        (
+            {
+                "transfer": {"protocol": "tcp"},
+                "decode": {"ports": {"mooncakeRpc": 32760, "http": 1, "bootstrap": 2, "distInit": 3}},
+            },
+            "decode.ports: the Mooncake range [mooncakeRpc, mooncakeRpc + gpusPerNode x (2 with tcp, else 1) - 1] "
+            "must lie within 1024-32767 or 61000-65535",
+        ),
+        (
+            {"prefill": {"ports": {"http": 15003, "bootstrap": 8998, "distInit": 5000, "mooncakeRpc": 15000}}},
+            "prefill.ports: http, bootstrap and distInit must lie outside the Mooncake range",
         ),
         ({"etcd": {"endpoints": []}}, "at least 1 item"),
         ({"prefill": {"gpusPerNode": 0}}, "greater than or equal to 1"),
@@ -80,7 +100,7 @@ def test_wire_form_is_camel_case_and_round_trips() -> None:
     ],
 )
 def test_invalid_specs_are_rejected_with_the_rule_message(overrides: dict[str, Any], message: str) -> None:
-    with pytest.raises(ValidationError, match=message.replace("*", r"\*").replace("+", r"\+")):
+    with pytest.raises(ValidationError, match=re.escape(message)):
         spec(**overrides)
 
 

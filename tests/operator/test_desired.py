@@ -137,7 +137,8 @@ def test_offload_env_points_mooncake_at_etcd() -> None:
     assert env["MOONCAKE_MASTER"] == "etcd://etcd-0.etcd:2379;etcd-1.etcd:2379"
     assert env["MOONCAKE_TE_META_DATA_SERVER"] == "etcd://etcd-0.etcd:2379;etcd-1.etcd:2379"
     assert env["MC_METADATA_CLUSTER_ID"] == "llm.kimi"
-    assert env["MC_MIN_RPC_PORT"] == env["MC_MAX_RPC_PORT"] == "15002"
+    # rdma, 8 GPUs per pod: one RPC port per rank's Mooncake engine
+    assert (env["MC_MIN_RPC_PORT"], env["MC_MAX_RPC_PORT"]) == ("15100", "15107")
     assert env["MOONCAKE_GLOBAL_SEGMENT_SIZE"] == "0gb"  # mooncake_store._parse_global_segment_size: "<n>gb"
 
 

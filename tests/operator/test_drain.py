@@ -109,6 +109,7 @@ def test_pods_wait_for_the_drain_on_prestop_and_the_grace_period_covers_it() -> 
     assert pod["spec"]["terminationGracePeriodSeconds"] == 600 + 30
 
 
+@pytest.mark.procs
 async def test_prestop_hook_returns_once_nothing_is_in_flight() -> None:
     busy = {"count": 2}
 

@@ -19,7 +19,7 @@ from tandem.procs import ManagedProcess
 from tests.devcluster_fixtures import eventually
 from tests.operator.live import SHARED_NETNS_ENV, SIM_MODEL, load_result, pods, run_tool, sim_stack, start_load
 
-pytestmark = [pytest.mark.k8s, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(300)]
 ONE_NODE = {"nodesPerGroup": 1, "gpusPerNode": 1, "tpSize": 1, "epSize": 1, "moeA2ABackend": "none"}
 STREAMS, SECONDS, TOKENS = 16, 14.0, 100
 

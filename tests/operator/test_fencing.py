@@ -33,7 +33,8 @@ def test_pod_facts_of_a_worker_pod() -> None:
     facts = pod_facts(live_pod(SPEC, Role.DECODE, 0, 1, epoch=3, ip="10.1.2.3"))
     assert facts is not None
     assert (facts.cluster, facts.group, facts.rank, facts.epoch, facts.ip) == ("kimi", DECODE_0, 1, 3, "10.1.2.3")
-    assert (facts.mooncake_ports, facts.mooncake_rpc_port) == ((15002, 15003), None)  # tcp: rpc + data port
+    # tcp, 8 ranks per pod: an RPC and a data port each
+    assert (facts.mooncake_ports, facts.mooncake_rpc_port) == (tuple(range(15100, 15116)), None)
     assert facts.env["MC_METADATA_CLUSTER_ID"] == "serving.kimi"
 
 
@@ -131,7 +132,8 @@ def test_stale_keys_cover_every_member_by_ip_and_ip_port() -> None:
     )
 
 
-def test_stale_keys_of_host_network_pods_name_only_their_own_port() -> None:
+def test_stale_keys_of_host_network_pods_name_only_their_own_ports() -> None:
+    """Every rank of the pod may hold any port of the pod's range (8 ranks x 2 ports with tcp)."""
     spec = kimi_spec(transfer={"protocol": "tcp", "hostNetwork": True})
     facts = pod_facts(live_pod(spec, Role.PREFILL, 0, 0, ip="192.168.1.4"))
     assert facts is not None
@@ -139,7 +141,7 @@ def test_stale_keys_of_host_network_pods_name_only_their_own_port() -> None:
         keys=tuple(
             f"mooncake/serving.kimi/{kind}/192.168.1.4:{port}"
             for kind in ("ram", "rpc_meta")
-            for port in (15000, 15001)
+            for port in range(15000, 15016)
         ),
         prefixes=(),
     )

@@ -20,7 +20,7 @@ from tests.devcluster_fixtures import eventually
 from tests.operator.kubelet import readiness_prober
 from tests.operator.live import SHARED_NETNS_ENV, SIM_MODEL, load_result, pods, serves, sim_stack, start_load
 
-pytestmark = [pytest.mark.k8s, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(300)]
 ONE_NODE = {"groups": 1, "nodesPerGroup": 1, "gpusPerNode": 1, "tpSize": 1, "epSize": 1, "moeA2ABackend": "none"}
 
 

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.registry import IntegrityReport, QuarantinedPair
+from tandem.registry import Endpoint, IntegrityReport, QuarantinedPair, RepeatOffender, Role
 from tandem_operator.api.common import Condition, ConditionStatus
-from tandem_operator.integrity import MAX_LISTED, Pair, Transition, integrity_condition, integrity_decision
+from tandem_operator.integrity import (
+    MAX_LISTED,
+    Pair,
+    Transition,
+    integrity_condition,
+    integrity_decision,
+    integrity_recreations,
+)
 
 P0, P1 = "http://10.0.0.1:30000", "http://10.0.0.2:30000"
 D0, D1 = "http://10.0.1.1:30001", "http://10.0.1.2:30001"
@@ -100,3 +107,24 @@ def test_a_long_list_is_cut_and_counted() -> None:
     assert message.startswith(f"{MAX_LISTED + 5} pair(s) quarantined")
     assert message.endswith(", and 5 more")
     assert message.count(" -> ") == MAX_LISTED
+
+
+def _offending(router: str, role: Role, worker: str, epoch: int) -> IntegrityReport:
+    offender = RepeatOffender(role=role, worker=worker, epoch=epoch, quarantines=3, reason="failed on probation")
+    return IntegrityReport(router=router, repeat_offenders=(offender,))
+
+
+def _endpoint(role: Role, url: str, epoch: int) -> Endpoint:
+    return Endpoint(role=role, group=f"{role.value}-0", url=url, model="m", epoch=epoch)
+
+
+def test_a_repeat_offender_group_is_recreated_once_per_incarnation() -> None:
+    registered = {"decode-1": _endpoint(Role.DECODE, D1, 4), "prefill-0": _endpoint(Role.PREFILL, P0, 1)}
+    both = [_offending("r1", Role.DECODE, D1, 4), _offending("r2", Role.DECODE, D1, 4)]
+    [(group, epoch, note)] = integrity_recreations(both, registered, {})
+    assert (group, epoch) == ("decode-1", 4)
+    assert "quarantined 3 times by router r1" in note
+    assert integrity_recreations(both, registered, {"decode-1": 4}) == []  # already fenced
+    assert integrity_recreations(both, {**registered, "decode-1": _endpoint(Role.DECODE, D1, 5)}, {}) == []
+    assert integrity_recreations([_offending("r1", Role.PREFILL, D1, 4)], registered, {}) == []  # wrong role
+    assert integrity_recreations([_offending("r1", Role.DECODE, D0, 0)], registered, {}) == []  # not registered

@@ -4,6 +4,7 @@ writes it (``tandem.registry`` models, the router's own lease); nothing is mocke
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -16,7 +17,7 @@ from kubernetes_asyncio import client
 from tandem import registry
 from tandem.devcluster.cluster import DevCluster
 from tandem.procs import ManagedProcess
-from tandem.registry import IntegrityReport, QuarantinedPair
+from tandem.registry import IntegrityReport, QuarantinedPair, RepeatOffender
 from tests.devcluster_fixtures import eventually
 from tests.operator.live import Registry, create_pdcluster, operator_process, pdc_status, pdcluster
 
@@ -104,3 +105,48 @@ async def test_a_quarantined_pair_sets_the_condition_and_posts_events_until_its_
     print(
         f"\nintegrity: condition True {condition_s:.2f}s after the report, False {cleared_s:.2f}s after its lease ended"
     )
+
+
+async def test_a_repeat_offender_reported_by_a_router_gets_its_group_recreated(
+    k8s_api: client.ApiClient, k8s_namespace: str, operator: ManagedProcess, etcd_endpoint: str
+) -> None:
+    ns = k8s_namespace
+    await create_pdcluster(k8s_api, ns, pdcluster("sim"))
+    async with Registry(etcd_endpoint) as reg:
+
+        async def decode_registered() -> registry.Endpoint | None:
+            return (await reg.endpoints(ns, "sim")).get("decode-0")
+
+        before = await eventually(decode_registered, "decode-0 registered", within=60)
+        offender = RepeatOffender(
+            role=registry.Role.DECODE,
+            worker=before.url,
+            epoch=before.epoch,
+            quarantines=3,
+            reason="failed on probation",
+        )
+        lease = await reg.client.lease(60)
+        key = registry.integrity_key(ns, "sim", ROUTER).encode()
+        report = IntegrityReport(router=ROUTER, repeat_offenders=(offender,))
+        put_at = time.monotonic()
+        await reg.client.put(key, report.model_dump_json().encode(), lease=lease)
+
+        async def recreated() -> registry.Endpoint | None:
+            endpoint = await decode_registered()
+            return endpoint if endpoint is not None and endpoint.epoch > before.epoch else None
+
+        after = await eventually(recreated, "decode-0 recreated with the next epoch", within=60)
+        recreated_s = time.monotonic() - put_at
+
+        async def recreate_event() -> list[tuple[str, str]]:
+            return await event_notes(k8s_api, ns, "IntegrityRecreate")
+
+        ((kind, note),) = await eventually(recreate_event, "IntegrityRecreate Event", within=20)
+        assert kind == "Warning"
+        assert f"quarantined 3 times by router {ROUTER}" in note
+        # The report still names the old incarnation: nothing more is recreated.
+        await asyncio.sleep(2)
+        assert (await decode_registered()) == after
+        assert len(await recreate_event()) == 1
+        await lease.revoke()
+    print(f"\nintegrity: repeat offender's group registered again with epoch {after.epoch} {recreated_s:.1f}s later")

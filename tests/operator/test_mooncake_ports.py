@@ -1,9 +1,10 @@
-"""The pod's Mooncake port range works with the real transfer engine (mooncake-transfer-engine 0.3.13, TCP).
+"""The pod's Mooncake port range works with the real transfer engines (mooncake-transfer-engine 0.3.13, TCP).
 
-Mooncake's TCP transport takes its data port from the same range as the RPC port (``MC_MIN_RPC_PORT`` ..
-``MC_MAX_RPC_PORT``). One fixed port made ``initialize`` return -1 ("unable to find available tcp port"); the pod
-now gets two adjacent ports for tcp. The engine is initialized with exactly the env the operator's manifest
-gives the pod (downward-API values resolved as the kubelet would).
+SGLang runs one Mooncake engine per GPU rank, and Mooncake's TCP transport takes its data port from the same range
+as the RPC port (``MC_MIN_RPC_PORT`` .. ``MC_MAX_RPC_PORT``): one fixed port made ``initialize`` return -1 ("unable
+to find available tcp port"). The pod now gets two ports per rank for tcp (one per rank for rdma). The engines are
+initialized with exactly the env the operator's manifest gives the pod (downward-API values resolved as the kubelet
+would), one per rank, in one process as the pod's ranks share one environment.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 
 from tandem.registry import Role
+from tandem_operator.api.mooncake_ports import ports_needed
 from tandem_operator.desired.pods import RoleContext, group_pod, mooncake_port_range
 from tests.operator.conftest import kimi_spec
 from tests.operator.workers import CLUSTER, POOL
@@ -38,9 +40,9 @@ def pod_env(pod: dict[str, Any], ip: str) -> dict[str, str]:
     return env
 
 
-def initialize(ip: str, env: dict[str, str]) -> tuple[dict[str, Any], str]:
+def initialize(ip: str, env: dict[str, str], ranks: int = 1) -> tuple[dict[str, Any], str]:
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), ip, "tcp"],
+        [sys.executable, str(SCRIPT), ip, "tcp", str(ranks)],
         env={**os.environ, **env, "PYTHONPATH": os.pathsep.join(sys.path)},
         capture_output=True,
         text=True,
@@ -50,22 +52,30 @@ def initialize(ip: str, env: dict[str, str]) -> tuple[dict[str, Any], str]:
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
 
-def test_the_pods_tcp_range_initializes_and_uses_both_ports() -> None:
+def test_the_pods_tcp_range_starts_every_rank() -> None:
     ctx = RoleContext.build(CLUSTER, TCP, Role.DECODE, POOL)
     low, high = mooncake_port_range(ctx)
-    assert (low, high) == (15002, 15003)
+    assert (low, high) == (15100, 15115)  # 8 ranks x (RPC + TCP data port)
     env = pod_env(group_pod(ctx, 0, 0), "127.0.0.2")
     assert (env["MC_MIN_RPC_PORT"], env["MC_MAX_RPC_PORT"], env["MC_TCP_BIND_ADDRESS"]) == (
-        "15002",
-        "15003",
+        "15100",
+        "15115",
         "127.0.0.2",
     )
-    result, log = initialize("127.0.0.2", env)
-    assert result["rc"] == 0, log
-    data = re.search(r"TcpTransport: listen on port (\d+)", log)
-    assert data is not None, log
-    # The RPC port (the session id "ip:port") is one port of the range, the TCP data port the other.
-    assert {result["rpc_port"], int(data.group(1))} == {low, high}
+    result, log = initialize("127.0.0.2", env, ranks=8)
+    assert result["rcs"] == [0] * 8, log
+    data = [int(p) for p in re.findall(r"TcpTransport: listen on port (\d+)", log)]
+    # Every rank's session id "ip:port" and its TCP data port are distinct ports of the range.
+    used = [*result["rpc_ports"], *data]
+    assert sorted(used) == list(range(low, high + 1))
+
+
+def test_one_port_short_fails_the_last_rank() -> None:
+    """What an 8-rank pod got before (one port per rank is not enough over TCP)."""
+    env = {"MC_MIN_RPC_PORT": "15200", "MC_MAX_RPC_PORT": "15214", "MC_FORCE_TCP": "1"}
+    result, log = initialize("127.0.0.3", env, ranks=8)
+    assert result["rcs"] == [0] * 7 + [-1]
+    assert "unable to find available tcp port" in log
 
 
 def test_a_single_fixed_port_fails_over_tcp() -> None:
@@ -75,6 +85,12 @@ def test_a_single_fixed_port_fails_over_tcp() -> None:
     assert "unable to find available tcp port" in log
 
 
-def test_rdma_keeps_one_port() -> None:
+def test_rdma_gets_one_port_per_rank() -> None:
     ctx = RoleContext.build(CLUSTER, kimi_spec(), Role.PREFILL, POOL)
-    assert mooncake_port_range(ctx) == (15000, 15000)
+    assert mooncake_port_range(ctx) == (15000, 15007)
+    assert ports_needed(8, "rdma") == 8
+    assert ports_needed(8, "tcp") == 16
+    one_gpu = kimi_spec(
+        prefill={"tpSize": 1, "epSize": 1, "gpusPerNode": 1, "nodesPerGroup": 1, "moeA2ABackend": "none"}
+    )
+    assert mooncake_port_range(RoleContext.build(CLUSTER, one_gpu, Role.PREFILL, POOL)) == (15000, 15000)

@@ -22,6 +22,7 @@ from tandem_operator.recovery import fence_annotation
 from tandem_operator.render import InvalidClusterError, render
 from tests.devcluster_fixtures import eventually
 from tests.operator.live import (
+    SIM_SPEC,
     Registry,
     create_pdcluster,
     operator_process,
@@ -62,7 +63,7 @@ async def test_a_pdcluster_becomes_ready_with_the_right_pods_and_scales(
     assert (flags["--nnodes"], flags["--disaggregation-mode"], flags["--tp-size"]) == ("2", "decode", "2")
     assert follower.spec.containers[0].command[command.index("--node-rank") + 1] == "1"
     env = {e.name: e.value for e in leader.spec.containers[0].env if e.value is not None}
-    assert (env["MC_MIN_RPC_PORT"], env["MC_MAX_RPC_PORT"], env["MC_FORCE_TCP"]) == ("15002", "15003", "true")
+    assert (env["MC_MIN_RPC_PORT"], env["MC_MAX_RPC_PORT"], env["MC_FORCE_TCP"]) == ("15100", "15101", "true")
     assert leader.spec.containers[0].resources.limits["nvidia.com/gpu"] == "1"
     assert "IPC_LOCK" in leader.spec.containers[0].security_context.capabilities.add
     assert [v.empty_dir.medium for v in leader.spec.volumes if v.name == "dshm"] == ["Memory"]
@@ -124,6 +125,16 @@ async def test_a_pdcluster_becomes_ready_with_the_right_pods_and_scales(
             {"lifecycle": {"modelLoadTimeoutSeconds": 7200, "startDeadlineSeconds": 3600}},
             "spec.lifecycle.startDeadlineSeconds",
             "startDeadlineSeconds must exceed modelLoadTimeoutSeconds",
+        ),
+        (  # tcp, 1 GPU per pod: [32767, 32768] touches the ephemeral ports
+            {
+                "decode": {
+                    **SIM_SPEC["decode"],
+                    "ports": {"http": 30001, "bootstrap": 8999, "distInit": 5001, "mooncakeRpc": 32767},
+                }
+            },
+            "spec.decode.ports.mooncakeRpc",
+            "must lie within 1024-32767 or 61000-65535",
         ),
     ],
 )

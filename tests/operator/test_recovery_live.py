@@ -35,12 +35,14 @@ from tests.operator.live import (
     pods,
     router_process,
 )
+from tests.routermetrics import scrape
 
-pytestmark = [pytest.mark.k8s, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(300)]
 PEER = Path(__file__).with_name("mooncake_peer.py")
 LOAD = Path(__file__).with_name("load_client.py")
 MODEL = "kimi-k2.6-sim"
-STREAMS, LOAD_SECONDS, KILL_AFTER = 32, 10.0, 2.0
+STREAMS, LOAD_SECONDS = 32, 10.0
+STREAMING_BEFORE_KILL = 4  # streams past their first byte (router-wide) when the victim dies
 
 
 @dataclass
@@ -145,6 +147,8 @@ async def _recover_under_load(
 
     await eventually(published, "the victim's Mooncake metadata in etcd", within=30)
     epoch_before = (await reg.endpoints(ns, "sim"))["decode-0"].epoch
+    victim_url = (await reg.endpoints(ns, "sim"))["decode-0"].url
+    router_url = str(sdk.base_url).removesuffix("/").removesuffix("/v1")
 
     traffic = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -156,7 +160,14 @@ async def _recover_under_load(
         stdout=asyncio.subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
-    await asyncio.sleep(KILL_AFTER)
+
+    async def streams_on_the_victim() -> bool:  # what the router itself counts, not a guess after a fixed sleep
+        metrics = await scrape(router_url)
+        return metrics.streaming >= STREAMING_BEFORE_KILL and metrics.in_flight.get(victim_url, 0) >= 1
+
+    await eventually(
+        streams_on_the_victim, "streams in flight through the router and on decode-0", within=LOAD_SECONDS + 10
+    )
     peer.signal(signal.SIGKILL)  # the pod's worker dies first (its Mooncake keys stay behind, as after a crash)
     deleted = time.monotonic()
     await client.CoreV1Api(k8s_api).delete_namespaced_pod("sim-decode-0-1", ns)

@@ -47,13 +47,20 @@ def test_leader_endpoint_of_a_prefill_group() -> None:
         group="prefill-0",
         url="http://10.0.0.7:30000",
         bootstrap_port=8998,
-        mooncake_session="10.0.0.7:15000",
+        mooncake_session=None,  # 8 ranks, 8 engines: rank 0's RPC port is any of the pod's 8 ports
         ib_devices=("mlx5_0", "mlx5_1"),
         attn_dp_size=1,
         model="kimi-k2.6",
         revision=pod["metadata"]["labels"]["tandem.dev/revision"],
         epoch=2,
     )
+
+
+def test_leader_endpoint_of_a_one_gpu_rdma_pod_names_its_session() -> None:
+    spec = kimi_spec(prefill={"tpSize": 1, "epSize": 1, "gpusPerNode": 1, "moeA2ABackend": "none"})
+    endpoint = leader_endpoint(spec, Role.PREFILL, live_pod(spec, Role.PREFILL, 0, 0, ip="10.0.0.7"))
+    assert endpoint is not None
+    assert endpoint.mooncake_session == "10.0.0.7:15000"  # one rank, one port: the session id is known
 
 
 def test_leader_endpoint_of_a_decode_group_over_tcp() -> None:
@@ -65,7 +72,7 @@ def test_leader_endpoint_of_a_decode_group_over_tcp() -> None:
         None,
         (),
         16,
-    )  # tcp: 2-port range
+    )  # tcp: 2 ports per rank
 
 
 def test_no_endpoint_without_ip_or_for_a_follower() -> None:

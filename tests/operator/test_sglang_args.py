@@ -1,30 +1,15 @@
-"""The generated SGLang command lines against SGLang 0.5.23's own flag set.
-
-``tandem.sglang_args`` (flag table read from the pinned sglang wheel) comes from the simulator branch; until it is
-on this branch the test skips with that reason. The real ``sglang`` ServerArgs parser needs torch and is not
-installed here.
-"""
+"""The generated SGLang command lines against SGLang 0.5.23's flag table (``tandem.sglang_args``, read from the
+pinned wheel). SGLang's real parser checks the same command lines in tests/conformance/test_sglang_parser.py."""
 
 from __future__ import annotations
-
-import importlib
-from typing import Any
 
 import pytest
 
 from tandem.registry import Role
+from tandem.sglang_args import validate_command
 from tandem_operator.desired.args import LAUNCH, Placement, launch_command
 
 from .conftest import kimi_spec
-
-
-def _validator() -> Any:
-    try:
-        module = importlib.import_module("tandem.sglang_args")
-    except ModuleNotFoundError:
-        pytest.skip("tandem.sglang_args (flag table from the pinned SGLang 0.5.23 wheel) is not on this branch yet")
-    return module.validate_command
-
 
 SPECS = {
     "kimi-rdma-offload": kimi_spec(),
@@ -40,7 +25,6 @@ SPECS = {
 @pytest.mark.parametrize("role", list(Role))
 @pytest.mark.parametrize("rank", [0, 1])
 def test_command_line_parses_with_sglang_flags(name: str, role: Role, rank: int) -> None:
-    validate = _validator()
     command = launch_command(SPECS[name], Placement(role=role, node_rank=rank, leader_address="g.ns.svc"))
     assert tuple(command[: len(LAUNCH)]) == LAUNCH
-    assert validate(command[len(LAUNCH) :]) == []
+    assert validate_command(command[len(LAUNCH) :]) == []

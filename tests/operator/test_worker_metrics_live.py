@@ -22,7 +22,7 @@ from tests.chart.prom import Prometheus, file_sd_scrape_config, pod_monitor_targ
 from tests.devcluster_fixtures import eventually
 from tests.operator.live import CRDS, SIM_MODEL, load_result, pods, run_tool, sim_stack, start_load
 
-pytestmark = [pytest.mark.k8s, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(300)]
 CHART = CRDS.parent
 KV_ALERT_EXPR = "sum by (namespace, pod) (increase(sglang:num_transfer_failed_reqs_total[5m])) > 0"
 

@@ -20,6 +20,8 @@ from schemathesis.checks import not_a_server_error
 from tandem.procs import ManagedProcess, free_port
 from tandem_router.openapi import document
 
+pytestmark = pytest.mark.procs
+
 schema = schemathesis.openapi.from_dict(document())
 
 

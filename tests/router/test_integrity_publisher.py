@@ -14,6 +14,8 @@ from tandem_router.integrity.monitor import IntegrityConfig, IntegrityMonitor
 from tandem_router.integrity.quarantine import QuarantinePolicy
 from tandem_router.integrity_publisher import IntegrityPublisher
 
+pytestmark = pytest.mark.procs
+
 PAIR = ("prefill:http://127.0.0.1:1", "decode:http://127.0.0.1:2")
 
 
@@ -42,7 +44,7 @@ async def _until_reports(endpoint: str, check: object, within: float = 10.0) -> 
 
 async def test_quarantine_is_published_and_cleared(etcd: str) -> None:
     monitor = IntegrityMonitor(IntegrityConfig(policy=QuarantinePolicy(threshold=1)), CollectorRegistry())
-    monitor.set_pairs([PAIR])
+    monitor.set_pairs([PAIR], {PAIR[1]: 7})
     publisher = IntegrityPublisher(monitor, [etcd], "ns", "c1", ttl=3, interval_s=0.05)
     stop = asyncio.Event()
     task = asyncio.create_task(publisher.run(stop))
@@ -55,6 +57,14 @@ async def test_quarantine_is_published_and_cleared(etcd: str) -> None:
         assert (pair.prefill, pair.decode) == ("http://127.0.0.1:1", "http://127.0.0.1:2")
         assert pair.reason.startswith("prompt_leak")
         assert report.quarantined_workers == ("http://127.0.0.1:1", "http://127.0.0.1:2")
+        for _ in range(2):  # two failed probations: a repeat offender, reported with its epoch
+            monitor.book.start_probations(float("inf"))
+            monitor.comparison(PAIR, False, "mirrored answer differs")
+        [report] = await _until_reports(etcd, lambda r: r and r[0].repeat_offenders)
+        assert {(o.role, o.worker, o.epoch, o.quarantines) for o in report.repeat_offenders} == {
+            (registry.Role.PREFILL, "http://127.0.0.1:1", 0, 3),
+            (registry.Role.DECODE, "http://127.0.0.1:2", 7, 3),
+        }
     finally:
         stop.set()
         await task

@@ -38,6 +38,7 @@ def test_flags_sglang_router_compatible(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert load(["--discovery", "etcd"]).discovery is DiscoveryMode.ETCD
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -53,15 +54,21 @@ def test_bad_configuration_is_a_clear_cli_error(argv: list[str], message: str) -
     assert message in result.stderr
 
 
-def _pod(ready: bool = True, annotations: dict[str, str] | None = None, deleting: bool = False) -> dict[str, object]:
-    meta: dict[str, object] = {"name": "p0", "annotations": annotations or {}}
+def _pod(
+    ready: bool = True,
+    annotations: dict[str, str] | None = None,
+    deleting: bool = False,
+    name: str = "p0",
+    ip: str = "10.1.2.3",
+) -> dict[str, object]:
+    meta: dict[str, object] = {"name": name, "annotations": annotations or {}}
     if deleting:
         meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     return {
         "metadata": meta,
         "status": {
             "phase": "Running",
-            "podIP": "10.1.2.3",
+            "podIP": ip,
             "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
         },
     }
@@ -83,6 +90,7 @@ def test_pod_discovery_rules() -> None:
     assert pod_spec(_pod(deleting=True), Role.DECODE, 30000) is None
 
 
+@pytest.mark.procs
 def test_sigterm_drains_in_flight_requests_then_exits(tmp_path: Path) -> None:
     procs: list[ManagedProcess] = []
     try:
@@ -144,3 +152,24 @@ def test_pod_watch_events_keep_the_pool_in_step() -> None:
     assert list(pool.workers) == ["decode:http://10.9.9.9:30000"]
     k8s.apply(Role.DECODE, "DELETED", moved)
     assert pool.workers == {}
+
+
+def test_a_relisting_drops_pods_deleted_during_a_watch_gap() -> None:
+    from tandem.registry import Role
+    from tandem_router.config import RouterSettings
+    from tandem_router.discovery import KubernetesDiscovery
+    from tandem_router.pool import WorkerPool
+
+    pool = WorkerPool()
+    k8s = KubernetesDiscovery(pool, RouterSettings(discovery=DiscoveryMode.KUBERNETES, k8s_worker_port=30000))
+    gone, kept, new = _pod(name="gone"), _pod(name="kept", ip="10.0.0.2"), _pod(name="new", ip="10.0.0.3")
+    k8s.resync(Role.DECODE, [gone, kept])
+    prefill = _pod()
+    k8s.apply(Role.PREFILL, "ADDED", prefill)
+    assert sorted(pool.workers) == [
+        "decode:http://10.0.0.2:30000", "decode:http://10.1.2.3:30000", "prefill:http://10.1.2.3:30000"
+    ]  # fmt: skip
+    k8s.resync(Role.DECODE, [kept, new])  # "gone" was deleted while the watch was down: no DELETED event came
+    assert sorted(pool.workers) == [
+        "decode:http://10.0.0.2:30000", "decode:http://10.0.0.3:30000", "prefill:http://10.1.2.3:30000"
+    ]  # fmt: skip

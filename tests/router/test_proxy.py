@@ -119,12 +119,73 @@ async def test_stream_broken_after_first_byte_ends_with_openai_error_event() -> 
         assert "decode worker stream failed" in err["message"]
 
 
+SGLANG_400 = {"object": "error", "message": "top_p must be in (0, 1], got 0.0.", "type": "BadRequestError",
+              "param": None, "code": 400}  # fmt: skip
+
+
+def _openai_error(raw: bytes) -> dict[str, Any]:
+    doc = orjson.loads(raw)
+    assert set(doc) == {"error"}, doc
+    assert set(doc["error"]) == {"message", "type", "param", "code"}, doc
+    assert doc["error"]["code"] is None or isinstance(doc["error"]["code"], str), doc
+    error: dict[str, Any] = doc["error"]
+    return error
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+async def test_worker_4xx_is_an_openai_error_never_retried_nor_counted(side: str) -> None:
+    """Whichever side refuses first: same status, the worker's message, the parameter it names, no retry, no
+    pair failure; the other side's request is cancelled (issue 19 item 3)."""
+    async with stack(2, 2) as s:
+        for p in s.prefills:
+            await s.faults(p, status=400, count=10, body=SGLANG_400, delay_s=0.0 if side == "prefill" else 1.0)
+        for d in s.decodes:
+            await s.faults(d, status=400, count=10, body=SGLANG_400, delay_s=1.0 if side == "prefill" else 0.0)
+        for stream in (False, True, False, True, False):
+            status, raw = await s.post("/v1/completions", {"model": "instant-model", "prompt": "x", "top_p": 0,
+                                                           "stream": stream})  # fmt: skip
+            assert status == 400, raw
+            error = _openai_error(raw)
+            assert error == {"message": SGLANG_400["message"], "type": "invalid_request_error", "param": "top_p",
+                             "code": None}  # fmt: skip
+        prefills = [len(await s.received(p)) for p in s.prefills]
+        decodes = [len(await s.received(d)) for d in s.decodes]
+        assert sum(prefills) == sum(decodes) == 5  # never retried
+        metrics = await (await s.http.get(f"{s.router.url}/metrics")).text()
+        assert "tandem_router_pair_failures_total{" not in metrics
+        assert "tandem_router_retries_total{" not in metrics
+        assert 'tandem_router_requests_total{route="/v1/completions",status="400"} 5.0' in metrics
+        assert all(w.breaker.state.value == "closed" for w in s.state.pool.workers.values())
+
+
+async def test_stream_error_event_with_4xx_code_is_an_http_4xx() -> None:
+    async with stack(1, 2) as s:
+        await s.faults(s.decodes[0], stream_error=True, stream_error_code=400)
+        await s.faults(s.decodes[1], stream_error=True, stream_error_code=400)
+        status, raw = await s.post("/generate", {"text": "hi", "stream": True})
+        assert status == 400, raw
+        assert _openai_error(raw)["message"] == "injected KV transfer failure"
+        assert len(await s.received(s.decodes[0])) + len(await s.received(s.decodes[1])) == 1
+
+
+async def test_validation_error_names_the_parameter_from_pydantic_loc() -> None:
+    message = ("1 validation error: {'type': 'int_parsing', 'loc': ('body', 'top_logprobs'), 'msg': 'Input should "
+               "be a valid integer'}")  # fmt: skip
+    async with stack(1, 1) as s:
+        await s.faults(s.decodes[0], status=400, count=1, body={"object": "error", "message": message, "code": 400})
+        status, raw = await s.post("/v1/chat/completions", CHAT)
+        assert status == 400
+        assert _openai_error(raw)["param"] == "top_logprobs"
+
+
 async def test_non_retryable_worker_error_is_relayed() -> None:
     async with stack(1, 1) as s:
-        await s.faults(s.decodes[0], status=400, count=1)
+        await s.faults(s.decodes[0], status=404, count=1)
         status, raw = await s.post("/generate", {"text": "hi"})
-        assert status == 400
-        assert b"injected failure 400" in raw
+        assert status == 404
+        error = _openai_error(raw)
+        assert error["message"] == "injected failure 404"
+        assert error["type"] == "not_found_error"
         assert len(await s.received(s.decodes[0])) == 1
 
 
@@ -234,3 +295,45 @@ async def test_unknown_path_is_openai_404() -> None:
         resp = await s.http.get(f"{s.router.url}/nope")
         assert resp.status == 404
         assert (await resp.json())["error"]["type"] == "not_found_error"
+
+
+async def test_valid_openai_requests_are_forwarded_canonical() -> None:
+    """null means absent and whole floats are integers (OpenAI's parsing; SGLang refuses ``"n": null``), the rest
+    of the body exactly as sent (issue 19 item 4)."""
+    completion = {"model": "instant-model", "prompt": ["a", "b"], "n": 2.0, "max_tokens": 8.0, "seed": 8811.0,
+                  "logprobs": 3, "echo": True, "suffix": "s", "stream": None, "user": None,
+                  "temperature": 0.5}  # fmt: skip
+    chat = {**CHAT, "n": None, "stream": None, "max_tokens": 4.0, "tools": None, "tool_choice": None, "seed": 1.0}
+    async with stack(1, 1) as s:
+        status, raw = await s.post("/v1/completions", completion)
+        assert status == 200, raw
+        status, raw = await s.post("/v1/chat/completions", chat)
+        assert status == 200, raw
+        got = [r["body"] for r in await s.received(s.decodes[0])]
+    sent = {k: v for k, v in got[0].items() if not k.startswith("bootstrap_")}
+    assert sent == {"model": "instant-model", "prompt": ["a", "b"], "n": 2, "max_tokens": 8, "seed": 8811,
+                    "logprobs": 3, "echo": True, "suffix": "s", "temperature": 0.5}  # fmt: skip
+    assert all(type(sent[k]) is int for k in ("n", "max_tokens", "seed"))
+    assert len(got[0]["bootstrap_room"]) == 4  # 2 prompts x n=2
+    assert {k: v for k, v in got[1].items() if not k.startswith("bootstrap_")} == {**CHAT, "max_tokens": 4, "seed": 1}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"model": "instant-model", "prompt": None}, "prompt"),
+        ("/v1/completions", {"model": "instant-model", "prompt": [[]]}, "prompt"),
+        ("/v1/completions", {"model": "instant-model", "prompt": "x", "n": 2.5}, "n"),
+        ("/v1/completions", {"model": "instant-model", "prompt": "x", "best_of": 3}, "best_of"),
+        ("/v1/completions", {"model": "instant-model", "prompt": "x", "max_tokens": 2**70 - 1}, "max_tokens"),
+        ("/v1/completions", {"model": "instant-model", "prompt": "x", "seed": -(2**70)}, "seed"),
+        ("/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"]}, "modalities"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"content": "x"}]}, "messages[0].role"),
+    ],
+)
+async def test_what_tandem_does_not_serve_is_refused_by_name(path: str, body: dict[str, Any], param: str) -> None:
+    async with stack(1, 1) as s:
+        status, raw = await s.post(path, body)
+        assert status == 400, raw
+        assert _openai_error(raw)["param"] == param
+        assert await s.received(s.decodes[0]) == []

@@ -16,6 +16,8 @@ from tandem.registry import Endpoint, Role
 from tandem.registry_etcd import EndpointWatcher, EndpointWriter, parse_endpoint_url
 from tandem.stack_fixture import running_stack
 
+pytestmark = pytest.mark.procs
+
 
 @pytest.fixture(scope="module")
 def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:

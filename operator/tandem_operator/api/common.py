@@ -62,25 +62,25 @@ class PortSet(CrdModel):
     bootstrap: Port = Field(description="PD bootstrap server (--disaggregation-bootstrap-port, prefill leaders).")
     dist_init: Port = Field(description="torch.distributed rendezvous on the group leader (--dist-init-addr).")
     mooncake_rpc: Port = Field(
-        description="Mooncake transfer-engine RPC port. With protocol rdma the pod's range is this one port "
-        "(MC_MIN_RPC_PORT = MC_MAX_RPC_PORT), so the session id 'ip:port' is known before the pod starts; with tcp "
-        "it is [mooncakeRpc, mooncakeRpc + 1], because Mooncake's TCP transport takes its data port from the same "
-        "range (the session id is then 'ip:mooncakeRpc' or 'ip:mooncakeRpc+1')."
+        description="First port of the pod's Mooncake range [MC_MIN_RPC_PORT, MC_MAX_RPC_PORT]. Every GPU rank runs "
+        "its own Mooncake transfer engine, which takes its RPC port (the session id 'ip:port') from the range, and "
+        "with protocol tcp also its TCP data port: the range is gpusPerNode ports for rdma, 2 x gpusPerNode for tcp. "
+        "It must lie within 1024-32767 or 61000-65535 (Mooncake silently ignores a range that touches the "
+        "ephemeral ports)."
     )
 
     cel_rules = (
         Rule(
-            cel="[self.http, self.bootstrap, self.distInit, self.mooncakeRpc, self.mooncakeRpc + 1].all(p, "
-            "[self.http, self.bootstrap, self.distInit, self.mooncakeRpc, self.mooncakeRpc + 1]"
-            ".filter(q, q == p).size() == 1)",
-            message="ports must be pairwise different (mooncakeRpc + 1 is Mooncake's TCP data port)",
-            check=lambda s: len(set(s.all())) == 5,
+            cel="[self.http, self.bootstrap, self.distInit, self.mooncakeRpc].all(p, "
+            "[self.http, self.bootstrap, self.distInit, self.mooncakeRpc].filter(q, q == p).size() == 1)",
+            message="ports must be pairwise different",
+            check=lambda s: len({s.http, s.bootstrap, s.dist_init, s.mooncake_rpc}) == 4,
         ),
     )
 
-    def all(self) -> tuple[int, ...]:
-        """Every port a pod of the role may listen on, Mooncake's TCP data port (mooncakeRpc + 1) included."""
-        return (self.http, self.bootstrap, self.dist_init, self.mooncake_rpc, self.mooncake_rpc + 1)
+    def fixed(self) -> tuple[int, ...]:
+        """The pod's ports outside its Mooncake range."""
+        return (self.http, self.bootstrap, self.dist_init)
 
 
 class Condition(CrdModel):

@@ -15,8 +15,9 @@ Everything else about a role (parallelism, images, transfer, placement) comes fr
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from enum import StrEnum
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, StringConstraints
 
@@ -33,6 +34,13 @@ from tandem_operator.api.common import (
     Toleration,
 )
 from tandem_operator.api.lifecycle import LifecycleSpec
+from tandem_operator.api.mooncake_ports import (
+    EPHEMERAL_PORTS,
+    MOONCAKE_MIN_PORT,
+    VALID_RANGES,
+    ports_needed,
+    ports_needed_cel,
+)
 from tandem_operator.api.recipe import (
     GangSchedulingSpec,
     HiCacheSpec,
@@ -259,7 +267,7 @@ def _prefill_ports() -> PortSet:
 
 
 def _decode_ports() -> PortSet:
-    return PortSet(http=30001, bootstrap=8999, dist_init=5001, mooncake_rpc=15002)
+    return PortSet(http=30001, bootstrap=8999, dist_init=5001, mooncake_rpc=15100)  # above prefill's 32 ports
 
 
 _HOST_MEMORY_MESSAGE = (
@@ -321,6 +329,41 @@ class EtcdSpec(CrdModel):
     endpoints: list[EtcdEndpoint] = Field(min_length=1, max_length=16)
 
 
+def _fixed_ports_outside_range(role: Role) -> Callable[[Any], bool]:
+    return lambda spec: not set(spec.role(role).ports.fixed()) & set(spec.mooncake_range(role))
+
+
+def _range_valid_for_mooncake(role: Role) -> Callable[[Any], bool]:
+    def valid(spec: Any) -> bool:
+        ports: range = spec.mooncake_range(role)
+        return (
+            ports.start >= MOONCAKE_MIN_PORT
+            and ports.stop - 1 <= 65535
+            and (ports.stop - 1 < EPHEMERAL_PORTS[0] or ports.start > EPHEMERAL_PORTS[1])
+        )
+
+    return valid
+
+
+def _size_cel(role: str) -> str:
+    return ports_needed_cel(f"self.{role}.gpusPerNode", "self.transfer.protocol")
+
+
+def _all_ports_cel(role: str) -> str:
+    """The role's fixed ports and the two ends of its Mooncake range (ranges overlap only if an end is inside)."""
+    ports = f"self.{role}.ports"
+    last = f"{ports}.mooncakeRpc + {_size_cel(role)} - 1"
+    return f"[{ports}.http, {ports}.bootstrap, {ports}.distInit, {ports}.mooncakeRpc, {last}]"
+
+
+def _in_role_cel(role: str, port: str) -> str:
+    ports = f"self.{role}.ports"
+    return (
+        f"{port} == {ports}.http || {port} == {ports}.bootstrap || {port} == {ports}.distInit || "
+        f"({port} >= {ports}.mooncakeRpc && {port} < {ports}.mooncakeRpc + {_size_cel(role)})"
+    )
+
+
 class PDClusterSpec(CrdModel):
     """Desired state of a prefill/decode-disaggregated deployment."""
 
@@ -336,16 +379,52 @@ class PDClusterSpec(CrdModel):
     scheduling: GangSchedulingSpec = Field(default_factory=GangSchedulingSpec)
 
     cel_rules = (
+        *(
+            rule
+            for role in ("prefill", "decode")
+            for rule in (
+                Rule(
+                    cel=f"[self.{role}.ports.http, self.{role}.ports.bootstrap, self.{role}.ports.distInit].all(p, "
+                    f"p < self.{role}.ports.mooncakeRpc || p >= self.{role}.ports.mooncakeRpc + {_size_cel(role)})",
+                    message=f"{role}.ports: http, bootstrap and distInit must lie outside the Mooncake range "
+                    "[mooncakeRpc, mooncakeRpc + gpusPerNode x (2 with tcp, else 1) - 1]",
+                    check=_fixed_ports_outside_range(Role(role)),
+                    field_path=f".{role}.ports",
+                ),
+                Rule(
+                    cel=f"self.{role}.ports.mooncakeRpc >= {MOONCAKE_MIN_PORT} && "
+                    f"self.{role}.ports.mooncakeRpc + {_size_cel(role)} - 1 <= 65535 && "
+                    f"(self.{role}.ports.mooncakeRpc + {_size_cel(role)} - 1 < {EPHEMERAL_PORTS[0]} || "
+                    f"self.{role}.ports.mooncakeRpc > {EPHEMERAL_PORTS[1]})",
+                    message=f"{role}.ports: the Mooncake range [mooncakeRpc, mooncakeRpc + gpusPerNode x (2 with tcp, "
+                    f"else 1) - 1] must lie within {VALID_RANGES} (Mooncake ignores a range that touches the "
+                    "ephemeral ports and falls back to [15000, 17000])",
+                    check=_range_valid_for_mooncake(Role(role)),
+                    field_path=f".{role}.ports.mooncakeRpc",
+                ),
+            )
+        ),
         Rule(
-            cel="!self.transfer.hostNetwork || [self.prefill.ports.http, self.prefill.ports.bootstrap, "
-            "self.prefill.ports.distInit, self.prefill.ports.mooncakeRpc, self.prefill.ports.mooncakeRpc + 1]"
-            ".all(p, !(p in [self.decode.ports.http, self.decode.ports.bootstrap, self.decode.ports.distInit, "
-            "self.decode.ports.mooncakeRpc, self.decode.ports.mooncakeRpc + 1]))",
-            message="with transfer.hostNetwork, prefill.ports and decode.ports must not share a port",
-            check=lambda s: not s.transfer.host_network or not set(s.prefill.ports.all()) & set(s.decode.ports.all()),
+            cel="!self.transfer.hostNetwork || ("
+            f"{_all_ports_cel('prefill')}.all(p, !({_in_role_cel('decode', 'p')})) && "
+            f"{_all_ports_cel('decode')}.all(p, !({_in_role_cel('prefill', 'p')})))",
+            message="with transfer.hostNetwork, prefill.ports and decode.ports (Mooncake ranges included) must not "
+            "share a port",
+            check=lambda s: not s.transfer.host_network or not s.role_ports(Role.PREFILL) & s.role_ports(Role.DECODE),
             field_path=".decode.ports",
         ),
     )
+
+    def mooncake_range(self, role: Role) -> range:
+        """The role's ``[MC_MIN_RPC_PORT, MC_MAX_RPC_PORT]``: every rank of a pod gets its ports."""
+        spec = self.role(role)
+        return range(
+            spec.ports.mooncake_rpc, spec.ports.mooncake_rpc + ports_needed(spec.gpus_per_node, self.transfer.protocol)
+        )
+
+    def role_ports(self, role: Role) -> set[int]:
+        """Every port a pod of the role may listen on."""
+        return {*self.role(role).ports.fixed(), *self.mooncake_range(role)}
 
     def role(self, role: Role) -> PrefillSpec | DecodeSpec:
         return self.prefill if role is Role.PREFILL else self.decode

@@ -2,7 +2,7 @@
 
 Flag spellings follow SGLang 0.5.23 (``--attn-dp-size`` is the new spelling of ``--dp-size N
 --enable-dp-attention``); ``tests/operator/test_sglang_args.py`` checks the output against the flag table read from
-the pinned SGLang wheel.
+the pinned SGLang wheel, and ``tests/conformance/test_sglang_parser.py`` with SGLang's own ``prepare_server_args``.
 """
 
 from __future__ import annotations

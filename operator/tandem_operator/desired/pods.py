@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.registry import Role
+from tandem_operator.api.mooncake_ports import ports_needed
 from tandem_operator.api.pdcluster import PDClusterSpec, TransferProtocol
 from tandem_operator.desired.args import Placement, launch_command
 from tandem_operator.desired.drain_hook import EXIT_GRACE_S, prestop_command
@@ -123,15 +124,15 @@ def group_service(ctx: RoleContext, group: int) -> dict[str, Any]:
 
 
 def mooncake_port_range(ctx: RoleContext) -> tuple[int, int]:
-    """``MC_MIN_RPC_PORT``, ``MC_MAX_RPC_PORT`` of the role's pods.
+    """``MC_MIN_RPC_PORT``, ``MC_MAX_RPC_PORT`` of the role's pods: ``ports_needed`` ports from ``ports.mooncakeRpc``,
+    one per rank for rdma, two per rank for tcp (each rank's engine also takes its TCP data port from the range).
 
-    Mooncake (0.3.13) takes its RPC port from this range, and with the TCP transport also its data port (the
-    same search, ``findAvailableTcpPort``): one fixed port makes ``initialize`` fail with "unable to find
-    available tcp port". RDMA needs no data port, so its range is one port and the session id ``ip:port`` is
-    exact; TCP gets two adjacent ports, one for each (measured: the RPC port is either one).
+    A pod runs one SGLang scheduler, hence one Mooncake engine, per GPU rank (``tandem_operator.api.mooncake_ports``).
+    One fixed port, as pods had before, starts rank 0 only: ranks 1..7 of an 8-GPU pod fail with "No valid port".
     """
-    rpc = ctx.spec.role(ctx.role).ports.mooncake_rpc
-    return (rpc, rpc + 1) if ctx.spec.transfer.protocol is TransferProtocol.TCP else (rpc, rpc)
+    role = ctx.spec.role(ctx.role)
+    rpc = role.ports.mooncake_rpc
+    return rpc, rpc + ports_needed(role.tp_size // role.nodes_per_group, ctx.spec.transfer.protocol) - 1
 
 
 def _env(ctx: RoleContext) -> list[dict[str, Any]]:
@@ -174,12 +175,11 @@ def _resources(ctx: RoleContext) -> dict[str, Any]:
 
 def _container_ports(ctx: RoleContext) -> list[dict[str, Any]]:
     ports = ctx.spec.role(ctx.role).ports
-    named = [("http", ports.http), ("dist-init", ports.dist_init), ("mooncake-rpc", ports.mooncake_rpc)]
+    named = [("http", ports.http), ("dist-init", ports.dist_init)]
     if ctx.role is Role.PREFILL:
         named.append(("bootstrap", ports.bootstrap))
     low, high = mooncake_port_range(ctx)
-    if high > low:
-        named.append(("mooncake-data", high))
+    named += [(f"mooncake-{i}", port) for i, port in enumerate(range(low, high + 1))]
     host = ctx.spec.transfer.host_network
     # With hostNetwork the ports are node ports: declaring hostPort lets the scheduler keep clashing pods apart.
     return [

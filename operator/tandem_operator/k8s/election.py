@@ -13,17 +13,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 from tandem_operator.k8s.kube import ConflictError, Kube, PermanentError
-from tandem_operator.leader import LeaseAction, decide, lease_body, lease_state
+from tandem_operator.leader import LeaseAction, Observed, decide, lease_body, lease_state, observe
 
 log = logging.getLogger("tandem.operator.leader")
 
 
 class LeaderElector:
     def __init__(
-        self, kube: Kube, *, name: str, namespace: str, identity: str, duration_s: int = 6, retry_s: float = 1.0
+        self,
+        kube: Kube,
+        *,
+        name: str,
+        namespace: str,
+        identity: str,
+        duration_s: int = 6,
+        retry_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         self.kube, self.name, self.namespace, self.identity, self.duration_s = (
             kube,
@@ -33,13 +43,15 @@ class LeaderElector:
             duration_s,
         )
         self.retry_s = retry_s
+        self.clock, self.wall_clock = clock, wall_clock  # expiry on ``clock``; ``wall_clock`` only written
+        self._observed: Observed | None = None
         self.path = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/{name}"
 
     async def try_once(self) -> bool:
         """One election round; True if this replica holds the Lease afterwards."""
-        now = datetime.now(UTC)
         state = lease_state(await self.kube.get(self.path))
-        action = decide(state, self.identity, now)
+        self._observed = observe(self._observed, state, self.clock())
+        action = decide(self._observed, self.identity, self.clock())
         if action is LeaseAction.WAIT:
             return False
         body = lease_body(
@@ -47,7 +59,7 @@ class LeaderElector:
             namespace=self.namespace,
             me=self.identity,
             duration_s=self.duration_s,
-            now=now,
+            now=self.wall_clock(),
             action=action,
             state=state,
         )

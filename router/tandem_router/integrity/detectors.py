@@ -9,6 +9,9 @@ into a repetition loop. Both are visible in the text alone:
 - ``find_repetition_loop``: the output's tail is one short phrase repeated many times.
 - ``find_bad_text``: replacement characters (invalid UTF-8 upstream), control characters, leaked special
   tokens.
+
+Every detector judges the output against the request's *own* prompt: characters, n-grams and repeated phrases
+that were in the prompt are not evidence (a client can always ask for them to be repeated).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class Finding(StrEnum):
 class Detection:
     finding: Finding
     detail: str
+    sources: frozenset[str] = frozenset()  # prompt leak: the requests whose prompts leaked
 
 
 def words(text: str) -> list[str]:
@@ -93,19 +97,27 @@ class PromptLeakIndex:
             gram = hash(tuple(out_tokens[i : i + self.ngram]))
             if gram in own:
                 continue
-            owners = self._owners.get(gram)
-            if owners and (owners - {request_id}):
+            others = self._owners.get(gram, set()) - {request_id}
+            if others:
                 phrase = " ".join(out_tokens[i : i + self.ngram])
-                return Detection(Finding.PROMPT_LEAK, f"output repeats another request's prompt: {phrase!r}")
+                return Detection(
+                    Finding.PROMPT_LEAK, f"output repeats another request's prompt: {phrase!r}", frozenset(others)
+                )
         return None
 
 
+def _contains(haystack: list[str], needle: list[str]) -> bool:
+    n = len(needle)
+    return any(haystack[i : i + n] == needle for i in range(len(haystack) - n + 1))
+
+
 def find_repetition_loop(
-    text: str, max_period: int = 16, min_repeats: int = 4, min_span_words: int = 24
+    text: str, max_period: int = 16, min_repeats: int = 4, min_span_words: int = 24, prompt: str = ""
 ) -> Detection | None:
     """A loop if the output's last words are one phrase of <= ``max_period`` words repeated ``min_repeats``+
-    times and spanning at least ``min_span_words`` words."""
+    times and spanning at least ``min_span_words`` words, and that phrase is not in the prompt."""
     tokens = words(text)
+    prompt_tokens = words(prompt)
     n = len(tokens)
     for period in range(1, max_period + 1):
         if n < period * min_repeats:
@@ -117,19 +129,22 @@ def find_repetition_loop(
             repeats += 1
             pos -= period
         if repeats >= min_repeats and repeats * period >= min_span_words:
+            if _contains(prompt_tokens, unit):
+                return None  # the prompt's own phrase (longer periods are the same loop)
             return Detection(
                 Finding.REPETITION_LOOP, f"last {repeats * period} words repeat {' '.join(unit)!r} x{repeats}"
             )
     return None
 
 
-def find_bad_text(text: str) -> Detection | None:
-    if "\ufffd" in text:
+def find_bad_text(text: str, prompt: str = "") -> Detection | None:
+    """Replacement characters, control characters or special tokens in the output that the prompt did not have."""
+    if "\ufffd" in text and "\ufffd" not in prompt:
         return Detection(Finding.BAD_TEXT, "replacement character (invalid UTF-8 from the model)")
-    control = _CONTROL.search(text)
-    if control:
-        return Detection(Finding.BAD_TEXT, f"control character {control.group()!r}")
-    special = _SPECIAL_TOKEN.search(text)
-    if special:
-        return Detection(Finding.BAD_TEXT, f"special token {special.group()!r} in output")
+    for control in _CONTROL.finditer(text):
+        if control.group() not in prompt:
+            return Detection(Finding.BAD_TEXT, f"control character {control.group()!r}")
+    for special in _SPECIAL_TOKEN.finditer(text):
+        if special.group() not in prompt:
+            return Detection(Finding.BAD_TEXT, f"special token {special.group()!r} in output")
     return None

@@ -1,23 +1,34 @@
-"""Per-pair integrity bookkeeping: scoring, quarantine, re-probing with backoff, re-admission (pure).
+"""Per-pair integrity bookkeeping: scoring, quarantine, probation under load, release (pure).
 
 A *pair* is (prefill worker, decode worker). Garbling is a property of a pair's data path (the decode's KV
-pages, the transfer between the two), so the unit of quarantine is the pair; a worker is quarantined when every
-pair it is part of is. Time is passed in (``now``), never read, so every rule is table-testable.
+pages, the transfer between the two), so the unit of quarantine is the pair; a worker is out when every pair it
+is part of is. Time is passed in (``now``), never read, so every rule is table-testable.
 
-Rules:
-- ``threshold`` integrity failures (detector hits, failed canaries) within ``window_s`` quarantine a pair.
-- A quarantined pair is re-probed (known-answer canary) after ``probe_initial_s``, doubling up to
-  ``probe_max_s`` after each failed probe; ``clean_probes_to_release`` consecutive clean probes release it.
-- A worker whose integrity failures span ``worker_spread`` or more distinct pairs within ``window_s`` (the same
-  decode garbling with two different prefills, say) is the common factor: every pair it is part of is
-  quarantined at once, without waiting for each pair to reach ``threshold`` on its own.
-- A released pair is on probation for ``probation_s``: one failure sends it back, and each repeated quarantine
-  starts from a doubled probe interval. Garbling that only shows under load (the offload races) can pass a quiet
-  probe; probation keeps such a pair from flapping back into traffic at full rate.
+Life of a pair: SERVING -> QUARANTINED -> PROBATION -> SERVING (released), or PROBATION -> QUARANTINED again.
+
+- ``threshold`` integrity failures within ``window_s`` quarantine a pair. Failures are *corroborated* evidence
+  (canary or shadow mismatches, detector findings confirmed by them or by independent clients; see
+  ``evidence``); a detector finding of one client alone never gets here.
+- A worker whose failures span ``worker_spread`` or more distinct pairs within ``window_s`` (the same decode
+  garbling with two different prefills, say) is the common factor: every pair it is part of is quarantined.
+- Failures backed by detector evidence alone may not quarantine more than ``max_detector_share`` of the pairs
+  (at least one pair); past that share they need a canary or shadow confirmation (compare Envoy outlier
+  detection's ``max_ejection_percent``).
+- After ``probe_initial_s`` * 2^(quarantines so far - 1) (capped at ``probe_max_s``) a quarantined pair enters
+  *probation*: it still serves no client, but live requests are mirrored to it at the pool's live concurrency
+  (or canary bursts at that concurrency run through it) and its answers are compared with the trusted ones.
+  ``comparisons_to_release`` clean comparisons in a row release it; one mismatch sends it back to quarantine,
+  and the next probation starts after twice the wait (exponential backoff). Garbling that only shows under
+  load (the offload races) cannot pass a quiet probe this way.
+- A released pair is watched for ``watch_s``: one failure sends it straight back.
+- A worker all of whose pairs were quarantined ``report_after`` times on confirmed evidence (re-quarantines after
+  a failed probation included; text findings alone never count) keeps failing across cycles: it is reported as a
+  repeat offender (the operator recreates its group).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -31,15 +42,19 @@ class QuarantinePolicy:
     window_s: float = 60.0
     probe_initial_s: float = 5.0
     probe_max_s: float = 300.0
-    clean_probes_to_release: int = 2
-    probation_s: float = 300.0
+    comparisons_to_release: int = 100
+    watch_s: float = 300.0
     worker_spread: int = 2
+    max_detector_share: float = 0.5
+    report_after: int = 3
 
     def __post_init__(self) -> None:
-        if self.threshold < 1 or self.clean_probes_to_release < 1 or self.worker_spread < 2:
-            raise ValueError("threshold and clean_probes_to_release must be >= 1, worker_spread >= 2")
+        if self.threshold < 1 or self.comparisons_to_release < 1 or self.worker_spread < 2 or self.report_after < 1:
+            raise ValueError("threshold, comparisons_to_release and report_after must be >= 1, worker_spread >= 2")
         if not 0 < self.probe_initial_s <= self.probe_max_s:
             raise ValueError("need 0 < probe_initial_s <= probe_max_s")
+        if not 0 < self.max_detector_share <= 1:
+            raise ValueError("need 0 < max_detector_share <= 1")
 
 
 class Transition(StrEnum):
@@ -50,15 +65,18 @@ class Transition(StrEnum):
 @dataclass
 class PairRecord:
     failures: deque[float] = field(default_factory=deque)
-    quarantined_at: float | None = None
+    quarantined_at: float | None = None  # set while quarantined or on probation
+    probation_since: float | None = None
     reason: str = ""
     next_probe_at: float = 0.0
-    probe_interval: float = 0.0
-    clean_probes: int = 0
+    clean_comparisons: int = 0
+    last_comparison_at: float = 0.0
     total_failures: int = 0
     total_quarantines: int = 0
+    confirmed_quarantines: int = 0  # caused by a canary, shadow or probation mismatch (not text findings alone)
     released_at: float | None = None
     last_failure_at: float | None = None
+    last_confirmed_at: float | None = None  # last failure backed by a canary or shadow comparison
 
 
 @dataclass(frozen=True)
@@ -68,7 +86,15 @@ class QuarantineView:
     since: float
     reason: str
     next_probe_at: float
-    clean_probes: int
+    probation: bool
+    clean_comparisons: int
+    quarantines: int
+
+
+@dataclass(frozen=True)
+class FailureOutcome:
+    newly: tuple[Pair, ...] = ()  # pairs quarantined by this failure (the pair itself, or a worker's pairs)
+    held_by_share_cap: bool = False  # detector-only evidence would have exceeded the share: confirm first
 
 
 class IntegrityBook:
@@ -80,86 +106,158 @@ class IntegrityBook:
         return self._pairs.setdefault(pair, PairRecord())
 
     def is_quarantined(self, pair: Pair) -> bool:
+        """Out of client traffic: quarantined or on probation."""
         record = self._pairs.get(pair)
         return record is not None and record.quarantined_at is not None
 
-    def record_failure(self, pair: Pair, reason: str, now: float) -> Transition | None:
-        """An integrity failure seen on live traffic or a canary. Returns QUARANTINED when it tips the pair."""
+    def in_probation(self, pair: Pair) -> bool:
+        record = self._pairs.get(pair)
+        return record is not None and record.probation_since is not None
+
+    def probation_pairs(self) -> list[Pair]:
+        return sorted(p for p, rec in self._pairs.items() if rec.probation_since is not None)
+
+    def record_failure(
+        self, pair: Pair, reason: str, now: float, known_pairs: list[Pair], *, detector_only: bool = False
+    ) -> FailureOutcome:
+        """A corroborated integrity failure on ``pair``. ``detector_only``: backed by detector findings alone
+        (several independent clients), so the quarantine may not exceed ``max_detector_share`` of the pairs."""
         record = self._record(pair)
         record.total_failures += 1
         record.last_failure_at = now
+        if not detector_only:
+            record.last_confirmed_at = now
+        if record.probation_since is not None:
+            self._quarantine(record, f"failed on probation: {reason}", now, confirmed=not detector_only)
+            return FailureOutcome((pair,))
         if record.quarantined_at is not None:
-            return None
+            return FailureOutcome()
         record.failures.append(now)
         while record.failures and record.failures[0] < now - self.policy.window_s:
             record.failures.popleft()
-        on_probation = record.released_at is not None and now - record.released_at < self.policy.probation_s
-        if len(record.failures) < self.policy.threshold and not on_probation:
-            return None
-        self._quarantine(record, reason, now)
-        return Transition.QUARANTINED
+        watched = record.released_at is not None and now - record.released_at < self.policy.watch_s
+        tipped = [pair] if len(record.failures) >= self.policy.threshold or watched else []
+        spread, why = self._spread(pair, known_pairs, reason, now)
+        newly = list(dict.fromkeys([*tipped, *spread]))
+        if not newly:
+            return FailureOutcome()
+        if detector_only and not self._within_share(newly, known_pairs):
+            return FailureOutcome(held_by_share_cap=True)
+        for p in newly:
+            self._quarantine(self._record(p), reason if p in tipped else why, now, confirmed=not detector_only)
+        return FailureOutcome(tuple(newly))
 
-    def spread_to_workers(self, pair: Pair, known_pairs: list[Pair], reason: str, now: float) -> list[Pair]:
-        """After a failure on ``pair``: quarantine every known pair of a worker of ``pair`` whose recent failures
-        span ``worker_spread`` distinct pairs. Returns the pairs newly quarantined."""
-        newly: list[Pair] = []
+    def _spread(self, pair: Pair, known_pairs: list[Pair], reason: str, now: float) -> tuple[list[Pair], str]:
+        """The pairs of a worker of ``pair`` whose recent failures span ``worker_spread`` distinct pairs."""
         for worker in pair:
             failing = [
                 p
                 for p, rec in self._pairs.items()
                 if worker in p and rec.last_failure_at is not None and rec.last_failure_at >= now - self.policy.window_s
             ]
-            if len(failing) < self.policy.worker_spread:
-                continue
-            why = f"{worker} failed with {len(failing)} partners; last: {reason}"
-            for p in known_pairs:
-                if worker in p and not self.is_quarantined(p):
-                    self._quarantine(self._record(p), why, now)
-                    newly.append(p)
-        return newly
+            if len(failing) >= self.policy.worker_spread:
+                spread = [p for p in known_pairs if worker in p and not self.is_quarantined(p)]
+                return spread, f"{worker} failed with {len(failing)} partners; last: {reason}"
+        return [], ""
 
-    def _quarantine(self, record: PairRecord, reason: str, now: float) -> None:
+    def worker_confirmed_failing(self, worker: str, now: float) -> bool:
+        """Whether a pair of ``worker`` failed a canary or shadow comparison within ``window_s``."""
+        return any(
+            worker in p and rec.last_confirmed_at is not None and rec.last_confirmed_at >= now - self.policy.window_s
+            for p, rec in self._pairs.items()
+        )
+
+    def _within_share(self, newly: list[Pair], known_pairs: list[Pair]) -> bool:
+        """Whether quarantining ``newly`` keeps the quarantined share within ``max_detector_share``."""
+        known = set(known_pairs) | set(newly)
+        out = {p for p in known if self.is_quarantined(p)} | set(newly)
+        allowed = max(1, math.floor(self.policy.max_detector_share * len(known) + 1e-9))
+        return len(out) <= allowed
+
+    def quarantined_share(self, known_pairs: list[Pair]) -> float:
+        if not known_pairs:
+            return 0.0
+        return sum(self.is_quarantined(p) for p in known_pairs) / len(known_pairs)
+
+    def _quarantine(self, record: PairRecord, reason: str, now: float, *, confirmed: bool) -> None:
+        wait = min(self.policy.probe_initial_s * 2**record.total_quarantines, self.policy.probe_max_s)
         record.quarantined_at = now
+        record.probation_since = None
         record.reason = reason
-        record.probe_interval = min(self.policy.probe_initial_s * 2**record.total_quarantines, self.policy.probe_max_s)
-        record.next_probe_at = now + record.probe_interval
-        record.clean_probes = 0
+        record.next_probe_at = now + wait
+        record.clean_comparisons = 0
         record.total_quarantines += 1
+        record.confirmed_quarantines += confirmed
         record.failures.clear()
 
-    def probes_due(self, now: float) -> list[Pair]:
-        return [
-            pair for pair, rec in self._pairs.items() if rec.quarantined_at is not None and rec.next_probe_at <= now
-        ]
+    def start_probations(self, now: float) -> list[Pair]:
+        """Move quarantined pairs whose wait is over into probation. Returns them."""
+        started = []
+        for pair, rec in sorted(self._pairs.items()):
+            if rec.quarantined_at is not None and rec.probation_since is None and rec.next_probe_at <= now:
+                rec.probation_since = now
+                rec.last_comparison_at = now
+                rec.clean_comparisons = 0
+                started.append(pair)
+        return started
 
-    def record_probe(self, pair: Pair, clean: bool, now: float, reason: str = "") -> Transition | None:
-        """Result of a re-probe of a quarantined pair. Returns RELEASED when the pair is admitted again."""
+    def record_comparison(self, pair: Pair, clean: bool, now: float, reason: str = "") -> Transition | None:
+        """A pair on probation answered a mirrored request or a canary: the same as the trusted answer, or not.
+        Returns RELEASED after enough clean comparisons, QUARANTINED on a mismatch."""
         record = self._pairs.get(pair)
-        if record is None or record.quarantined_at is None:
+        if record is None or record.probation_since is None:
             return None
+        record.last_comparison_at = now
         if not clean:
-            record.clean_probes = 0
-            record.probe_interval = min(record.probe_interval * 2, self.policy.probe_max_s)
-            record.next_probe_at = now + record.probe_interval
-            record.reason = reason or record.reason
+            record.total_failures += 1
+            record.last_failure_at = record.last_confirmed_at = now
+            self._quarantine(record, f"failed on probation: {reason}", now, confirmed=True)
+            return Transition.QUARANTINED
+        record.clean_comparisons += 1
+        if record.clean_comparisons < self.policy.comparisons_to_release:
             return None
-        record.clean_probes += 1
-        if record.clean_probes < self.policy.clean_probes_to_release:
-            record.next_probe_at = now  # confirm right away: a released pair should not wait a full interval
-            return None
-        record.quarantined_at = None
+        record.quarantined_at = record.probation_since = None
         record.released_at = now
         record.reason = ""
-        record.clean_probes = 0
+        record.clean_comparisons = 0
         return Transition.RELEASED
 
+    def record_inconclusive(self, pair: Pair, now: float) -> None:
+        """A pair on probation answered differently, but no third pair could say who was right: the pair is not
+        proven clean (its streak restarts), nor proven bad."""
+        record = self._pairs.get(pair)
+        if record is not None and record.probation_since is not None:
+            record.clean_comparisons = 0
+            record.last_comparison_at = now
+
+    def idle_probations(self, now: float, idle_s: float) -> list[Pair]:
+        """Pairs on probation without a comparison for ``idle_s`` (no mirrorable traffic): due for a canary
+        burst. Taking them resets their idle clock, so each is handed out once per ``idle_s``."""
+        due = [
+            p
+            for p, rec in self._pairs.items()
+            if rec.probation_since is not None and rec.last_comparison_at <= now - idle_s
+        ]
+        for pair in due:
+            self._pairs[pair].last_comparison_at = now
+        return sorted(due)
+
     def forget(self, pair: Pair) -> None:
-        """Drop a pair whose worker left the pool (a recreated worker starts clean)."""
+        """Drop a pair whose worker left the pool or was recreated (a new incarnation starts clean)."""
         self._pairs.pop(pair, None)
 
     def quarantined(self) -> list[QuarantineView]:
         return [
-            QuarantineView(p, d, rec.quarantined_at, rec.reason, rec.next_probe_at, rec.clean_probes)
+            QuarantineView(
+                p,
+                d,
+                rec.quarantined_at,
+                rec.reason,
+                rec.next_probe_at,
+                rec.probation_since is not None,
+                rec.clean_comparisons,
+                rec.total_quarantines,
+            )
             for (p, d), rec in sorted(self._pairs.items())
             if rec.quarantined_at is not None
         ]
@@ -172,6 +270,25 @@ class IntegrityBook:
             for worker in pair:
                 bad[worker] = bad.get(worker, True) and q
         return {worker for worker, all_bad in bad.items() if all_bad}
+
+    def repeat_offenders(self, pairs: list[Pair]) -> dict[str, tuple[int, str]]:
+        """Workers all of whose pairs were quarantined ``report_after``+ times on confirmed evidence (canary,
+        shadow or probation mismatches: text findings alone, which clients can provoke, do not count):
+        worker -> (quarantines, last reason)."""
+        out: dict[str, tuple[int, str]] = {}
+        for pair in pairs:
+            rec = self._pairs.get(pair)
+            if rec is None or rec.confirmed_quarantines < self.policy.report_after:
+                continue
+            for worker in pair:
+                if all(self._quarantines(p) >= self.policy.report_after for p in pairs if worker in p):
+                    count = max(out.get(worker, (0, ""))[0], rec.confirmed_quarantines)
+                    out[worker] = (count, rec.reason or out.get(worker, (0, ""))[1])
+        return out
+
+    def _quarantines(self, pair: Pair) -> int:
+        rec = self._pairs.get(pair)
+        return 0 if rec is None else rec.confirmed_quarantines
 
     def totals(self, pair: Pair) -> tuple[int, int]:
         """(integrity failures, quarantines) ever recorded for the pair."""

@@ -1,0 +1,34 @@
+"""How many ports of ``[MC_MIN_RPC_PORT, MC_MAX_RPC_PORT]`` a worker pod needs. Pure; the API rules and the pod
+manifests both build on it (and so can a window that moves by epoch).
+
+SGLang 0.5.23 runs one scheduler process per GPU rank, each with its own Mooncake transfer engine in P2PHANDSHAKE
+mode (``MooncakeKVManager.init_engine`` -> ``init_mooncake_transfer_engine`` in
+``sglang/srt/distributed/device_communicators/mooncake_transfer_engine.py``); a pod runs ``tpSize / nodesPerGroup``
+ranks. Measured with mooncake-transfer-engine 0.3.13 (``tests/operator/test_mooncake_ports.py``,
+``tests/test_sim_ranks.py``): every engine takes its RPC port (the session id ``ip:port``) from the range, and the
+TCP transport also its data port; RDMA needs no data port. Mooncake refuses a range below 1024 or touching the
+kernel's ephemeral ports (Linux's default ``ip_local_port_range`` 32768-60999): it logs "Invalid port range" and
+silently uses [15000, 17000].
+"""
+
+from __future__ import annotations
+
+MOONCAKE_MIN_PORT = 1024
+EPHEMERAL_PORTS = (32768, 60999)  # Linux's default net.ipv4.ip_local_port_range
+VALID_RANGES = "1024-32767 or 61000-65535"
+MAX_PORTS_PER_POD = 32  # 16 GPUs per node (gpusPerNode's maximum) x 2 ports with tcp
+
+
+def ports_per_rank(protocol: str) -> int:
+    """RPC port only (rdma), RPC + TCP data port (tcp)."""
+    return 2 if protocol == "tcp" else 1
+
+
+def ports_needed(ranks_per_pod: int, protocol: str) -> int:
+    """Ports every rank of one pod needs: the pod's ``MC_MAX_RPC_PORT - MC_MIN_RPC_PORT + 1``."""
+    return ranks_per_pod * ports_per_rank(protocol)
+
+
+def ports_needed_cel(gpus_per_node: str, protocol: str) -> str:
+    """``ports_needed`` as a CEL expression over the given CEL field paths."""
+    return f"({gpus_per_node} * ({protocol} == 'tcp' ? 2 : 1))"

@@ -1,0 +1,92 @@
+"""OpenAI request bodies as OpenAI's server reads them, made canonical for SGLang. Pure.
+
+OpenAI's server treats ``null`` as "not given" for every optional parameter, and accepts a whole-number float
+where an integer is expected (``"n": 2.0``). SGLang 0.5.23's pydantic request models accept the floats (lax
+``int``) but refuse ``null`` for fields with a non-null default (``n: int = 1``, ``stream: bool = False``,
+``max_tokens: int = 16`` in ``sglang/srt/entrypoints/openai/protocol.py``). So the router forwards a canonical
+body: top-level nulls dropped, whole floats in integer fields made integers; everything else exactly as sent.
+What neither SGLang nor Tandem can honour is refused here with a 400 that names the parameter.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tandem_router.schema import Route
+
+_INT64 = 2**63  # a JSON integer beyond 64 bits reaches the router as a float (orjson): it is refused, not rounded
+INTEGER_FIELDS: dict[Route, tuple[str, ...]] = {
+    Route.CHAT: ("n", "max_tokens", "max_completion_tokens", "seed", "top_logprobs"),
+    Route.COMPLETIONS: ("n", "max_tokens", "seed", "logprobs", "best_of"),
+}
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A valid OpenAI request Tandem does not serve: a 400 naming ``param``."""
+
+    param: str
+    message: str
+
+
+def canonical(route: Route, body: dict[str, Any]) -> dict[str, Any]:
+    """The body to validate and forward: ``null`` means absent, whole floats in integer fields are integers."""
+    if route is Route.GENERATE:
+        return body
+    out = {key: value for key, value in body.items() if value is not None}
+    for name in INTEGER_FIELDS[route]:
+        value = out.get(name)
+        if isinstance(value, float) and value.is_integer() and -_INT64 <= value < _INT64:
+            out[name] = int(value)
+    return out
+
+
+def refusal(route: Route, body: dict[str, Any]) -> Refusal | None:
+    """Why Tandem refuses this (canonical, otherwise valid) request, naming the parameter; None to serve it."""
+    for name in INTEGER_FIELDS.get(route, ()):
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            return Refusal(name, f"{name} must be an integer of at most 64 bits, got {value!r}")
+    if route is Route.COMPLETIONS:
+        prompt = body.get("prompt")
+        if not prompt or (isinstance(prompt, list) and all(not p for p in prompt)):
+            return Refusal("prompt", "Prompt cannot be empty")  # SGLang's ``_validate_request`` says the same
+        if isinstance(prompt, list) and isinstance(prompt[0], str | list):
+            empty = next((i for i, p in enumerate(prompt) if not p), None)
+            if empty is not None:
+                return Refusal("prompt", f"prompt[{empty}] is empty: every prompt of a batch needs a token")
+        if _negative_token_id(prompt):
+            # No tokenizer has one, and SGLang 0.5.23 does not range-check prompt ids (``_validate_one_request``).
+            return Refusal("prompt", "token ids must be >= 0")
+        best_of, n = body.get("best_of"), body.get("n", 1)
+        if isinstance(best_of, int) and isinstance(n, int) and best_of > n:
+            return Refusal("best_of", "best_of > n is not supported (SGLang generates exactly n choices); use n")
+    if route is Route.CHAT:
+        modalities = body.get("modalities")
+        if body.get("audio") is not None or (isinstance(modalities, list) and "audio" in modalities):
+            return Refusal("audio" if body.get("audio") is not None else "modalities", "audio output is not supported")
+    return None
+
+
+def _negative_token_id(prompt: Any) -> bool:
+    lists = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else [prompt]
+    return any(isinstance(ids, list) and ids and isinstance(ids[0], int) and min(ids) < 0 for ids in lists)
+
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none)$|[\[(]")  # pydantic's union-member location parts
+
+
+def param_path(loc: Sequence[int | str]) -> str | None:
+    """A pydantic error location as OpenAI names a parameter (``messages[0].role``), union tags left out."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif _TYPE_TAG.search(part):
+            break
+        else:
+            path += f".{part}" if path else part
+    return path or None

@@ -1,0 +1,47 @@
+"""Under ``CI=true`` an unexpected skip fails the run: a skip is allowed only when its reason starts with
+``UNRUNNABLE`` and says why the test cannot run anywhere here (no test of this suite does today).
+
+Everything a test needs is installed by ``make test`` (Debian packages, .venv, the peers, the control plane), so
+a skip on CI means a missing install step or a guard that hides a failure. Outside CI a skip stays a skip.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Generator
+
+import pytest
+
+UNRUNNABLE = "cannot run anywhere here:"
+
+
+def _reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    longrepr = report.longrepr
+    return str(longrepr[2]) if isinstance(longrepr, tuple) else str(longrepr)
+
+
+def _fail_unexpected_skip(report: pytest.TestReport | pytest.CollectReport) -> None:
+    if os.environ.get("CI") != "true" or not report.skipped or hasattr(report, "wasxfail"):
+        return
+    reason = _reason(report)
+    if not reason.removeprefix("Skipped: ").startswith(UNRUNNABLE):
+        report.outcome = "failed"
+        report.longrepr = f"unexpected skip under CI=true (only '{UNRUNNABLE} <why>' may skip): {reason}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    _fail_unexpected_skip(report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(
+    collector: pytest.Collector,
+) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+    report = yield
+    _fail_unexpected_skip(report)
+    return report

@@ -1,0 +1,53 @@
+"""The router's own Prometheus metrics, scraped by tests that must see what the router saw (streams in flight
+on a worker, retries by reason, failed attempts per worker), parsed with prometheus_client's own parser."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+
+@dataclass
+class RouterMetrics:
+    in_flight: dict[str, float] = field(default_factory=dict)  # worker url -> requests in flight (all it knows)
+    retries: Counter[str] = field(default_factory=Counter)  # reason -> retries on another pair
+    failures: Counter[str] = field(default_factory=Counter)  # worker url -> failed attempts that involved it
+    requests: float = 0  # requests in flight (each holds one prefill)
+    first_bytes: float = 0  # responses whose first byte was relayed ...
+    ended: float = 0  # ... and those of them that ended since: the difference is streams in flight
+    stream_errors: float = 0  # streams ended by an error event after their first byte
+
+    @property
+    def streaming(self) -> float:
+        return self.first_bytes - self.ended
+
+    @property
+    def before_first_byte(self) -> float:
+        return self.requests - self.streaming
+
+
+async def scrape(router_url: str) -> RouterMetrics:
+    async with aiohttp.ClientSession() as http, http.get(f"{router_url}/metrics") as resp:
+        text = await resp.text()
+    out = RouterMetrics()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "tandem_router_worker_in_flight":
+                out.in_flight[sample.labels["worker"]] = sample.value
+                if sample.labels["role"] == "prefill":
+                    out.requests += sample.value
+            elif sample.name == "tandem_router_retries_total":
+                out.retries[sample.labels["reason"]] += int(sample.value)
+            elif sample.name == "tandem_router_pair_failures_total":
+                for role in ("prefill", "decode"):
+                    out.failures[sample.labels[role]] += int(sample.value)
+            elif sample.name == "tandem_router_ttft_seconds_count":
+                out.first_bytes += sample.value
+            elif sample.name == "tandem_router_e2e_seconds_count":
+                out.ended += sample.value
+            elif sample.name == "tandem_router_stream_errors_total":
+                out.stream_errors += sample.value
+    return out
