@@ -58,6 +58,7 @@ class PdEnv:
     probe_max_interval_s: float = 300.0
     failed_session_idle_timeout_s: float = 600.0
     test_failure_prob: float = 0.0
+    health_check_timeout_s: float = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT (sglang/srt/entrypoints/http_server.py)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> PdEnv:
@@ -77,6 +78,7 @@ class PdEnv:
             probe_max_interval_s=num("SGLANG_FAILED_SESSION_PROBE_MAX_INTERVAL_S", 300.0),
             failed_session_idle_timeout_s=num("SGLANG_FAILED_SESSION_IDLE_TIMEOUT_S", 600.0),
             test_failure_prob=num("SGLANG_TEST_DISAGG_FAILURE_PROB", 0.0),
+            health_check_timeout_s=num("SGLANG_HEALTH_CHECK_TIMEOUT", 20.0),
         )
 
 
@@ -136,6 +138,7 @@ class SimConfig:
     seed: int
     inject_offload_race: bool
     transfer_failure_prob: float
+    slow_health_s: float  # /health answers this much later while requests run (a health check queued under load)
     pd: PdEnv
     server_args: Mapping[str, Any]  # every SGLang flag's resolved value, shown in /server_info
 
@@ -170,6 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="probability that a KV send fails (default: SGLANG_TEST_DISAGG_FAILURE_PROB or 0)",
+    )
+    sim.add_argument(
+        "--sim-slow-health-s",
+        type=float,
+        default=0.0,
+        help="while requests run, /health answers this much later (a scheduler stalled under load; SGLang's "
+        "/health waits up to SGLANG_HEALTH_CHECK_TIMEOUT for any scheduler output, then answers 503)",
     )
     sim.add_argument("--sim-host-pool-tokens", type=int, default=None, help="host KV pool size (default 4x device)")
     sim.add_argument(
@@ -279,6 +289,7 @@ def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> SimConfig:
         seed=int(ns.sim_seed),
         inject_offload_race=bool(ns.sim_inject_offload_race),
         transfer_failure_prob=float(failure_prob),
+        slow_health_s=max(0.0, float(ns.sim_slow_health_s)),
         pd=pd_env,
         server_args=server_args,
     )

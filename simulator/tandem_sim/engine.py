@@ -83,6 +83,11 @@ class Engine:
         self.poisoned_pages = 0
         self._token_seconds: deque[list[int]] = deque(maxlen=11)
 
+    @property
+    def running(self) -> int:
+        """Requests holding device KV (SGLang's ``num_running_reqs``)."""
+        return self._running
+
     # -- admission -------------------------------------------------------------------------------------------
     async def admit(self, req: RunningRequest) -> None:
         """Reserve pages for the prompt and every token it may generate; waits while the pool is full."""
