@@ -40,6 +40,11 @@ class RadixCache:
         self.cached_tokens = 0  # tokens held by the tree
         self._clock = itertools.count(1)  # logical time: deterministic LRU order
 
+    def reset(self) -> None:
+        """``/flush_cache`` (``RadixCache.reset``)."""
+        self.root = _Node((), None)
+        self.cached_tokens = 0
+
     def _pages(self, ids: list[int], words: list[str], limit: int) -> list[Key]:
         ps, n = self.page_size, limit - limit % self.page_size
         pairs = list(zip(ids[:n], words[:n], strict=True))

@@ -306,6 +306,11 @@ class Worker:
         finally:
             await self.engine.release(req)
 
+    def flush_cache(self) -> None:
+        for engine in self.engines.values():
+            if engine.radix is not None:
+                engine.radix.reset()
+
     def gen_throughput(self) -> float:
         return sum(engine.gen_throughput() for engine in self.engines.values())
 
