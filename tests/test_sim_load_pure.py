@@ -25,13 +25,16 @@ def _profile(base: float = 1.0, per_seq: float = 0.0, per_token: float = 0.0) ->
 async def test_concurrent_sequences_share_decode_steps() -> None:
     stepper = Stepper(_profile(base=5.0), 16384, 8192)
 
-    async def sequence() -> None:
-        for step in range(5):
+    async def sequence(tokens: int) -> None:
+        stepper.join()
+        for step in range(tokens):
             await stepper.decode_step(100 + step)
+            await asyncio.sleep(0)  # a streaming client write between tokens
+        stepper.leave()
 
-    await asyncio.gather(*(sequence() for _ in range(8)))
-    assert stepper.stats.max_decode_batch == 8
-    assert stepper.stats.decode_steps <= 10  # 8 sequences x 5 tokens in about 5 shared steps, not 40
+    await asyncio.gather(*(sequence(5) for _ in range(8)), sequence(20))
+    assert stepper.stats.max_decode_batch == 9
+    assert stepper.stats.decode_steps <= 22  # 8 x 5 + 20 tokens in about 20 shared steps, not 60
     await stepper.close()
 
 

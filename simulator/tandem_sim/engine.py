@@ -173,6 +173,13 @@ class Engine:
         ``on_token(token, word)`` is awaited after each token; returning False stops generation (a stop string
         matched).
         """
+        self.stepper.join()
+        try:
+            return await self._decode_loop(req, on_token)
+        finally:
+            self.stepper.leave()
+
+    async def _decode_loop(self, req: RunningRequest, on_token: Callable[[int, str], Awaitable[bool]] | None) -> str:
         decoder = model.Decoder(self.weights, req.prompt_len, req.params, self._read_rows(req))
         last = time.monotonic()
         for step in range(req.params.max_new_tokens):

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 from tandem_sim.profiles import SimProfile
 
+GATHER_TURNS = 64  # event-loop turns a step waits for running sequences to ask for their next token
+
 
 @dataclass(eq=False)
 class _Prefill:
@@ -58,6 +60,7 @@ class Stepper:
         self._prefills: deque[_Prefill] = deque()
         self._decoders: list[tuple[int, asyncio.Future[None]]] = []
         self._loop_task: asyncio.Task[None] | None = None
+        self._members = 0  # sequences in their decode phase (the running batch)
         self.stats = StepStats()
 
     @property
@@ -89,12 +92,33 @@ class Stepper:
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
+    def join(self) -> None:
+        """A sequence enters the running batch (its decode phase starts)."""
+        self._members += 1
+
+    def leave(self) -> None:
+        self._members -= 1
+
     async def _run(self) -> None:
-        while self._prefills or self._decoders:
+        while True:
             if self._prefills:
                 await self._prefill_batch()
-            else:
-                await self._decode_batch()
+                continue
+            await self._gather_running_batch()
+            if self._prefills:
+                continue
+            if not self._decoders:
+                return
+            await self._decode_batch()
+
+    async def _gather_running_batch(self) -> None:
+        """Every running sequence takes part in each step: give the sequences that just got their token a few
+        loop turns to ask for the next one (a sequence stuck on a slow client is left for the next step, as
+        SGLang's scheduler never waits for clients)."""
+        for _ in range(GATHER_TURNS):
+            if len(self._decoders) >= self._members or self._prefills:
+                return
+            await asyncio.sleep(0)
 
     def _form_prefill_batch(self) -> tuple[int, list[_Prefill]]:
         """Take prompts in order up to the budgets; the first prompt that does not fit the chunk is chunked."""
