@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from tandem_sim import model
-from tandem_sim.testing import SimWorker, start_worker
+from tandem_sim.testing import SimWorker, pd_fields, start_decode, start_prefill, start_worker
 from tests.simhelpers import REAL_WORDS, bounded, metric_sum, prompts
 
 pytestmark = pytest.mark.procs
@@ -115,3 +115,24 @@ async def test_requests_queue_behind_max_running_requests(loaded: SimWorker) -> 
         await jobs
     assert seen_running <= 4
     assert seen_queued > 0
+
+
+@pytest.mark.netns
+async def test_pd_prefill_reports_cache_hits_and_decode_text_is_unchanged(tmp_path: Path, loaded: SimWorker) -> None:
+    """A PD pair: the prefill's radix cache serves the second request (``meta_info.cached_tokens`` on the prefill's
+    answer, as SGLang's prefill reports it); the decode's text is the aggregated worker's, hit or not."""
+    prefill = start_prefill("pd-prefill", tmp_path, ["--page-size", "4"])
+    decode = start_decode("pd-decode", tmp_path, ["--page-size", "4"])
+    body = _greedy(30, seed=11)
+    n = len(model.tokenize(body["text"]).ids)
+    try:
+        async with aiohttp.ClientSession() as sess:
+            reference = (await _generate(sess, loaded.url, body))["text"]
+            for room, cached in ((1, 0), (2, (n - 1) // 4 * 4)):
+                full = dict(body, **pd_fields(prefill, room))
+                p, d = await asyncio.gather(_generate(sess, prefill.url, full), _generate(sess, decode.url, full))
+                assert p["meta_info"]["cached_tokens"] == cached
+                assert d["text"] == reference
+    finally:
+        prefill.proc.stop()
+        decode.proc.stop()

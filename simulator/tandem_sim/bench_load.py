@@ -72,7 +72,7 @@ async def _stream(
 
 async def _level(prefill: SimWorker | None, server: SimWorker, concurrency: int, requests: int, seed: int) -> Level:
     rng = random.Random(seed)
-    bodies = [
+    bodies: list[dict[str, object]] = [
         {"text": _words(rng), "sampling_params": {"max_new_tokens": OUTPUT_TOKENS, "ignore_eos": True}}
         for _ in range(requests)
     ]

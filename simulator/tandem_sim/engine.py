@@ -87,7 +87,8 @@ class Engine:
         # One scheduler per attention-DP group: its batch loop and (prefill/aggregated) its radix prefix cache.
         self.stepper = Stepper(cfg.profile, cfg.max_prefill_tokens, cfg.chunked_prefill_size)
         self.radix = RadixCache(cfg.page_size) if cfg.radix_cache and cfg.mode != "decode" else None
-        self._prefilling = 0
+        self._prefilling = 0  # prompts waiting for or in prefill batches (SGLang's waiting queue)
+        self._admitted_prefilling = 0  # of those, the ones holding pool pages (counted in _running)
 
     # -- admission -------------------------------------------------------------------------------------------
     async def admit(self, req: RunningRequest) -> None:
@@ -133,15 +134,18 @@ class Engine:
         self._gauges()
 
     # -- prefill -----------------------------------------------------------------------------------------------
-    async def prefill(self, prompt: model.Tokens) -> int:
-        """Run the prompt through prefill batches; returns its cached tokens (skipped compute)."""
+    async def prefill(self, prompt: model.Tokens, admitted: bool = True) -> int:
+        """Run the prompt through prefill batches; returns its cached tokens (skipped compute). ``admitted``: the
+        request holds pool pages (aggregated mode), so it counts as running once its prefill is done."""
         cached = self.radix.match_prefix(prompt.ids, prompt.words) if self.radix is not None else 0
         self._prefilling += 1
+        self._admitted_prefilling += admitted
         self._gauges()
         try:
             await self.stepper.prefill(len(prompt.ids) - cached)
         finally:
             self._prefilling -= 1
+            self._admitted_prefilling -= admitted
             self._gauges()
         if self.radix is not None:  # cache_unfinished_req: the prompt's pages go into the tree
             self.radix.insert(prompt.ids, prompt.words, self._cache_capacity())
@@ -290,7 +294,7 @@ class Engine:
         m, group = self.metrics, self.group
         used = sum(e.pool.used_tokens for e in group)
         # SGLang: running = the decoding batch; queue = waiting to be admitted or prefilled (its waiting_queue).
-        m.num_running_reqs.set(sum(e._running - e._prefilling for e in group))
+        m.num_running_reqs.set(sum(e._running - e._admitted_prefilling for e in group))
         m.num_queue_reqs.set(sum(e._queued + e._prefilling for e in group))
         m.kv_used_tokens.set(used)
         m.kv_available_tokens.set(sum(e.pool.free_pages * e.pool.page_size for e in group))

@@ -145,7 +145,7 @@ class Worker:
         room = inp.bootstrap.room
         dp_rank = room % self.cfg.attn_dp_size
         try:
-            out.cached_tokens = await self.engines[dp_rank].prefill(inp.prompt)
+            out.cached_tokens = await self.engines[dp_rank].prefill(inp.prompt, admitted=False)
             message = {"op": "prefill", "room": room, "ids": inp.prompt.ids, "words": inp.prompt.words}
             remote = [self._call(node, message, TransferFailedError) for node in self._remote_nodes[dp_rank]]
             await run_together([self._prefill_here(dp_rank, room, inp.prompt), *remote])
