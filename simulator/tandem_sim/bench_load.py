@@ -31,8 +31,8 @@ from tandem_sim.testing import SimWorker, pd_fields, start_decode, start_prefill
 
 LEVELS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 QUICK_LEVELS = (1, 4, 16)
-PROMPT_WORDS, OUTPUT_TOKENS = 256, 32
-KIMI_TIME_FACTOR = 2.0
+PROMPT_WORDS, SHARED_WORDS, OUTPUT_TOKENS = 256, 192, 32
+KIMI_TIME_FACTOR = 4.0
 
 
 @dataclass
@@ -44,10 +44,21 @@ class Level:
     itl: list[float] = field(default_factory=list)
 
 
-def _words(rng: random.Random) -> str:
-    return " ".join(
-        "".join(rng.choice("bcdfghklmnprstvz") + rng.choice("aeiou") for _ in range(3)) for _ in range(PROMPT_WORDS)
-    )
+def _word(rng: random.Random) -> str:
+    return "".join(rng.choice("bcdfghklmnprstvz") + rng.choice("aeiou") for _ in range(3))
+
+
+def _shared_prefix() -> str:
+    rng = random.Random(0)
+    return " ".join(_word(rng) for _ in range(SHARED_WORDS))
+
+
+SHARED_PREFIX = _shared_prefix()
+
+
+def _prompt(rng: random.Random) -> str:
+    """A shared system prompt (radix cache hits after the first request) and a distinct question."""
+    return SHARED_PREFIX + " " + " ".join(_word(rng) for _ in range(PROMPT_WORDS - SHARED_WORDS))
 
 
 async def _stream(
@@ -73,7 +84,7 @@ async def _stream(
 async def _level(prefill: SimWorker | None, server: SimWorker, concurrency: int, requests: int, seed: int) -> Level:
     rng = random.Random(seed)
     bodies: list[dict[str, object]] = [
-        {"text": _words(rng), "sampling_params": {"max_new_tokens": OUTPUT_TOKENS, "ignore_eos": True}}
+        {"text": _prompt(rng), "sampling_params": {"max_new_tokens": OUTPUT_TOKENS, "ignore_eos": True}}
         for _ in range(requests)
     ]
     level = Level(concurrency)
@@ -119,7 +130,8 @@ def _table(profile: str, levels: list[Level], factor: float, pd: bool) -> Table:
         rows.append(row)
     notes = [
         f"{'PD pair (1 prefill + 1 decode worker)' if pd else 'one aggregated worker'}, 1 DP group; closed loop of "
-        f"`concurrency` streaming clients; {PROMPT_WORDS}-token prompts (distinct, no prefix hits), "
+        f"`concurrency` streaming clients; {PROMPT_WORDS}-token prompts whose first {SHARED_WORDS} tokens are a "
+        "shared system prompt (radix cache hits after the first request), "
         f"{OUTPUT_TOKENS} output tokens; knee: first level at >= 90% of the best throughput",
     ]
     if kimi:
