@@ -30,6 +30,14 @@ HOST = "127.0.0.1"
 NAMESPACE = "local"
 CLUSTER = "tandem"
 MODEL = "tandem/sim-model"
+# What the operator sets on every pod by default (PDCluster spec.transfer: metadataRefreshSeconds,
+# failedSessionProbeSeconds, failedSessionProbeMaxSeconds; a test keeps them equal): a worker that comes back under
+# a Mooncake session id its peers still hold is reached again within seconds (operator/README.md).
+RECOVERY_ENV = {
+    "MC_TE_METADATA_REFRESH_INTERVAL_SECONDS": "2",
+    "SGLANG_FAILED_SESSION_PROBE_INTERVAL_S": "1",
+    "SGLANG_FAILED_SESSION_PROBE_MAX_INTERVAL_S": "4",
+}
 
 
 def start_etcd(workdir: Path, name: str = "etcd") -> tuple[ManagedProcess, str]:
@@ -169,7 +177,8 @@ class LocalStack:
                 group = f"{role.value}-{i}"
                 port = free_port()
                 argv = self.worker_argv(role, port, bootstrap)
-                proc = ManagedProcess(group, argv, self.workdir / f"{group}.log", env=self.worker_env)
+                env = {**RECOVERY_ENV, **self.worker_env}
+                proc = ManagedProcess(group, argv, self.workdir / f"{group}.log", env=env)
                 self.workers.append(Worker(role, group, port, bootstrap, proc))
         self.say(f"starting {self.prefills} prefill + {self.decodes} decode workers ...")
         for w in self.workers:

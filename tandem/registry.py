@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 ROOT = "/tandem/v1/clusters"
 
 Name = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=253)]
+SessionId = Annotated[str, StringConstraints(pattern=r"^[^\s:]+:\d+$", max_length=64)]
 
 
 class Role(StrEnum):
@@ -37,16 +38,27 @@ class Endpoint(BaseModel):
     bootstrap_port: int | None = Field(
         default=None, ge=1, le=65535, description="Prefill bootstrap port (prefill only)."
     )
-    mooncake_session: str | None = Field(
-        default=None,
-        pattern=r"^[^\s:]+:\d+$",
-        description="Mooncake transfer-engine session id 'ip:rpc_port'.",
+    mooncake_sessions: tuple[SessionId, ...] = Field(
+        default=(),
+        max_length=4096,
+        description="Every Mooncake session id 'ip:port' the group's transfer engines may take: each pod's IP with "
+        "each port of its window, rank by rank (exact with one port per engine). Peers key cached segment "
+        "descriptors and pooled connections by these names, so an incarnation must not reuse one of an earlier "
+        "incarnation's (the operator rotates the window by epoch); routers count a reuse.",
     )
     ib_devices: tuple[str, ...] = Field(default=(), description="RDMA devices the group transfers KV over.")
     attn_dp_size: int = Field(default=1, ge=1, description="Attention data-parallel size of the group.")
     model: str = Field(min_length=1, description="Served model name.")
     revision: str = Field(default="", description="Spec revision: routers pair only equal revisions.")
     epoch: int = Field(default=0, ge=0, description="Incremented each time the group is recreated.")
+
+
+def reused_sessions(earlier: Endpoint, later: Endpoint) -> frozenset[str]:
+    """Session ids of ``later``, a newer incarnation of ``earlier``'s group, that ``earlier`` had too: peers may
+    still hold the dead incarnation's descriptor and connections under them (empty when not a newer epoch)."""
+    if later.epoch <= earlier.epoch:
+        return frozenset()
+    return frozenset(earlier.mooncake_sessions) & frozenset(later.mooncake_sessions)
 
 
 def cluster_prefix(namespace: str, cluster: str) -> str:

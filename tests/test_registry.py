@@ -14,7 +14,7 @@ def test_endpoint_round_trip_and_key() -> None:
         group="prefill-0",
         url="http://127.0.0.5:30000",
         bootstrap_port=8998,
-        mooncake_session="127.0.0.5:15001",
+        mooncake_sessions=("127.0.0.5:15000", "127.0.0.5:15001"),
         model="kimi-k2.6",
         revision="abc",
         epoch=3,
@@ -26,7 +26,7 @@ def test_endpoint_round_trip_and_key() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("url", "not a url"), ("bootstrap_port", 70000), ("mooncake_session", "nohostport"), ("epoch", -1)],
+    [("url", "not a url"), ("bootstrap_port", 70000), ("mooncake_sessions", ["nohostport"]), ("epoch", -1)],
 )
 def test_endpoint_rejects_bad_fields(field: str, value: object) -> None:
     base: dict[str, object] = {
@@ -56,6 +56,20 @@ def test_integrity_report_round_trip_and_key() -> None:
     key = registry.integrity_key("ns", "c1", report.router)
     assert key == "/tandem/v1/clusters/ns/c1/integrity/host-a:123"
     assert not key.startswith(registry.cluster_prefix("ns", "c1"))  # endpoint watchers never see reports
+
+
+def incarnation(epoch: int, *sessions: str) -> Endpoint:
+    """One incarnation of the decode group ``decode-0`` with these Mooncake session ids."""
+    return Endpoint(
+        role=Role.DECODE, group="decode-0", url="http://10.0.0.1:1", model="m", epoch=epoch, mooncake_sessions=sessions
+    )
+
+
+def test_reused_sessions_are_those_a_newer_incarnation_shares_with_an_earlier_one() -> None:
+    old = incarnation(1, "10.0.0.1:15100", "10.0.0.1:15101")
+    assert registry.reused_sessions(old, incarnation(2, "10.0.0.1:15102", "10.0.0.1:15103")) == frozenset()
+    assert registry.reused_sessions(old, incarnation(2, "10.0.0.1:15101", "10.0.0.1:15102")) == {"10.0.0.1:15101"}
+    assert registry.reused_sessions(old, incarnation(1, "10.0.0.1:15100")) == frozenset()  # same incarnation
 
 
 def test_grpc_target_names_every_etcd_member() -> None:

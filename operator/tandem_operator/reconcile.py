@@ -258,7 +258,7 @@ async def _create_group(
     await rt.kube.apply(stamp_epoch(group_service(ctx, key.index), epoch))
     nodes = rt.spec.role(key.role).nodes_per_group
     missing = [rank for rank in range(nodes) if rank not in existing_ranks]
-    await _bounded([rt.kube.apply(stamp_epoch(group_pod(ctx, key.index, rank), epoch)) for rank in missing])
+    await _bounded([rt.kube.apply(stamp_epoch(group_pod(ctx, key.index, rank, epoch), epoch)) for rank in missing])
     if view is None:
         reason = Reason.GROUP_RECREATING if key in rt.fenced else Reason.SCALED_UP
         rt.emit(reason, f"group {key.name} epoch {epoch}: creating {len(missing)} pods", "Create")

@@ -1,10 +1,9 @@
 """Registry entries desired from observed pods, and the changes that bring etcd there. Pure.
 
 Every READY group (``status.group_views``) is advertised by one ``tandem.registry.Endpoint`` built from its rank-0
-pod: the SGLang URL ``http://<pod ip>:<http port>``, the prefill bootstrap port, the Mooncake session
-``<pod ip>:<rpc port>`` when the pod's env fixes one port (one rank over rdma; with more ranks, or tcp's two ports
-per rank, rank 0's port is not known in advance and it is left out), the RDMA
-devices, the pod's compatibility revision and its epoch (the group's incarnation). A group fenced at its current
+pod: the SGLang URL ``http://<pod ip>:<http port>``, the prefill bootstrap port, the Mooncake session ids every
+member pod may take (``<pod ip>:<port>`` for each port of its epoch's window), the RDMA devices, the pod's
+compatibility revision and its epoch (the group's incarnation). A group fenced at its current
 epoch is not advertised again until it is recreated with a higher epoch.
 """
 
@@ -20,22 +19,32 @@ from tandem_operator.fencing import GroupKey, Pod, pod_facts
 from tandem_operator.status import GroupState, GroupView
 
 
-def leader_endpoint(spec: PDClusterSpec, role: Role, leader: Pod) -> Endpoint | None:
-    """The endpoint of a group whose leader (rank 0) is ``leader``; None while it has no IP, or an IPv6 one (the
-    registry's Mooncake session id is ``ip:port``, which the shared schema defines for IPv4 only)."""
+def session_ids(members: Iterable[Pod]) -> tuple[str, ...]:
+    """``ip:port`` for every port of every member's Mooncake window, rank by rank (members without an IP: none)."""
+    ranked = sorted((facts.rank, facts) for pod in members if (facts := pod_facts(pod)) is not None and facts.ip)
+    return tuple(f"{facts.ip}:{port}" for _, facts in ranked for port in facts.mooncake_ports)
+
+
+def _epoch_of(pod: Pod) -> int | None:
+    facts = pod_facts(pod)
+    return facts.epoch if facts is not None else None
+
+
+def leader_endpoint(spec: PDClusterSpec, role: Role, leader: Pod, members: Iterable[Pod] = ()) -> Endpoint | None:
+    """The endpoint of a group whose leader (rank 0) is ``leader`` and whose pods are ``members`` (the leader
+    alone if empty); None while it has no IP, or an IPv6 one (the registry's Mooncake session id is ``ip:port``,
+    which the shared schema defines for IPv4 only)."""
     facts = pod_facts(leader)
     if facts is None or facts.ip is None or facts.rank != 0 or ":" in facts.ip:
         return None
     ports = spec.role(role).ports
-    host = facts.ip
-    rpc_port = facts.mooncake_rpc_port  # None with a range (several ranks, or tcp): the session is one of its ports
     labels = (leader.get("metadata") or {}).get("labels") or {}
     return Endpoint(
         role=role,
         group=facts.group.name,
-        url=f"http://{host}:{ports.http}",
+        url=f"http://{facts.ip}:{ports.http}",
         bootstrap_port=ports.bootstrap if role is Role.PREFILL else None,
-        mooncake_session=f"{facts.ip}:{rpc_port}" if rpc_port is not None else None,
+        mooncake_sessions=session_ids(m for m in members or [leader] if _epoch_of(m) == facts.epoch),
         ib_devices=tuple(spec.transfer.ib_devices) if spec.transfer.protocol is TransferProtocol.RDMA else (),
         attn_dp_size=spec.role(role).attn_dp_size,
         model=spec.model.served_name,
@@ -53,15 +62,18 @@ def desired_endpoints(
 ) -> dict[GroupKey, Endpoint]:
     """Endpoints of the role's READY groups, except those fenced at the epoch their pods carry."""
     leaders: dict[int, Pod] = {}
+    members: dict[int, list[Pod]] = {}
     for pod in pods:
         facts = pod_facts(pod)
-        if facts is not None and facts.group.role is role and facts.rank == 0:
-            leaders[facts.group.index] = pod
+        if facts is not None and facts.group.role is role:
+            members.setdefault(facts.group.index, []).append(pod)
+            if facts.rank == 0:
+                leaders[facts.group.index] = pod
     result: dict[GroupKey, Endpoint] = {}
     for index, view in views.items():
         if view.state is not GroupState.READY or index not in leaders:
             continue
-        endpoint = leader_endpoint(spec, role, leaders[index])
+        endpoint = leader_endpoint(spec, role, leaders[index], members[index])
         key = GroupKey(role, index)
         if endpoint is not None and fenced.get(key) != endpoint.epoch:
             result[key] = endpoint

@@ -10,7 +10,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from tandem.registry import Endpoint, Role
+from tandem.registry import Endpoint, Role, reused_sessions
 from tandem_router.config import RouterSettings
 from tandem_router.pool import WorkerPool, WorkerSpec
 
@@ -80,6 +80,9 @@ class EtcdDiscovery:
 
         self.pool = pool
         self._keys: dict[str, str] = {}  # registry key -> worker key
+        # registry key -> latest incarnation seen, kept after a delete: a fence deletes the key before the group's
+        # next incarnation is put, and that one must not reuse the dead one's Mooncake session ids.
+        self._incarnations: dict[str, Endpoint] = {}
         self.watcher = EndpointWatcher(
             settings.etcd_endpoints,
             settings.cluster_namespace,
@@ -97,13 +100,28 @@ class EtcdDiscovery:
     async def stop(self) -> None:
         await self.watcher.stop()
 
+    def _note_incarnation(self, key: str, endpoint: Endpoint) -> None:
+        earlier = self._incarnations.get(key)
+        if earlier is not None and (reused := reused_sessions(earlier, endpoint)):
+            self.pool.mooncake_session_reuses += 1
+            log.warning(
+                "recreated group reuses Mooncake session ids of its previous incarnation: prefills may fail their "
+                "first sends to it until the failed-session probe and metadata refresh catch up (operator/README.md)",
+                extra={"key": key, "epoch": endpoint.epoch, "sessions": sorted(reused)},
+            )
+        if earlier is None or endpoint.epoch >= earlier.epoch:
+            self._incarnations[key] = endpoint
+
     def _snapshot(self, endpoints: dict[str, Endpoint]) -> None:
+        for key, endpoint in endpoints.items():
+            self._note_incarnation(key, endpoint)
         specs = {key: endpoint_spec(ep) for key, ep in endpoints.items()}
         self._keys = {key: spec.key for key, spec in specs.items()}
         self.pool.replace_all(specs.values())
         log.info("registry synced", extra={"workers": sorted(s.url for s in specs.values())})
 
     def _put(self, key: str, endpoint: Endpoint) -> None:
+        self._note_incarnation(key, endpoint)
         spec = endpoint_spec(endpoint)
         old = self._keys.get(key)
         if old is not None and old != spec.key:

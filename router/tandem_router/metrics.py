@@ -6,7 +6,7 @@ import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tandem_router.policy.breaker import BreakerState
@@ -71,7 +71,7 @@ class _PoolCollector(Collector):
     def __init__(self, pool: WorkerPool) -> None:
         self.pool = pool
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         in_flight = GaugeMetricFamily(
             "tandem_router_worker_in_flight", "Requests in flight per worker.", labels=["role", "worker"]
         )
@@ -92,3 +92,8 @@ class _PoolCollector(Collector):
             )
         yield in_flight
         yield up
+        yield CounterMetricFamily(
+            "tandem_router_mooncake_session_reuses",
+            "Recreated groups registered under a Mooncake session id of their previous incarnation.",
+            value=self.pool.mooncake_session_reuses,
+        )

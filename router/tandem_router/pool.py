@@ -111,6 +111,7 @@ class WorkerPool:
         self.gates: list[PairGate] = [self.pair_breakers, *gates]
         self._rr_k = -1
         self._rr_prefills = 1
+        self.mooncake_session_reuses = 0  # recreated groups that came back under an earlier Mooncake session id
 
     # -- membership (discovery) --------------------------------------------------------------------------------
     def upsert(self, spec: WorkerSpec) -> None:

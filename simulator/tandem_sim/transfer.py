@@ -1,8 +1,9 @@
 """Thin adapter over the Mooncake transfer engine (``mooncake-transfer-engine-non-cuda``), as SGLang PD uses it.
 
-``P2PHANDSHAKE`` metadata and the ``tcp`` protocol; the session id of a process is ``ip:rpc_port`` (the RPC port
-is chosen by Mooncake, so a restarted process gets a new session id). Blocking calls run in worker threads so
-the event loop keeps serving.
+``P2PHANDSHAKE`` metadata and the ``tcp`` protocol; the session id of a process is ``ip:rpc_port``, the RPC port
+chosen by Mooncake from ``MC_MIN_RPC_PORT``..``MC_MAX_RPC_PORT``. A restarted process may come back under its old
+session id when that range is narrow (a pod's window); peers then still hold the dead process's descriptor and
+connections under it (simulator/README.md). Blocking calls run in worker threads so the event loop keeps serving.
 
 Writes go through **one** writer thread, and the writes queued for the same peer while a batch is on the wire
 are coalesced into the next ``batch_transfer_sync_write`` call (SGLang's transfer queue does the same per

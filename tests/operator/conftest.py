@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
+from kubernetes_asyncio import client
 
 from tandem.devcluster.cluster import DevCluster
+from tandem.devcluster.podrunner import PodRunner
 from tandem.procs import ManagedProcess, free_port
 from tandem_operator.api.pdcluster import PDClusterSpec
 from tests.operator.live import CRDS, run_tool
@@ -76,3 +79,11 @@ async def tandem_crds(k8s_cluster: DevCluster) -> None:
     """The generated CRDs applied once per session and Established."""
     await run_tool(k8s_cluster, "kubectl", "apply", "--server-side", "-f", str(CRDS))
     await run_tool(k8s_cluster, "kubectl", "wait", "--for=condition=Established", "--timeout=60s", "-f", str(CRDS))
+
+
+@pytest.fixture
+async def runner(k8s_api: client.ApiClient, k8s_namespace: str, tmp_path: Path) -> AsyncIterator[PodRunner]:
+    """The dev cluster's pod runner for the test's namespace: simulated workers behind its pods' IPs."""
+    (tmp_path / "pods").mkdir()
+    async with PodRunner(k8s_api, tmp_path / "pods", namespace=k8s_namespace).running_in_background() as pod_runner:
+        yield pod_runner

@@ -1,13 +1,15 @@
 """Bounded streaming load through the router with the ``openai`` SDK, in its own process (so the test's event loop
 measures fence times undisturbed). Prints one JSON line: ok, cut_mid_stream, failed_before_first_byte.
 
-Usage: python load_client.py <base_url> <model> <streams> <seconds>
+Usage: python load_client.py <base_url> <model> <streams> <seconds>; SIGTERM ends the load early (streams in flight
+finish, then the JSON line is printed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import sys
 import time
 
@@ -19,6 +21,12 @@ async def main(base_url: str, model: str, streams: int, seconds: float) -> dict[
     failed: list[str] = []
     deadline = time.monotonic() + seconds
     sdk = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=30)
+
+    def stop() -> None:
+        nonlocal deadline
+        deadline = 0.0
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop)
 
     async def worker(w: int) -> None:
         n = 0

@@ -86,7 +86,7 @@ def test_wire_form_is_camel_case_and_round_trips() -> None:
                 "transfer": {"protocol": "tcp"},
                 "decode": {"ports": {"mooncakeRpc": 32760, "http": 1, "bootstrap": 2, "distInit": 3}},
             },
-            "decode.ports: the Mooncake range [mooncakeRpc, mooncakeRpc + gpusPerNode x (2 with tcp, else 1) - 1] "
+            "decode.ports: the Mooncake range [mooncakeRpc, mooncakeRpc + mooncakePorts - 1] "
             "must lie within 1024-32767 or 61000-65535",
         ),
         (

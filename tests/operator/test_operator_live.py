@@ -32,6 +32,7 @@ from tests.operator.live import (
 )
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(240)]
+PORTS = {"http": 30001, "bootstrap": 8999, "distInit": 5001}
 
 
 @pytest.fixture
@@ -124,6 +125,11 @@ async def test_a_pdcluster_becomes_ready_with_the_right_pods_and_scales(
             },
             "spec.decode.ports.mooncakeRpc",
             "must lie within 1024-32767 or 61000-65535",
+        ),
+        (
+            {"prefill": {**SIM_SPEC["prefill"], "ports": {**PORTS, "mooncakeRpc": 15000, "mooncakePorts": 1}}},
+            "spec.prefill.ports.mooncakePorts",
+            "prefill.ports.mooncakePorts must hold one pod's window",
         ),
     ],
 )

@@ -14,7 +14,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,13 +57,6 @@ async def stream_once(sdk: openai.AsyncOpenAI, load: Load, n: int) -> None:
             load.cut_mid_stream += 1
         else:
             load.failed_before_first_byte.append(repr(err))
-
-
-@pytest.fixture
-async def runner(k8s_api: client.ApiClient, k8s_namespace: str, tmp_path: Path) -> AsyncIterator[PodRunner]:
-    (tmp_path / "pods").mkdir()
-    async with PodRunner(k8s_api, tmp_path / "pods", namespace=k8s_namespace).running_in_background() as pod_runner:
-        yield pod_runner
 
 
 async def test_a_decode_pod_deleted_under_load_is_fenced_cleaned_recreated_and_registered_again(

@@ -48,7 +48,8 @@ def test_leader_endpoint_of_a_prefill_group() -> None:
         group="prefill-0",
         url="http://10.0.0.7:30000",
         bootstrap_port=8998,
-        mooncake_session=None,  # 8 ranks, 8 engines: rank 0's RPC port is any of the pod's 8 ports
+        # rdma, 8 ranks: every engine's session id, in the pod's window of epoch 2 (the third of the range's eight)
+        mooncake_sessions=tuple(f"10.0.0.7:{port}" for port in range(15016, 15024)),
         ib_devices=("mlx5_0", "mlx5_1"),
         attn_dp_size=1,
         model="kimi-k2.6",
@@ -61,19 +62,19 @@ def test_leader_endpoint_of_a_one_gpu_rdma_pod_names_its_session() -> None:
     spec = kimi_spec(prefill={"tpSize": 1, "epSize": 1, "gpusPerNode": 1, "moeA2ABackend": "none"})
     endpoint = leader_endpoint(spec, Role.PREFILL, live_pod(spec, Role.PREFILL, 0, 0, ip="10.0.0.7"))
     assert endpoint is not None
-    assert endpoint.mooncake_session == "10.0.0.7:15000"  # one rank, one port: the session id is known
+    assert endpoint.mooncake_sessions == ("10.0.0.7:15000",)  # one rank, one port: the session id is exact
 
 
 def test_leader_endpoint_of_a_decode_group_over_tcp() -> None:
     spec = kimi_spec(transfer={"protocol": "tcp"})
-    endpoint = leader_endpoint(spec, Role.DECODE, live_pod(spec, Role.DECODE, 3, 0, ip="10.2.0.5"))
+    members = [live_pod(spec, Role.DECODE, 3, rank, epoch=1, ip=f"10.2.0.{5 + rank}") for rank in (1, 0)]
+    endpoint = leader_endpoint(spec, Role.DECODE, members[1], members)
     assert endpoint is not None
     assert (endpoint.group, endpoint.url, endpoint.bootstrap_port) == ("decode-3", "http://10.2.0.5:30001", None)
-    assert (endpoint.mooncake_session, endpoint.ib_devices, endpoint.attn_dp_size) == (
-        None,
-        (),
-        16,
-    )  # tcp: 2 ports per rank
+    assert (endpoint.ib_devices, endpoint.attn_dp_size) == ((), 16)
+    # tcp, 8 ranks per pod: each pod's window of epoch 1 (RPC and data ports, any may be a session), rank by rank
+    window = range(15116, 15132)
+    assert endpoint.mooncake_sessions == tuple(f"10.2.0.{ip}:{port}" for ip in (5, 6) for port in window)
 
 
 def test_no_endpoint_without_ip_or_for_a_follower() -> None:

@@ -25,7 +25,7 @@ def live_pod(
     ready: bool = True,
     node: str = "gpu-1",
 ) -> dict[str, Any]:
-    pod = stamp_epoch(group_pod(RoleContext.build(CLUSTER, spec, role, POOL), group, rank), epoch)
+    pod = stamp_epoch(group_pod(RoleContext.build(CLUSTER, spec, role, POOL), group, rank, epoch), epoch)
     pod["spec"]["nodeName"] = node
     pod["status"] = {
         "phase": "Running",

@@ -87,6 +87,38 @@ async def test_watcher_sees_existing_new_changed_and_deleted_endpoints(
         await writer.close()
 
 
+async def test_router_counts_a_recreated_group_that_reuses_a_mooncake_session(etcd: str) -> None:
+    from tandem_router.config import DiscoveryMode, RouterSettings
+    from tandem_router.discovery import EtcdDiscovery
+    from tandem_router.pool import WorkerPool
+    from tests.test_registry import incarnation
+
+    pool = WorkerPool()
+    settings = RouterSettings(
+        discovery=DiscoveryMode.ETCD, etcd_endpoints=[etcd], cluster_namespace="ns", cluster_name="reuse"
+    )
+    discovery = EtcdDiscovery(pool, settings)
+    writer = EndpointWriter([etcd], "ns", "reuse", ttl=30)
+    await writer.start()
+    try:
+        await discovery.start()
+        await writer.put(incarnation(0, "10.0.0.1:15100", "10.0.0.1:15101"))
+        await _until(lambda: any(w.spec.epoch == 0 for w in pool.workers.values()))
+        await writer.remove(incarnation(0))  # fenced: the key goes before the next incarnation comes
+        await _until(lambda: not pool.workers)
+        await writer.put(incarnation(1, "10.0.0.1:15102", "10.0.0.1:15103"))  # the next window: nothing reused
+        await _until(lambda: any(w.spec.epoch == 1 for w in pool.workers.values()))
+        assert pool.mooncake_session_reuses == 0
+        await writer.put(
+            incarnation(2, "10.0.0.1:15100", "10.0.0.1:15101", "10.0.0.1:15103")
+        )  # a range too small to rotate
+        await _until(lambda: any(w.spec.epoch == 2 for w in pool.workers.values()))
+        assert pool.mooncake_session_reuses == 1
+    finally:
+        await discovery.stop()
+        await writer.close()
+
+
 async def test_lease_expiry_drops_the_endpoints_of_a_dead_writer(
     etcd: str, watched: tuple[dict[str, Endpoint], EndpointWatcher]
 ) -> None:

@@ -62,11 +62,21 @@ class PortSet(CrdModel):
     bootstrap: Port = Field(description="PD bootstrap server (--disaggregation-bootstrap-port, prefill leaders).")
     dist_init: Port = Field(description="torch.distributed rendezvous on the group leader (--dist-init-addr).")
     mooncake_rpc: Port = Field(
-        description="First port of the pod's Mooncake range [MC_MIN_RPC_PORT, MC_MAX_RPC_PORT]. Every GPU rank runs "
+        description="First port of the role's Mooncake range; a pod gets one window of it as [MC_MIN_RPC_PORT, "
+        "MC_MAX_RPC_PORT]. Every GPU rank runs "
         "its own Mooncake transfer engine, which takes its RPC port (the session id 'ip:port') from the range, and "
         "with protocol tcp also its TCP data port: the range is gpusPerNode ports for rdma, 2 x gpusPerNode for tcp. "
         "It must lie within 1024-32767 or 61000-65535 (Mooncake silently ignores a range that touches the "
         "ephemeral ports)."
+    )
+    mooncake_ports: int = Field(
+        default=64,
+        ge=1,
+        le=4096,
+        description="Size of the role's declared Mooncake range [mooncakeRpc, mooncakeRpc + mooncakePorts), at least "
+        "one pod window (gpusPerNode ports for rdma, 2 x gpusPerNode for tcp). Each recreation of a group (epoch) "
+        "moves its pods to the next window of the range, so peers never meet a new incarnation under a session id "
+        "'ip:port' they still hold for the dead one; a range of one window reuses the session ids.",
     )
 
     cel_rules = (

@@ -280,14 +280,36 @@ class TransferSpec(CrdModel):
     )
     host_network: bool = Field(default=False, description="Run workers in the node's network namespace.")
     metadata_refresh_seconds: int = Field(
-        default=5,
+        default=2,
         ge=1,
         le=300,
-        description="MC_TE_METADATA_REFRESH_INTERVAL_SECONDS: how soon peers re-read a restarted pod's metadata.",
+        description="MC_TE_METADATA_REFRESH_INTERVAL_SECONDS: how often every engine re-reads the descriptors of the "
+        "peers it cached (Mooncake's default, 0, never does): a peer that came back under the same session id with "
+        "another TCP data port or other buffers is reached again within this time.",
     )
     disable_metadata_cache: bool = Field(default=False, description="MC_DISABLE_METACACHE.")
+    failed_session_probe_seconds: int = Field(
+        default=1,
+        ge=1,
+        le=300,
+        description="SGLANG_FAILED_SESSION_PROBE_INTERVAL_S (SGLang's default: 30): how soon a prefill probes a decode "
+        "session it blacklisted after a failed send, and un-blacklists it when the probe succeeds.",
+    )
+    failed_session_probe_max_seconds: int = Field(
+        default=4,
+        ge=1,
+        le=3600,
+        description="SGLANG_FAILED_SESSION_PROBE_MAX_INTERVAL_S (SGLang's default: 300): the probe interval doubles "
+        "per failed probe up to this.",
+    )
 
     cel_rules = (
+        Rule(
+            cel="self.failedSessionProbeSeconds <= self.failedSessionProbeMaxSeconds",
+            message="failedSessionProbeSeconds must not exceed failedSessionProbeMaxSeconds",
+            check=lambda s: s.failed_session_probe_seconds <= s.failed_session_probe_max_seconds,
+            field_path=".failedSessionProbeSeconds",
+        ),
         Rule(
             cel="self.protocol != 'rdma' || (has(self.ibDevices) && self.ibDevices.size() > 0)",
             message="protocol rdma needs ibDevices (e.g. [mlx5_0]); use protocol tcp without RDMA",
@@ -315,12 +337,16 @@ class EtcdSpec(CrdModel):
 
 
 def _fixed_ports_outside_range(role: Role) -> Callable[[Any], bool]:
-    return lambda spec: not set(spec.role(role).ports.fixed()) & set(spec.mooncake_range(role))
+    return lambda spec: not set(spec.role(role).ports.fixed()) & set(spec.declared_range(role))
+
+
+def _range_holds_a_window(role: Role) -> Callable[[Any], bool]:
+    return lambda spec: len(spec.declared_range(role)) >= len(spec.mooncake_range(role))
 
 
 def _range_valid_for_mooncake(role: Role) -> Callable[[Any], bool]:
     def valid(spec: Any) -> bool:
-        ports: range = spec.mooncake_range(role)
+        ports: range = spec.declared_range(role)
         return (
             ports.start >= MOONCAKE_MIN_PORT
             and ports.stop - 1 <= 65535
@@ -335,9 +361,10 @@ def _size_cel(role: str) -> str:
 
 
 def _all_ports_cel(role: str) -> str:
-    """The role's fixed ports and the two ends of its Mooncake range (ranges overlap only if an end is inside)."""
+    """The role's fixed ports and the two ends of its declared Mooncake range (ranges overlap only if an end is
+    inside)."""
     ports = f"self.{role}.ports"
-    last = f"{ports}.mooncakeRpc + {_size_cel(role)} - 1"
+    last = f"{ports}.mooncakeRpc + {ports}.mooncakePorts - 1"
     return f"[{ports}.http, {ports}.bootstrap, {ports}.distInit, {ports}.mooncakeRpc, {last}]"
 
 
@@ -345,7 +372,7 @@ def _in_role_cel(role: str, port: str) -> str:
     ports = f"self.{role}.ports"
     return (
         f"{port} == {ports}.http || {port} == {ports}.bootstrap || {port} == {ports}.distInit || "
-        f"({port} >= {ports}.mooncakeRpc && {port} < {ports}.mooncakeRpc + {_size_cel(role)})"
+        f"({port} >= {ports}.mooncakeRpc && {port} < {ports}.mooncakeRpc + {ports}.mooncakePorts)"
     )
 
 
@@ -367,20 +394,28 @@ class PDClusterSpec(CrdModel):
             for rule in (
                 Rule(
                     cel=f"[self.{role}.ports.http, self.{role}.ports.bootstrap, self.{role}.ports.distInit].all(p, "
-                    f"p < self.{role}.ports.mooncakeRpc || p >= self.{role}.ports.mooncakeRpc + {_size_cel(role)})",
+                    f"p < self.{role}.ports.mooncakeRpc || p >= self.{role}.ports.mooncakeRpc + "
+                    f"self.{role}.ports.mooncakePorts)",
                     message=f"{role}.ports: http, bootstrap and distInit must lie outside the Mooncake range "
-                    "[mooncakeRpc, mooncakeRpc + gpusPerNode x (2 with tcp, else 1) - 1]",
+                    "[mooncakeRpc, mooncakeRpc + mooncakePorts - 1]",
                     check=_fixed_ports_outside_range(Role(role)),
                     field_path=f".{role}.ports",
                 ),
                 Rule(
+                    cel=f"self.{role}.ports.mooncakePorts >= {_size_cel(role)}",
+                    message=f"{role}.ports.mooncakePorts must hold one pod's window: gpusPerNode x (2 with tcp, "
+                    "else 1) ports, one Mooncake engine per GPU rank",
+                    check=_range_holds_a_window(Role(role)),
+                    field_path=f".{role}.ports.mooncakePorts",
+                ),
+                Rule(
                     cel=f"self.{role}.ports.mooncakeRpc >= {MOONCAKE_MIN_PORT} && "
-                    f"self.{role}.ports.mooncakeRpc + {_size_cel(role)} - 1 <= 65535 && "
-                    f"(self.{role}.ports.mooncakeRpc + {_size_cel(role)} - 1 < {EPHEMERAL_PORTS[0]} || "
+                    f"self.{role}.ports.mooncakeRpc + self.{role}.ports.mooncakePorts - 1 <= 65535 && "
+                    f"(self.{role}.ports.mooncakeRpc + self.{role}.ports.mooncakePorts - 1 < {EPHEMERAL_PORTS[0]} || "
                     f"self.{role}.ports.mooncakeRpc > {EPHEMERAL_PORTS[1]})",
-                    message=f"{role}.ports: the Mooncake range [mooncakeRpc, mooncakeRpc + gpusPerNode x (2 with tcp, "
-                    f"else 1) - 1] must lie within {VALID_RANGES} (Mooncake ignores a range that touches the "
-                    "ephemeral ports and falls back to [15000, 17000])",
+                    message=f"{role}.ports: the Mooncake range [mooncakeRpc, mooncakeRpc + mooncakePorts - 1] must "
+                    f"lie within {VALID_RANGES} (Mooncake ignores a range that touches the ephemeral ports and falls "
+                    "back to [15000, 17000])",
                     check=_range_valid_for_mooncake(Role(role)),
                     field_path=f".{role}.ports.mooncakeRpc",
                 ),
@@ -398,15 +433,21 @@ class PDClusterSpec(CrdModel):
     )
 
     def mooncake_range(self, role: Role) -> range:
-        """The role's ``[MC_MIN_RPC_PORT, MC_MAX_RPC_PORT]``: every rank of a pod gets its ports."""
+        """The role's ``[MC_MIN_RPC_PORT, MC_MAX_RPC_PORT]`` at epoch 0 (one pod window): every rank of a pod gets its
+        ports."""
         spec = self.role(role)
         return range(
             spec.ports.mooncake_rpc, spec.ports.mooncake_rpc + ports_needed(spec.gpus_per_node, self.transfer.protocol)
         )
 
+    def declared_range(self, role: Role) -> range:
+        """The role's declared Mooncake range: the pod windows of successive epochs move through it."""
+        ports = self.role(role).ports
+        return range(ports.mooncake_rpc, ports.mooncake_rpc + ports.mooncake_ports)
+
     def role_ports(self, role: Role) -> set[int]:
-        """Every port a pod of the role may listen on."""
-        return {*self.role(role).ports.fixed(), *self.mooncake_range(role)}
+        """Every port a pod of the role may listen on, whatever its epoch."""
+        return {*self.role(role).ports.fixed(), *self.declared_range(role)}
 
     def role(self, role: Role) -> PrefillSpec | DecodeSpec:
         return self.prefill if role is Role.PREFILL else self.decode

@@ -57,10 +57,10 @@ def leader_address(ctx: RoleContext, group: int) -> str:
     return f"{group_name(ctx.cluster.name, ctx.role, group)}.{ctx.cluster.namespace}.svc"
 
 
-def group_manifests(ctx: RoleContext, group: int) -> list[dict[str, Any]]:
-    """The group's Service, then its pods by rank."""
+def group_manifests(ctx: RoleContext, group: int, epoch: int = 0) -> list[dict[str, Any]]:
+    """The group's Service, then its pods by rank (of incarnation ``epoch``)."""
     nodes = ctx.spec.role(ctx.role).nodes_per_group
-    return [group_service(ctx, group), *(group_pod(ctx, group, rank) for rank in range(nodes))]
+    return [group_service(ctx, group), *(group_pod(ctx, group, rank, epoch) for rank in range(nodes))]
 
 
 def _metadata(ctx: RoleContext, name: str, labels: dict[str, str]) -> dict[str, Any]:
@@ -95,8 +95,9 @@ def group_service(ctx: RoleContext, group: int) -> dict[str, Any]:
 
 
 def mooncake_port_range(ctx: RoleContext) -> tuple[int, int]:
-    """``MC_MIN_RPC_PORT``, ``MC_MAX_RPC_PORT`` of the role's pods: ``ports_needed`` ports from ``ports.mooncakeRpc``,
-    one per rank for rdma, two per rank for tcp (each rank's engine also takes its TCP data port from the range).
+    """The role's first pod window, ``MC_MIN_RPC_PORT``, ``MC_MAX_RPC_PORT`` at epoch 0: ``ports_needed`` ports from
+    ``ports.mooncakeRpc``, one per rank for rdma, two per rank for tcp (each rank's engine also takes its TCP data
+    port from the range); ``mooncake_ports`` moves it by epoch.
 
     A pod runs one SGLang scheduler, hence one Mooncake engine, per GPU rank (``tandem_operator.api.mooncake_ports``).
     One fixed port, as pods had before, starts rank 0 only: ranks 1..7 of an 8-GPU pod fail with "No valid port".
@@ -106,10 +107,29 @@ def mooncake_port_range(ctx: RoleContext) -> tuple[int, int]:
     return rpc, rpc + ports_needed(role.tp_size // role.nodes_per_group, ctx.spec.transfer.protocol) - 1
 
 
-def _env(ctx: RoleContext) -> list[dict[str, Any]]:
+def rotate_window(window: tuple[int, int], declared_ports: int, epoch: int) -> tuple[int, int]:
+    """The window of incarnation ``epoch``: ``window`` (the first one) moved by whole windows through the declared
+    range ``[window[0], window[0] + declared_ports)``, wrapping around; a range of one window never moves.
+
+    A recreated pod must not come back under a Mooncake session id (``ip:port``) that peers still hold for the
+    dead one: peers keep its cached segment descriptor (TCP data port, buffers) and pooled connections under that
+    name, and SGLang un-blacklists the name when a probe of the new process succeeds (operator/README.md).
+    """
+    low, high = window
+    size = high - low + 1
+    index = epoch % max(declared_ports // size, 1)
+    return low + index * size, high + index * size
+
+
+def mooncake_ports(ctx: RoleContext, epoch: int) -> tuple[int, int]:
+    """``MC_MIN_RPC_PORT``, ``MC_MAX_RPC_PORT`` of the role's pods at ``epoch``."""
+    return rotate_window(mooncake_port_range(ctx), ctx.spec.role(ctx.role).ports.mooncake_ports, epoch)
+
+
+def _env(ctx: RoleContext, epoch: int) -> list[dict[str, Any]]:
     spec, role = ctx.spec, ctx.spec.role(ctx.role)
     transfer = spec.transfer
-    low, high = mooncake_port_range(ctx)
+    low, high = mooncake_ports(ctx, epoch)
     env: dict[str, dict[str, Any]] = {
         "POD_IP": {"valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         "POD_NAME": {"valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -117,8 +137,11 @@ def _env(ctx: RoleContext) -> list[dict[str, Any]]:
         "MC_MAX_RPC_PORT": {"value": str(high)},
         "MC_TE_METRIC": {"value": "true"},
         "MC_METADATA_CLUSTER_ID": {"value": mooncake_cluster_id(ctx.cluster)},
-        # Peers re-read metadata this often, so they reach a restarted pod that kept its name.
+        # Peers re-read cached descriptors this often, so they reach a peer that came back under the same name.
         "MC_TE_METADATA_REFRESH_INTERVAL_SECONDS": {"value": str(transfer.metadata_refresh_seconds)},
+        # A prefill probes a decode session it blacklisted this often (SGLang: 30 s, doubling up to 300 s).
+        "SGLANG_FAILED_SESSION_PROBE_INTERVAL_S": {"value": str(transfer.failed_session_probe_seconds)},
+        "SGLANG_FAILED_SESSION_PROBE_MAX_INTERVAL_S": {"value": str(transfer.failed_session_probe_max_seconds)},
     }
     if transfer.disable_metadata_cache:
         env["MC_DISABLE_METACACHE"] = {"value": "true"}
@@ -150,12 +173,12 @@ def _resources(ctx: RoleContext) -> dict[str, Any]:
     return {"requests": {**requests, **devices}, "limits": {**limits, **devices}}
 
 
-def _container_ports(ctx: RoleContext) -> list[dict[str, Any]]:
+def _container_ports(ctx: RoleContext, epoch: int) -> list[dict[str, Any]]:
     ports = ctx.spec.role(ctx.role).ports
     named = [("http", ports.http), ("dist-init", ports.dist_init)]
     if ctx.role is Role.PREFILL:
         named.append(("bootstrap", ports.bootstrap))
-    low, high = mooncake_port_range(ctx)
+    low, high = mooncake_ports(ctx, epoch)
     named += [(f"mooncake-{i}", port) for i, port in enumerate(range(low, high + 1))]
     host = ctx.spec.transfer.host_network
     # With hostNetwork the ports are node ports: declaring hostPort lets the scheduler keep clashing pods apart.
@@ -204,7 +227,8 @@ def _affinity(ctx: RoleContext, group: int, rank: int) -> dict[str, Any]:
     return affinity
 
 
-def group_pod(ctx: RoleContext, group: int, rank: int) -> dict[str, Any]:
+def group_pod(ctx: RoleContext, group: int, rank: int, epoch: int = 0) -> dict[str, Any]:
+    """Pod ``rank`` of the group's incarnation ``epoch`` (its Mooncake port window depends on the epoch)."""
     spec, role = ctx.spec, ctx.spec.role(ctx.role)
     labels = {
         **group_labels(ctx.cluster.name, ctx.role, group),
@@ -225,8 +249,8 @@ def group_pod(ctx: RoleContext, group: int, rank: int) -> dict[str, Any]:
         "image": spec.images.worker,
         "imagePullPolicy": spec.images.pull_policy,
         "command": launch_command(spec, placement),
-        "env": _env(ctx),
-        "ports": _container_ports(ctx),
+        "env": _env(ctx, epoch),
+        "ports": _container_ports(ctx, epoch),
         "resources": _resources(ctx),
         "securityContext": security,
         "volumeMounts": mounts,

@@ -1,0 +1,106 @@
+"""Each incarnation (epoch) of a group gets the next Mooncake port window of the declared range, so a recreated pod
+never comes back under a session id ``ip:port`` that peers still hold for the dead one (operator/README.md)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from tandem.registry import Role
+from tandem_operator.desired.pods import RoleContext, group_pod, mooncake_ports, rotate_window
+from tests.operator.conftest import kimi_spec
+from tests.operator.workers import CLUSTER, POOL
+
+
+def env_of(pod: dict[str, Any]) -> dict[str, str]:
+    return {v["name"]: v["value"] for v in pod["spec"]["containers"][0]["env"] if "value" in v}
+
+
+@pytest.mark.parametrize(
+    ("window", "declared", "epochs", "expected"),
+    [
+        ((15000, 15001), 16, range(10), [(15000 + 2 * i, 15001 + 2 * i) for i in range(8)] + [(15000, 15001)] * 1),
+        ((15000, 15000), 4, range(6), [(15000,) * 2, (15001,) * 2, (15002,) * 2, (15003,) * 2, (15000,) * 2]),
+        ((15000, 15001), 2, range(3), [(15000, 15001)] * 3),  # one window: the range is too small to rotate
+        ((15000, 15015), 40, range(4), [(15000, 15015), (15016, 15031), (15000, 15015), (15016, 15031)]),
+    ],
+)
+def test_windows_rotate_by_epoch_and_wrap(
+    window: tuple[int, int], declared: int, epochs: range, expected: list[tuple[int, int]]
+) -> None:
+    got = [rotate_window(window, declared, epoch) for epoch in epochs]
+    assert got[: len(expected)] == expected
+
+
+def test_consecutive_epochs_never_share_a_port_and_stay_in_the_range() -> None:
+    for size in (1, 2, 3, 16):
+        for declared in range(2 * size, 70):
+            low = 20000
+            seen = [rotate_window((low, low + size - 1), declared, epoch) for epoch in range(50)]
+            for (a_low, a_high), (b_low, b_high) in itertools.pairwise(seen):
+                assert a_high < b_low or b_high < a_low
+            assert all(low <= w_low and w_high < low + declared for w_low, w_high in seen)
+
+
+@pytest.mark.parametrize("host_network", [False, True])
+def test_a_recreated_pod_gets_the_next_window(host_network: bool) -> None:
+    # tcp, 8 ranks per pod: 16-port windows, 4 of them in decode's 64-port range from 15100
+    spec = kimi_spec(transfer={"protocol": "tcp", "hostNetwork": host_network})
+    ctx = RoleContext.build(CLUSTER, spec, Role.DECODE, POOL)
+    first, second = (group_pod(ctx, 0, 0, epoch) for epoch in (4, 5))
+    assert (env_of(first)["MC_MIN_RPC_PORT"], env_of(first)["MC_MAX_RPC_PORT"]) == ("15100", "15115")  # wrapped
+    assert (env_of(second)["MC_MIN_RPC_PORT"], env_of(second)["MC_MAX_RPC_PORT"]) == ("15116", "15131")
+    declared = [p for p in second["spec"]["containers"][0]["ports"] if p["name"].startswith("mooncake-")]
+    assert [p["containerPort"] for p in declared] == list(range(15116, 15132))
+    if host_network:  # node ports: the scheduler keeps a pod off a node whose window another pod holds
+        assert all(p["hostPort"] == p["containerPort"] for p in declared)
+
+
+def test_every_rank_of_an_incarnation_shares_its_window() -> None:
+    ctx = RoleContext.build(CLUSTER, kimi_spec(transfer={"protocol": "tcp"}), Role.PREFILL, POOL)
+    envs = [env_of(group_pod(ctx, 0, rank, 3)) for rank in range(4)]
+    assert {(e["MC_MIN_RPC_PORT"], e["MC_MAX_RPC_PORT"]) for e in envs} == {("15048", "15063")}
+    assert mooncake_ports(ctx, 3) == (15048, 15063)
+
+
+def test_probe_and_refresh_knobs_reach_the_pod() -> None:
+    spec = kimi_spec(transfer={"protocol": "tcp", "metadataRefreshSeconds": 3, "failedSessionProbeSeconds": 2})
+    env = env_of(group_pod(RoleContext.build(CLUSTER, spec, Role.PREFILL, POOL), 0, 0))
+    assert env["MC_TE_METADATA_REFRESH_INTERVAL_SECONDS"] == "3"
+    assert env["SGLANG_FAILED_SESSION_PROBE_INTERVAL_S"] == "2"
+    assert env["SGLANG_FAILED_SESSION_PROBE_MAX_INTERVAL_S"] == "4"
+
+
+DECODE_PORTS = {"http": 30001, "bootstrap": 8999, "distInit": 5001}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {
+                "transfer": {"protocol": "tcp"},
+                "decode": {"ports": {**DECODE_PORTS, "mooncakeRpc": 4000, "mooncakePorts": 1}},
+            },
+            "decode.ports.mooncakePorts must hold one pod's window",
+        ),
+        ({"decode": {"ports": {**DECODE_PORTS, "http": 15105, "mooncakeRpc": 15100}}}, "outside the Mooncake range"),
+        ({"decode": {"ports": {**DECODE_PORTS, "mooncakeRpc": 65530}}}, "must lie within 1024-32767 or 61000-65535"),
+        ({"decode": {"ports": {**DECODE_PORTS, "mooncakeRpc": 32760}}}, "touches the ephemeral ports"),
+        ({"decode": {"ports": {**DECODE_PORTS, "mooncakeRpc": 1000}}}, "must lie within 1024-32767"),
+        (
+            {
+                "transfer": {"protocol": "tcp", "hostNetwork": True},
+                "decode": {"ports": {**DECODE_PORTS, "mooncakeRpc": 15010}},
+            },
+            "must not share a port",
+        ),
+        ({"transfer": {"protocol": "tcp", "failedSessionProbeSeconds": 9}}, "must not exceed"),
+    ],
+)
+def test_invalid_ranges_are_rejected_with_a_message_naming_the_field(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        kimi_spec(**overrides)
