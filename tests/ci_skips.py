@@ -1,5 +1,5 @@
 """Under ``CI=true`` an unexpected skip fails the run: a skip is allowed only when its reason starts with
-``UNRUNNABLE`` and says why the test cannot run anywhere here (no test of this suite does today).
+``UNRUNNABLE`` and says why the test cannot run anywhere here (today only tc netem latency, which this kernel lacks).
 
 Everything a test needs is installed by ``make test`` (Debian packages, .venv, the peers, the control plane), so
 a skip on CI means a missing install step or a guard that hides a failure. Outside CI a skip stays a skip.

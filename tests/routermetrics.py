@@ -19,6 +19,9 @@ class RouterMetrics:
     first_bytes: float = 0  # responses whose first byte was relayed ...
     ended: float = 0  # ... and those of them that ended since: the difference is streams in flight
     stream_errors: float = 0  # streams ended by an error event after their first byte
+    resumed: Counter[str] = field(default_factory=Counter)  # reason -> streams resumed on a fresh pair
+    resume_gaps: float = 0  # resume gaps observed (one per resume)
+    detections: float = 0  # integrity detector findings
 
     @property
     def streaming(self) -> float:
@@ -50,4 +53,10 @@ async def scrape(router_url: str) -> RouterMetrics:
                 out.ended += sample.value
             elif sample.name == "tandem_router_stream_errors_total":
                 out.stream_errors += sample.value
+            elif sample.name == "tandem_router_resumed_streams_total":
+                out.resumed[sample.labels["reason"]] += int(sample.value)
+            elif sample.name == "tandem_router_resume_gap_seconds_count":
+                out.resume_gaps += sample.value
+            elif sample.name == "tandem_integrity_detections_total":
+                out.detections += sample.value
     return out

@@ -12,6 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from tandem.devcluster import components, pki
+from tandem.devcluster.cluster import STAGES
 from tandem.devcluster.config import K8S_VERSION, DevClusterConfig, MissingBinariesError, require_binaries
 from tandem.devcluster.kubeconfig import kubeconfig
 from tandem.devcluster.nodes import BLOCK_LABEL, GPU_RESOURCE, KWOK_ANNOTATION, RDMA_RESOURCE, fake_nodes
@@ -21,6 +22,7 @@ from tandem.devcluster.podrunner import (
     SimulateRule,
     container_env,
     desired_launches,
+    expand,
     resolve_services,
     selected_pod_ip,
     service_refs,
@@ -66,6 +68,16 @@ def test_every_component_listens_on_loopback_only(tmp_path: Path) -> None:
                 assert "127.0.0.1" in arg, arg
     assert "--authorization-mode=RBAC" in argvs[1]
     assert "--cidr=127.10.0.1/16" in argvs[4]
+
+
+def test_kwok_leaves_probed_pods_not_ready_unless_nothing_runs_behind_pods() -> None:
+    template = STAGES.read_text()
+    assert components.kwok_stages(template, DevClusterConfig()) == template
+    marked = components.kwok_stages(template, DevClusterConfig(kwok_marks_ready=True))
+    assert "{{ $probeReadiness := false }}" in marked
+    assert "$probeReadiness := true" not in marked
+    with pytest.raises(ValueError, match="switch"):
+        components.kwok_stages("stages without the switch", DevClusterConfig())
 
 
 def test_python_side_pins_the_version_the_go_module_builds() -> None:
@@ -115,11 +127,12 @@ def _pod(**overrides: Any) -> dict[str, Any]:
                     "name": "sglang",
                     "image": "lmsysorg/sglang:v0.5.23",
                     "command": ["python3", "-m", "sglang.launch_server"],
-                    "args": ["--model-path", "/m", "--host", "0.0.0.0", "--port", "30001"],
+                    "args": ["--model-path", "/m", "--host", "$(POD_IP)", "--port", "30001"],
                     "env": [
                         {"name": "MC_MIN_RPC_PORT", "value": "15000"},
                         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                         {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+                        {"name": "BIND", "value": "$(POD_IP):$(MC_MIN_RPC_PORT)"},
                     ],
                 }
             ],
@@ -131,24 +144,26 @@ def _pod(**overrides: Any) -> dict[str, Any]:
     return pod
 
 
-def test_server_args_bind_the_pod_ip_in_every_spelling() -> None:
-    ip = "127.10.0.7"
-    assert sglang_server_args(["python3", "-m", "sglang.launch_server", "--host=::", "--tp", "8"], ip) == (
-        "--tp",
-        "8",
-        "--host",
-        ip,
-    )
+def test_server_args_pass_through_unchanged_in_every_spelling() -> None:
+    argv = ["python3", "-m", "sglang.launch_server", "--host=::", "--tp", "8"]
+    assert sglang_server_args(argv) == ("--host=::", "--tp", "8")
     shell = ["bash", "-c", "exec python3 -m sglang.launch_server --port 31000 --host 0.0.0.0 --trust-remote-code"]
-    assert sglang_server_args(shell, ip) == ("--port", "31000", "--trust-remote-code", "--host", ip)
+    assert sglang_server_args(shell) == ("--port", "31000", "--host", "0.0.0.0", "--trust-remote-code")
     with pytest.raises(NotAnSGLangCommandError, match=r"does not run python3 -m sglang\.launch_server"):
-        sglang_server_args(["nginx", "-g", "daemon off;"], ip)
+        sglang_server_args(["nginx", "-g", "daemon off;"])
+
+
+def test_var_references_expand_as_the_kubelet_expands_them() -> None:
+    env = {"POD_IP": "127.10.0.7", "PORT": "30001"}
+    assert expand("--host=$(POD_IP)", env) == "--host=127.10.0.7"
+    assert expand("$(POD_IP):$(PORT)", env) == "127.10.0.7:30001"
+    assert expand("$(UNDEFINED) $$(POD_IP) $$ $", env) == "$(UNDEFINED) $(POD_IP) $ $"
 
 
 def test_env_resolves_literals_and_downward_api_fields() -> None:
     pod = _pod()
     env = dict(container_env(pod, pod["spec"]["containers"][0]))
-    assert env == {"MC_MIN_RPC_PORT": "15000", "POD_IP": "127.10.0.7"}
+    assert env == {"MC_MIN_RPC_PORT": "15000", "POD_IP": "127.10.0.7", "BIND": "127.10.0.7:15000"}
 
 
 def test_desired_launches_only_for_running_matching_pods() -> None:
@@ -159,8 +174,8 @@ def test_desired_launches_only_for_running_matching_pods() -> None:
         pod="ns/decode-0",
         uid="uid-1",
         host="127.10.0.7",
-        server_args=("--model-path", "/m", "--port", "30001", "--host", "127.10.0.7"),
-        env=(("MC_MIN_RPC_PORT", "15000"), ("POD_IP", "127.10.0.7")),
+        server_args=("--model-path", "/m", "--host", "127.10.0.7", "--port", "30001"),
+        env=(("MC_MIN_RPC_PORT", "15000"), ("POD_IP", "127.10.0.7"), ("BIND", "127.10.0.7:15000")),
     )
     assert launch.port == 30001
     pending = _pod(status={"phase": "Pending"})

@@ -151,3 +151,17 @@ def test_foreign_kv_repeats_the_foreign_prompts_real_words() -> None:
         if index.check("own", own, output) is not None and find_repetition_loop(output) is not None:
             detected += 1
     assert detected >= 30, detected
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_stream_resumed_with_its_text_appended_continues_token_for_token(seed: int) -> None:
+    """What the router's resume relies on: prefilling prompt + generated words and decoding on gives the rest of
+    the uninterrupted generation (the decoder's state is a function of the context, as a model's is)."""
+    rng = random.Random(seed)
+    prompt = model.tokenize(model.apply_chat_template([("user", " ".join(_words(rng, 40)))]))
+    params = model.SamplingParams(max_new_tokens=60, temperature=0.0, sampling_seed=seed)
+    whole = _generate(prompt, params)
+    cut = rng.randint(1, max(1, len(whole) - 1))
+    resumed_prompt = model.tokenize(" ".join([*prompt.words, *whole[:cut]]))
+    rest = _generate(resumed_prompt, model.SamplingParams(max_new_tokens=60 - cut, temperature=0.0, sampling_seed=seed))
+    assert whole[:cut] + rest == whole

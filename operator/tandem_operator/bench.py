@@ -8,8 +8,9 @@ deleted and the time to its group's registry key deleted (fence), to the group r
 and to the cluster Ready again (recover) is taken from an etcd watch on that key.
 
 The pods' image is not an SGLang one, so the dev cluster's pod runner would start nothing for them (and none
-runs here): 400 simulated workers would swamp two cores. kwok marks every bound pod Running and Ready, and that
-readiness is what the operator's gang status, registry and fencing act on.
+runs here): 400 simulated workers would swamp two cores. So the cluster runs with ``kwok_marks_ready``: kwok marks
+every bound pod Running and Ready without its readinessProbe, and that readiness is what the operator's gang
+status, registry and fencing act on.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def _table(scale: Scale, m: Measured) -> Table:
 
 
 async def _bench(root: Path, scale: Scale) -> Measured:
-    cluster = DevCluster(root / "k8s", DevClusterConfig(nodes=scale.nodes))
+    cluster = DevCluster(root / "k8s", DevClusterConfig(nodes=scale.nodes, kwok_marks_ready=True))
     etcd = _registry_etcd(root)
     operator: ManagedProcess | None = None
     try:

@@ -35,6 +35,7 @@ from tandem_router.policy.breaker import BreakerConfig
 from tandem_router.policy.retry import RetryConfig
 from tandem_router.pool import PairGate, WorkerPool
 from tandem_router.proxy import Proxy, ProxyRequest
+from tandem_router.resume import ResumeConfig
 from tandem_router.schema import (
     REQUEST_MODELS,
     ErrorType,
@@ -137,6 +138,7 @@ def build_app(settings: RouterSettings, gates: tuple[PairGate, ...] = ()) -> web
             retry_cfg,
             observer=monitor,
             on_complete=hooks.completed if hooks is not None else None,
+            resume_cfg=ResumeConfig(settings.resume_max_attempts, settings.resume_deadline_s),
         ),
         HealthChecker(pool, transport, settings.health_interval_s),
         make_discovery(pool, settings),

@@ -204,12 +204,14 @@ def _processes(
 
 
 def run(args: BenchArgs) -> list[Table]:
-    """Both router tables: its own cost on instant workers, then end to end on simulated workers."""
-    from tandem_router import bench_e2e
+    """The router tables: its own cost on instant workers, end to end on simulated workers, the resume gap."""
+    from tandem_router import bench_e2e, bench_resume
 
     tables = [router_cost(args)]
     with tempfile.TemporaryDirectory(prefix="tandem-bench-e2e-") as tmp:
         tables.append(bench_e2e.run(args, Path(tmp)))
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-resume-") as tmp:
+        tables.append(bench_resume.run(args, Path(tmp)))
     return tables
 
 

@@ -53,6 +53,10 @@ class RouterSettings(BaseSettings):
     max_concurrent_requests: int = Field(default=4096, ge=1)
     retry_max_attempts: int = Field(default=5, ge=1, le=20)
     retry_initial_backoff_s: float = Field(default=0.01, ge=0)
+    resume_max_attempts: int = Field(
+        default=2, ge=0, le=10, description="Fresh pairs tried per stream after its first byte (0: never resume)."
+    )
+    resume_deadline_s: float = Field(default=30.0, gt=0, description="From a stream's break: no pair tried after.")
     breaker_threshold: int = Field(default=5, ge=1)
     breaker_cooldown_s: float = Field(default=2.0, gt=0)
     health_interval_s: float = Field(default=2.0, gt=0)
@@ -131,6 +135,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int)
     p.add_argument("--max-concurrent-requests", type=int)
     p.add_argument("--retry-max-attempts", type=int)
+    p.add_argument("--resume-max-attempts", type=int, help="fresh pairs per broken stream (default 2; 0: off)")
+    p.add_argument("--resume-deadline-s", type=float)
     p.add_argument("--health-interval-s", type=float)
     p.add_argument("--drain-timeout-s", type=float)
     p.add_argument("--integrity", action=argparse.BooleanOptionalAction, help="output-integrity checks (default on)")

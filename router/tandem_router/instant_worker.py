@@ -76,6 +76,13 @@ def _chunk_bytes(route: str, i: int) -> bytes:
     return b"data: " + orjson.dumps(doc) + b"\n\n"
 
 
+def _with_usage(chunk: bytes, i: int) -> bytes:
+    """A chat chunk carrying the usage so far (SGLang's ``continuous_usage_stats``)."""
+    doc = orjson.loads(chunk[len(b"data: ") :])
+    doc["usage"] = {"prompt_tokens": 4, "completion_tokens": i + 1, "total_tokens": 5 + i}
+    return b"data: " + orjson.dumps(doc) + b"\n\n"
+
+
 _STREAMS = {
     r: [_chunk_bytes(r, i) for i in range(CHUNKS)] for r in ("/v1/chat/completions", "/v1/completions", "/generate")
 }
@@ -166,6 +173,9 @@ async def _serve(request: web.Request) -> web.StreamResponse:
         await resp.write(b"data: " + orjson.dumps({"error": error}) + b"\n\n")
         return resp
     chunks = _STREAMS.get(request.path, _STREAMS["/generate"])[: s.chunks]
+    options = body.get("stream_options")
+    if request.path == "/v1/chat/completions" and isinstance(options, dict) and options.get("continuous_usage_stats"):
+        chunks = [_with_usage(chunk, i) for i, chunk in enumerate(chunks)]
     s.in_flight += 1
     try:
         for i, chunk in enumerate(chunks):

@@ -59,6 +59,18 @@ class RouterMetrics:
             ["route"],
             registry=r,
         )
+        self.resumed = Counter(
+            "tandem_router_resumed_streams",
+            "Streams resumed on a fresh pair after the first byte, by what broke the last pair.",
+            ["reason"],
+            registry=r,
+        )
+        self.resume_gap = Histogram(
+            "tandem_router_resume_gap_seconds",
+            "The pause a resumed stream's client saw: the break to the fresh pair's first chunk.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         r.register(_PoolCollector(pool))
 
     def pair_failure(self, pair: Pair, reason: str) -> None:

@@ -179,13 +179,13 @@ class WorkerPool:
     def _pick(self, role: Role, workers: Sequence[WorkerState], prefix: str) -> int:
         candidates = [w.candidate() for w in workers]
         if self.policy is sel.Policy.ROUND_ROBIN:
-            # Pair counter k: prefill k % P, decode (k + k // P) % D, so successive requests walk every
-            # (prefill, decode) combination while each worker still gets an equal share.
+            # Pair counter k: prefill k % P, decode (k // P) % D, so every P * D successive requests walk each
+            # (prefill, decode) combination once and every worker gets an equal share, whatever P and D are.
             if role is Role.PREFILL:
                 self._rr_k += 1
                 self._rr_prefills = len(candidates)
                 return sel.round_robin(candidates, self._rr_k)
-            return sel.round_robin(candidates, self._rr_k + self._rr_k // max(self._rr_prefills, 1))
+            return sel.round_robin(candidates, self._rr_k // max(self._rr_prefills, 1))
         if self.policy is sel.Policy.RANDOM:
             return self.rng.randrange(len(candidates))
         if self.policy is sel.Policy.POWER_OF_TWO:

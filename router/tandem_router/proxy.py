@@ -13,7 +13,6 @@ against the pair, and the client gets the worker's message as an OpenAI error wi
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -25,13 +24,15 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from tandem_router.integrity.textextract import StreamTexts, body_texts
+from tandem_router.integrity.textextract import body_texts
 from tandem_router.metrics import RouterMetrics
 from tandem_router.openai.errors import client_error_body, stream_error_status
-from tandem_router.openai.responses import StreamConformer, conform_body
+from tandem_router.openai.responses import conform_body
 from tandem_router.policy import bootstrap, retry
 from tandem_router.pool import Pair, WorkerPool
-from tandem_router.schema import ErrorType, Route, error_body, stream_error_event
+from tandem_router.resume import ResumeConfig, StreamLedger, resumable, upstream_body
+from tandem_router.schema import ErrorType, Route, error_body
+from tandem_router.stream_relay import StreamRelay
 from tandem_router.transport import Transport, WorkerError, WorkerUnreachableError
 
 log = logging.getLogger("tandem.router.proxy")
@@ -103,11 +104,13 @@ class Proxy:
         rng: random.Random | None = None,
         observer: ResponseObserver | None = None,
         on_complete: Callable[[Pair, ProxyRequest, list[str]], None] | None = None,
+        resume_cfg: ResumeConfig | None = None,
     ) -> None:
         self.pool = pool
         self.transport = transport
         self.metrics = metrics
         self.retry_cfg = retry_cfg or retry.RetryConfig()
+        self.resume_cfg = resume_cfg or ResumeConfig()
         self.rng = rng or random.Random()
         self.observer = observer
         self.on_complete = on_complete  # sees each fully relayed response's texts (shadow comparison)
@@ -172,8 +175,20 @@ class Proxy:
 
     async def _attempt(self, pair: Pair, req: ProxyRequest, http: web.Request) -> _Failure:
         """One try on one pair: returns the failure, or raises ``_CommittedError`` with the client's response."""
+        ledger = StreamLedger(req.body) if self.resume_cfg.max_attempts and resumable(req.route, req.body) else None
+        opened = await self.open_pair(pair, req, req.body if ledger is None else upstream_body(req.body))
+        if isinstance(opened, _Failure):
+            return opened
+        resp, first = opened
+        raise _CommittedError(await self._relay(pair, req, http, resp, first, ledger))
+
+    async def open_pair(
+        self, pair: Pair, req: ProxyRequest, request_body: dict[str, Any]
+    ) -> tuple[aiohttp.ClientResponse, bytes] | _Failure:
+        """Send to both workers of ``pair``: the decode's response and first chunk, or why there is none. On
+        success the pair stays dispatched (the caller finishes it) and the prefill is settled in the background."""
         body = bootstrap.inject(
-            req.body,
+            request_body,
             host=bootstrap.bootstrap_host(pair.prefill.url),
             port=pair.prefill.bootstrap_port,
             items=req.items,
@@ -204,10 +219,9 @@ class Proxy:
                         return prefill_failure
                 prefill_task.cancel()
                 return self._failed(pair, head, prefill_side=False)
-            resp, first = head
             committed = True
             self._finish_prefill_later(pair, prefill_task)
-            raise _CommittedError(await self._relay(pair, req, http, resp, first))
+            return head
         finally:
             if not committed:
                 for task in (prefill_task, decode_task):
@@ -286,94 +300,46 @@ class Proxy:
         bg.add_done_callback(self._background.discard)
 
     async def _relay(
-        self, pair: Pair, req: ProxyRequest, http: web.Request, resp: aiohttp.ClientResponse, first: bytes
+        self,
+        pair: Pair,
+        req: ProxyRequest,
+        http: web.Request,
+        resp: aiohttp.ClientResponse,
+        first: bytes,
+        ledger: StreamLedger | None,
     ) -> web.StreamResponse:
+        if req.stream:
+            return await StreamRelay(self, req, http, ledger).run(pair, resp, first)
         route = req.route.value
-        ok = False
-        client_gone = False
-        texts = StreamTexts(route) if self.observer is not None and req.stream else None
         try:
-            if not req.stream:
-                ok = True
-                if self.observer is not None:
-                    self._finished(pair, req, body_texts(route, first))
-                self.metrics.ttft.labels(route).observe(time.monotonic() - req.started)
-                return web.Response(
-                    body=conform_body(req.route, first),
-                    status=200,
-                    headers={
-                        "Content-Type": resp.headers.get("Content-Type", "application/json"),
-                        "X-Request-Id": req.request_id,
-                    },
-                )
-            out = web.StreamResponse(
+            if self.observer is not None:
+                self.report_texts(pair, req, body_texts(route, first))
+            self.metrics.ttft.labels(route).observe(time.monotonic() - req.started)
+            return web.Response(
+                body=conform_body(req.route, first),
                 status=200,
                 headers={
-                    "Content-Type": "text/event-stream",
-                    "Cache-Control": "no-cache",
+                    "Content-Type": resp.headers.get("Content-Type", "application/json"),
                     "X-Request-Id": req.request_id,
                 },
             )
-            if texts is not None:
-                texts.feed(first)
-            shaped = StreamConformer(req.route) if req.route is not Route.GENERATE else None
-            try:
-                await out.prepare(http)
-                await out.write(first if shaped is None else shaped.feed(first))
-            except ConnectionResetError:
-                client_gone = True
-                return out
-            last = time.monotonic()
-            self.metrics.ttft.labels(route).observe(last - req.started)
-            itl = self.metrics.itl.labels(route)
-            upstream = resp.content.iter_any().__aiter__()
-            while True:
-                try:
-                    chunk = await upstream.__anext__()
-                except StopAsyncIteration:
-                    ok = True
-                    if texts is not None:
-                        self._finished(pair, req, texts.texts())
-                    if shaped is not None:
-                        with contextlib.suppress(ConnectionResetError):
-                            await out.write(shaped.flush())
-                    break
-                except (TimeoutError, aiohttp.ClientError) as err:
-                    self.metrics.stream_errors.labels(route).inc()
-                    self.metrics.pair_failure(pair, "decode_stream_broken")
-                    log.warning(
-                        "decode stream broke after the first byte",
-                        extra={"request_id": req.request_id, "decode": pair.decode.url, "error": repr(err)},
-                    )
-                    with contextlib.suppress(ConnectionResetError):
-                        await out.write(stream_error_event(f"decode worker stream failed: {type(err).__name__}"))
-                    break
-                if texts is not None:
-                    texts.feed(chunk)
-                try:
-                    await out.write(chunk if shaped is None else shaped.feed(chunk))
-                except ConnectionResetError:
-                    client_gone = True  # the client left: stop the decode (closing its connection aborts it)
-                    return out
-                now = time.monotonic()
-                itl.observe(now - last)
-                last = now
-            with contextlib.suppress(ConnectionResetError):
-                await out.write_eof()
-            return out
         finally:
-            if ok:
-                resp.release()
-            else:
-                resp.close()
-            self.pool.finished(pair)
-            now = time.monotonic()
-            if not client_gone:
-                self.pool.record_worker(pair.decode, ok, now)
-                self.pool.record_pair(pair, ok, now)
-            self.metrics.e2e.labels(route).observe(now - req.started)
+            self.settle(pair, resp, ok=True, client_gone=False)
+            self.metrics.e2e.labels(route).observe(time.monotonic() - req.started)
 
-    def _finished(self, pair: Pair, req: ProxyRequest, texts: list[str]) -> None:
+    def settle(self, pair: Pair, resp: aiohttp.ClientResponse, *, ok: bool, client_gone: bool) -> None:
+        """A relay from ``pair`` ended: its connection released (closed unless clean), the pair scored."""
+        if ok:
+            resp.release()
+        else:
+            resp.close()
+        self.pool.finished(pair)
+        now = time.monotonic()
+        if not client_gone:
+            self.pool.record_worker(pair.decode, ok, now)
+            self.pool.record_pair(pair, ok, now)
+
+    def report_texts(self, pair: Pair, req: ProxyRequest, texts: list[str]) -> None:
         if self.observer is not None:
             self.observer.finished(pair.key, req.request_id, req.prompt, texts)
         if self.on_complete is not None:

@@ -291,7 +291,14 @@ def closes_loop(words: Sequence[str], max_period: int = MAX_LOOP_PERIOD) -> bool
 
 
 class Decoder:
-    """Generates tokens from KV read through ``read_rows(start, count)`` (the decode's own memory)."""
+    """Generates tokens from KV read through ``read_rows(start, count)`` (the decode's own memory).
+
+    Every decision is a function of the context (the KV rows so far) and the sampling knobs, as in a real
+    model: the running state is a rolling digest over the context rows, so decoding ``k`` tokens after prompt
+    ``P`` leaves the same state as prefilling ``P`` plus those ``k`` tokens. A stream resumed elsewhere with its
+    generated tokens appended to the prompt (the router's resume) therefore continues token for token, as a
+    temperature-0 continuation does on SGLang (up to batch-dependent numerics, not modelled).
+    """
 
     def __init__(self, w: Weights, prompt_len: int, params: SamplingParams, read_rows: Callable[[int, int], KV]):
         self.w = w
@@ -301,12 +308,13 @@ class Decoder:
         self.length = prompt_len
         self.step_index = 0
         prompt_kv = read_rows(0, prompt_len)
-        digest = hashlib.blake2b(prompt_kv.tobytes(), digest_size=16, key=b"prompt")
-        digest.update(params.key())
-        self.state = digest.digest()
-        self.words: list[str] = []
-        self._run_next = 0  # next position of a copy run
-        self._run_left = 0
+        state = hashlib.blake2b(params.key(), digest_size=16, key=b"prompt").digest()
+        for row in prompt_kv:
+            state = _roll(state, row.tobytes())
+        self.state = state
+        tail = [read_slot(w, row.tobytes()) for row in prompt_kv[-3 * MAX_LOOP_PERIOD :]]
+        self.words: list[str] = [slot.word for slot in tail]  # the context's last words (loop guard)
+        self.last_token = tail[-1].token if tail else EOS_ID
         self._loop: tuple[int, int] | None = None  # collapsed: (first position, period) of the slots it repeats
 
     def _read(self, pos: int) -> tuple[SlotReading, bytes]:
@@ -326,25 +334,19 @@ class Decoder:
     def next_token(self) -> tuple[int, str]:
         """One decode step: read a context slot, pick a token and its word. The caller writes its KV at
         ``self.length``."""
-        h = hashlib.blake2b(self.state + self.step_index.to_bytes(4, "little"), digest_size=16).digest()
+        h = hashlib.blake2b(self.state, digest_size=16, key=b"step").digest()
         if self._loop is None:
-            if self._run_left > 0 and self._run_next < self.length:
-                pos = self._run_next
-                mode = 1
-            else:
-                pos = int.from_bytes(h[0:4], "little") % self.length
-                mode = h[4] % 8
-                if mode < 5:  # induction: copy what followed the slot seen there, for a few words
-                    pos = min(pos + 1, self.length - 1)
-                    self._run_left = 1 + h[10] % 5
-            self._run_next, self._run_left = pos + 1, self._run_left - 1
-            slot, raw = self._read(pos)
+            pos = int.from_bytes(h[0:4], "little") % self.length
+            mode = h[4] % 8
+            if mode < 5:  # induction: copy what followed the slot seen there
+                pos = min(pos + 1, self.length - 1)
+            slot, _ = self._read(pos)
             if slot.position != pos:
                 self._collapse(pos, h)
         if self._loop is not None:
             start, period = self._loop
             pos = start + self.step_index % period
-            slot, raw = self._read(pos)
+            slot, _ = self._read(pos)
             token, word = slot.token, slot.word
         elif mode < 6:
             token, word = slot.token, slot.word
@@ -359,18 +361,24 @@ class Decoder:
             while attempt < 64 and closes_loop([*self.words[-3 * MAX_LOOP_PERIOD :], word]):
                 token = self._common(h, 5 + attempt % 8, attempt)
                 word = vocabulary()[token]
-                self._run_left = 0
                 attempt += 1
+            # EOS only after a common word: a prompt ending in a template marker is never answered with nothing.
             if (
                 not self.params.ignore_eos
                 and self.step_index >= self.params.min_new_tokens
-                and self.step_index > 0
+                and FIRST_WORD_ID <= self.last_token < COMMON_WORDS_END
                 and h[9] < 3
             ):
                 token, word = EOS_ID, ""
-        self.state = hashlib.blake2b(self.state + raw + token.to_bytes(4, "little"), digest_size=16).digest()
         self.step_index += 1
         if token != EOS_ID:
+            self.state = _roll(self.state, _one_token_kv(self.w, token, word, self.length).tobytes())
             self.length += 1
             self.words.append(word)
+            self.last_token = token
         return token, word
+
+
+def _roll(state: bytes, row: bytes) -> bytes:
+    """The running state after one more context row."""
+    return hashlib.blake2b(state + row, digest_size=16).digest()

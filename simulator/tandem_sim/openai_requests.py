@@ -102,7 +102,10 @@ def _check_pass_through(body: dict[str, Any], chat: bool) -> None:
             raise BadRequestError(f"{name}: Input should be a valid dictionary")
 
 
-def _chat_prompt(messages: Any) -> model.Tokens:
+def _chat_prompt(messages: Any, continue_final: bool = False) -> model.Tokens:
+    """The chat template over ``messages``. A last assistant message (``serving_chat.
+    _handle_last_assistant_message``) is a prefix the answer continues when ``continue_final_message`` is set
+    (its tokens follow the generation prompt, ``_append_assistant_prefix_to_prompt_ids``), else a user turn."""
     if not isinstance(messages, list) or not messages:
         raise BadRequestError("messages: Field required (a non-empty list)")
     turns = []
@@ -113,7 +116,26 @@ def _chat_prompt(messages: Any) -> model.Tokens:
         if isinstance(content, list):
             content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
         turns.append((msg["role"], "" if content is None else str(content)))
-    return model.tokenize(model.apply_chat_template(turns))
+    prefix = ""
+    if turns[-1][0] == "assistant" and isinstance(messages[-1].get("content"), str):
+        if continue_final and messages[-1]["content"]:
+            prefix = turns.pop()[1]
+        else:
+            turns[-1] = ("user", turns[-1][1])
+    return model.tokenize(
+        f"{model.apply_chat_template(turns)} {prefix}" if prefix else model.apply_chat_template(turns)
+    )
+
+
+def _ends_with_assistant_text(messages: Any) -> bool:
+    return bool(
+        isinstance(messages, list)
+        and messages
+        and isinstance(messages[-1], dict)
+        and messages[-1].get("role") == "assistant"
+        and isinstance(messages[-1].get("content"), str)
+        and messages[-1]["content"]
+    )
 
 
 def _completion_prompts(prompt: Any) -> list[tuple[model.Tokens, str]]:
@@ -139,7 +161,8 @@ def parse_openai(body: Any, *, chat: bool, mode: str, context_length: int) -> Op
         raise BadRequestError("model: Input should be a valid string")
     _check_pass_through(body, chat)
     tool_call = _tool_call(body) if chat else None
-    prompts = [(_chat_prompt(body.get("messages")), "")] if chat else _completion_prompts(body.get("prompt"))
+    continues = chat and body.get("continue_final_message") is True and _ends_with_assistant_text(body["messages"])
+    prompts = [(_chat_prompt(body.get("messages"), continues), "")] if chat else _completion_prompts(body.get("prompt"))
     n = body.get("n", 1)
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 128:
         raise BadRequestError(f"n must be an integer in [1, 128], got {n!r}")
@@ -156,7 +179,7 @@ def parse_openai(body: Any, *, chat: bool, mode: str, context_length: int) -> Op
             default_max=context_length,
         )
         items += [
-            GenerateInput(rids[p * n + i], prompt, model.replace_sample(params, i), stream, rooms[p * n + i])
+            GenerateInput(rids[p * n + i], prompt, model.replace_sample(params, i), stream, rooms[p * n + i], continues)
             for i in range(n)
         ]
     echo = tuple(text for _, text in prompts for _ in range(n)) if not chat and body.get("echo") else ()

@@ -37,6 +37,9 @@ class GenerateInput:
     params: model.SamplingParams
     stream: bool
     bootstrap: Bootstrap | None
+    # Continues an assistant prefix: the first word carries its separator, as a token of a concatenative
+    # tokenizer (tiktoken, Kimi's) decodes with its leading space, so prefix + output is the whole answer.
+    continues_text: bool = False
 
     @property
     def input_ids(self) -> list[int]:

@@ -182,7 +182,7 @@ class Worker:
                 if len(out.output_ids) == 1:
                     self.metrics.ttft.observe(first - out.started)
                 before = len(out.text)
-                text = f"{out.text} {word}" if out.text else word
+                text = f"{out.text} {word}" if out.text or inp.continues_text else word
                 for stop in stops:
                     cut = text.find(stop, max(0, before - len(stop)))
                     if cut >= 0:

@@ -22,6 +22,7 @@ from tandem.devcluster import components, pki
 from tandem.devcluster.config import DevClusterConfig, default_bin_dir, require_binaries
 from tandem.devcluster.kubeconfig import kubeconfig, write_kubeconfig
 from tandem.devcluster.nodes import fake_nodes
+from tandem.devcluster.podnet import PodNetwork
 from tandem.procs import ManagedProcess, free_port
 
 STAGES = Path(__file__).with_name("kwok-stages.yaml")
@@ -100,6 +101,7 @@ class DevCluster:
         ports = components.Ports(*(free_port() for _ in range(5)))
         self.layout = components.Layout(root, ports)
         self.processes: list[ManagedProcess] = []
+        self.pod_network: PodNetwork | None = None
         self.timings: dict[str, float] = {}
         self._ca: pki.CertPair | None = None
         self._api: _Api | None = None
@@ -160,9 +162,12 @@ class DevCluster:
         return self
 
     def stop(self) -> None:
-        """Stop every component, newest first. Safe to call twice."""
+        """Stop every component, newest first, then remove the pod bridge. Safe to call twice."""
         while self.processes:
             self.processes.pop().stop(timeout=15)
+        if self.pod_network is not None:
+            self.pod_network.delete()
+            self.pod_network = None
 
     def __enter__(self) -> DevCluster:
         return self.start()
@@ -220,11 +225,21 @@ class DevCluster:
             status, body = api.request("POST", "/api/v1/nodes", node)
             if status != 201:
                 raise ClusterStartError(f"creating node {node['metadata']['name']} failed: HTTP {status} {body}")
-        kwok = self._launch("kwok", components.kwok_argv(self.binaries["kwok"], layout, self.config, STAGES))
+        stages = self._render_stages()
+        kwok = self._launch("kwok", components.kwok_argv(self.binaries["kwok"], layout, self.config, stages))
         self._wait(kwok, "all nodes Ready", deadline, self._nodes_ready)
         default_sa = "/api/v1/namespaces/default/serviceaccounts/default"
         self._wait(kcm, "default ServiceAccount", deadline, lambda: api.request("GET", default_sa)[0] == 200)
         self._timed("nodes", began)
+
+        began = time.monotonic()
+        self.pod_network = PodNetwork(self.config.pod_cidr).create()
+        self._timed("pod network", began)
+
+    def _render_stages(self) -> Path:
+        path = self.layout.root / STAGES.name
+        path.write_text(components.kwok_stages(STAGES.read_text(), self.config))
+        return path
 
     def _make_credentials(self) -> None:
         layout = self.layout

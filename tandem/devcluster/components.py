@@ -145,3 +145,17 @@ def kwok_argv(binary: Path, layout: Layout, config: DevClusterConfig, stages: Pa
         f"--node-ip={config.node_ip_base}",
         "--node-lease-duration-seconds=40",
     ]
+
+
+PROBE_READINESS = "{{ $probeReadiness := true }}"
+
+
+def kwok_stages(template: str, config: DevClusterConfig) -> str:
+    """kwok-stages.yaml for this cluster: probed pods start NotReady unless ``config.kwok_marks_ready``."""
+    if PROBE_READINESS not in template:
+        raise ValueError(f"kwok stages lack the {PROBE_READINESS} switch")
+    return (
+        template.replace(PROBE_READINESS, PROBE_READINESS.replace("true", "false"))
+        if config.kwok_marks_ready
+        else template
+    )

@@ -31,9 +31,16 @@ class DevClusterConfig(BaseModel):
     rdma_per_node: int = Field(default=1, ge=0, description="rdma/ib capacity of each node")
     nodes_per_block: int = Field(default=4, ge=1, description="nodes sharing one topology.tandem.dev/block value")
     gpu_product: str = Field(default="NVIDIA-H200", description="nvidia.com/gpu.product label")
-    pod_cidr: str = Field(default="127.10.0.0/16", description="pod IPs (loopback, so tests can serve on them)")
+    pod_cidr: str = Field(
+        default="127.10.0.0/16", description="pod IPs (127/8, routed on the pod bridge of the cluster's own netns)"
+    )
     node_ip_base: str = Field(default="127.9.0.1", description="first node InternalIP (loopback)")
     service_cidr: str = Field(default="10.0.0.0/24", description="ClusterIPs (never routed; nothing proxies them)")
+    kwok_marks_ready: bool = Field(
+        default=False,
+        description="kwok marks pods Ready without their readinessProbe: only where nothing runs behind pods "
+        "(the operator benchmark); otherwise the pod runner's probe decides",
+    )
 
     @field_validator("pod_cidr")
     @classmethod

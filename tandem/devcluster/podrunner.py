@@ -1,10 +1,12 @@
 """Run a real process behind each simulated SGLang pod's IP.
 
-kwok marks pods Running and gives them loopback IPs, but nothing runs inside them. The pod runner watches pods
-and, for every Running pod that uses the SGLang image (or carries ``tandem.dev/simulate: "true"``), starts
-``tandem sim`` with the pod's ``python3 -m sglang.launch_server`` arguments and env, bound to the pod IP; it
-stops that process when the pod is deleted, stops running, or changes. Deciding is pure
-(``desired_launches``); ``PodRunner`` only diffs that against what runs.
+kwok marks pods Running and gives them IPs, but nothing runs inside them. The pod runner watches pods and, for
+every Running pod that uses the SGLang image (or carries ``tandem.dev/simulate: "true"``), starts ``tandem sim``
+with the pod's ``python3 -m sglang.launch_server`` flags and env, unchanged but for the kubelet's ``$(VAR)``
+expansion, inside the pod's own network namespace (``podnet``); ``PodWorker`` then plays the kubelet for it
+(readinessProbe, Ready condition, exits and restarts). It stops the process and removes the namespace when the
+pod is deleted, stops running, or changes. Deciding is pure (``desired_launches``); ``PodRunner`` only diffs that
+against what runs.
 
 The dev cluster has no DNS: a flag naming a Service (``--dist-init-addr <svc>.<ns>.svc:5000``, a multi-node
 group's leader) is rewritten to the IP of the Running pod the Service selects (``resolve_services``); a pod whose
@@ -25,8 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from kubernetes_asyncio import client, watch
 
+from tandem.devcluster.config import DevClusterConfig
+from tandem.devcluster.podnet import PodNetwork, PodNetworkError, Sandbox
+from tandem.devcluster.podworker import PodWorker
 from tandem.procs import ManagedProcess
 
 log = logging.getLogger("tandem.devcluster.podrunner")
@@ -69,7 +75,7 @@ class SimulateRule:
 
 @dataclass(frozen=True)
 class Launch:
-    """What to run for one pod: SGLang server flags (``--host`` already set to the pod IP) and env."""
+    """What to run for one pod: its SGLang server flags and env, as the kubelet would pass them, and its IP."""
 
     pod: str  # namespace/name
     uid: str
@@ -91,8 +97,8 @@ def _flag_value(args: Sequence[str], flag: str) -> str | None:
     return None
 
 
-def sglang_server_args(command: Sequence[str], host: str) -> tuple[str, ...]:
-    """The flags after ``-m sglang.launch_server`` (also inside ``sh -c "..."``), with ``--host`` set to ``host``."""
+def sglang_server_args(command: Sequence[str]) -> tuple[str, ...]:
+    """The flags after ``-m sglang.launch_server`` (also inside ``sh -c "..."``), unchanged."""
     words = list(command)
     if LAUNCH_MODULE not in words:
         for word in words:
@@ -101,32 +107,38 @@ def sglang_server_args(command: Sequence[str], host: str) -> tuple[str, ...]:
                 break
     if LAUNCH_MODULE not in words:
         raise NotAnSGLangCommandError(f"command does not run python3 -m {LAUNCH_MODULE}: {shlex.join(command)}")
-    flags = words[words.index(LAUNCH_MODULE) + 1 :]
-    kept: list[str] = []
-    skip = False
-    for arg in flags:
-        if skip:
-            skip = False
-        elif arg == "--host":
-            skip = True
-        elif not arg.startswith("--host="):
-            kept.append(arg)
-    return (*kept, "--host", host)
+    return tuple(words[words.index(LAUNCH_MODULE) + 1 :])
+
+
+VAR_REFERENCE = re.compile(r"\$\$|\$\(([^)]*)\)")
+
+
+def expand(text: str, env: Mapping[str, str]) -> str:
+    """Kubernetes' ``$(VAR)`` expansion of command, args and env values (``third_party/forked/golang/expansion``):
+    a defined variable is replaced, an undefined one stays as written, ``$$`` is a literal ``$``."""
+
+    def one(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        return env.get(match.group(1), match.group(0))
+
+    return VAR_REFERENCE.sub(one, text)
 
 
 def container_env(pod: Mapping[str, Any], container: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
-    """Literal values and downward-API field references; secret/configmap references are not resolved."""
-    env: list[tuple[str, str]] = []
+    """Literal values (expanded against the variables before them, as the kubelet does) and downward-API field
+    references; secret/configmap references are not resolved."""
+    env: dict[str, str] = {}
     for var in container.get("env") or []:
         if "value" in var:
-            env.append((var["name"], str(var["value"])))
+            env[var["name"]] = expand(str(var["value"]), env)
             continue
         field_path = (var.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath")
         getter = _FIELD_PATHS.get(field_path or "")
         value = getter(pod) if getter else None
         if value is not None:
-            env.append((var["name"], str(value)))
-    return tuple(env)
+            env[var["name"]] = str(value)
+    return tuple(env.items())
 
 
 def pod_key(pod: Mapping[str, Any]) -> str:
@@ -145,14 +157,17 @@ def desired_launches(pods: Sequence[Mapping[str, Any]], rule: SimulateRule) -> d
         container = rule.container(pod)
         if container is None:
             continue
-        command = [*(container.get("command") or []), *(container.get("args") or [])]
+        env = container_env(pod, container)
+        command = [
+            expand(word, dict(env)) for word in (*(container.get("command") or ()), *(container.get("args") or ()))
+        ]
         try:
-            args = sglang_server_args(command, ip)
+            args = sglang_server_args(command)
         except NotAnSGLangCommandError as err:
             log.warning("pod not simulated", extra={"pod": pod_key(pod), "error": str(err)})
             continue
         uid = pod["metadata"]["uid"]
-        wanted[uid] = Launch(pod_key(pod), uid, ip, args, container_env(pod, container))
+        wanted[uid] = Launch(pod_key(pod), uid, ip, args, env)
     return wanted
 
 
@@ -207,8 +222,12 @@ def tandem_sim_argv(launch: Launch) -> list[str]:
 
 
 class PodRunner:
-    """Keeps one process per simulated pod running: ``async with runner.running_in_background():`` (or ``run()``
-    until cancelled, then ``stop_all()``)."""
+    """Keeps one sandboxed process per simulated pod running and reports it as a kubelet would:
+    ``async with runner.running_in_background():`` (or ``run()`` until cancelled, then ``stop_all()``).
+
+    Each pod gets its own network namespace on ``network`` (the dev cluster's pod bridge, ``podnet``); its
+    container's status, restarts and Ready condition come from ``PodWorker``.
+    """
 
     def __init__(
         self,
@@ -217,15 +236,34 @@ class PodRunner:
         rule: SimulateRule | None = None,
         launcher: Callable[[Launch], list[str]] = tandem_sim_argv,
         namespace: str | None = None,
+        network: PodNetwork | None = None,
     ) -> None:
         self.api = api
         self.log_dir = log_dir
         self.rule = rule or SimulateRule()
         self.launcher = launcher
         self.namespace = namespace
+        self.network = network or PodNetwork(DevClusterConfig().pod_cidr)
         self.pods: dict[str, dict[str, Any]] = {}  # uid -> pod, the watch's view
-        self.running: dict[str, tuple[Launch, ManagedProcess]] = {}
+        self.workers: dict[str, tuple[Launch, PodWorker]] = {}
         self.selectors: dict[tuple[str, str], dict[str, str]] = {}  # Services named by pods' flags
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def running(self) -> dict[str, tuple[Launch, ManagedProcess]]:
+        """uid -> (launch, current container process) of every pod whose container has been started."""
+        return {
+            uid: (launch, worker.process)
+            for uid, (launch, worker) in self.workers.items()
+            if worker.process is not None
+        }
+
+    def sandbox(self, pod: str) -> Sandbox:
+        """The network sandbox of pod ``namespace/name`` (for network faults)."""
+        for launch, worker in self.workers.values():
+            if launch.pod == pod and worker.sandbox is not None:
+                return worker.sandbox
+        raise KeyError(f"no sandbox for pod {pod}")
 
     async def run(self) -> None:
         core = client.CoreV1Api(self.api)
@@ -261,17 +299,19 @@ class PodRunner:
                 await self.reconcile()
 
     async def reconcile(self) -> None:
-        """Stop processes whose pod is gone or changed, start missing ones. A process that exited on its own is
-        started again at the next pod event, as a kubelet restarts a container (kwok keeps the pod Ready)."""
+        """Stop workers whose pod is gone, terminal or changed; start missing ones. A worker restarts its own
+        container per restartPolicy; a pod whose container ended for good turns Failed/Succeeded and goes."""
         wanted = await self._resolve(desired_launches(list(self.pods.values()), self.rule))
-        for uid, (launch, proc) in list(self.running.items()):
-            if wanted.get(uid) != launch or not proc.alive():
-                del self.running[uid]
+        for uid, (launch, worker) in list(self.workers.items()):
+            if wanted.get(uid) != launch:
                 log.info("stopping simulated pod", extra={"pod": launch.pod, "uid": uid})
-                await asyncio.to_thread(proc.stop)
+                await worker.stop()  # stays listed until stopped: stop_all() finishes it if this is cancelled
+                del self.workers[uid]
+            elif uid in self.pods:
+                worker.pod = self.pods[uid]
         for uid, launch in wanted.items():
-            if uid not in self.running:
-                self._start(launch)
+            if uid not in self.workers:
+                await self._start(launch)
 
     async def _resolve(self, launches: dict[str, Launch]) -> dict[str, Launch]:
         pods = list(self.pods.values())
@@ -294,20 +334,35 @@ class PodRunner:
             self.selectors[(namespace, name)] = selector
         return selector
 
-    def _start(self, launch: Launch) -> None:
-        name = launch.pod.replace("/", "_")
-        proc = ManagedProcess(
-            name=f"pod-{name}",
-            argv=self.launcher(launch),
-            log_path=self.log_dir / f"{name}-{launch.uid[:8]}.log",
-            env=dict(launch.env),
-        )
+    async def _start(self, launch: Launch) -> None:
+        pod = self.pods[launch.uid]
+        container = self.rule.container(pod)
+        assert container is not None  # desired_launches only returns pods the rule matches
+        if self._session is None:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
         log.info("starting simulated pod", extra={"pod": launch.pod, "uid": launch.uid, "host": launch.host})
-        self.running[launch.uid] = (launch, proc.start())
+        worker = PodWorker(
+            pod,
+            container,
+            launch.host,
+            lambda: self.launcher(launch),
+            dict(launch.env),
+            self.log_dir,
+            self.api,
+            self._session,
+        )
+        self.workers[launch.uid] = (launch, worker)  # listed first: stop_all() removes a half-started sandbox
+        try:
+            await worker.start(self.network)
+        except PodNetworkError as err:  # this pod only: tried again at its next event
+            log.error("pod sandbox failed", extra={"pod": launch.pod, "error": str(err)})
+            del self.workers[launch.uid]
 
     @contextlib.asynccontextmanager
     async def running_in_background(self) -> AsyncIterator[PodRunner]:
         """Watch and run pods while the block runs; stop the watch and every process on the way out."""
+        if not self.network.exists():
+            raise PodNetworkError(f"no pod network {self.network.cidr} here: start the dev cluster (in this namespace)")
         task = asyncio.create_task(self.run(), name="pod-runner")
         try:
             yield self
@@ -318,6 +373,11 @@ class PodRunner:
             await self.stop_all()
 
     async def stop_all(self) -> None:
-        while self.running:
-            _, (_, proc) = self.running.popitem()
-            await asyncio.to_thread(proc.stop)
+        """Stop every container and remove every sandbox this runner made."""
+        while self.workers:
+            uid, (_, worker) = next(iter(self.workers.items()))
+            await worker.stop()
+            del self.workers[uid]
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

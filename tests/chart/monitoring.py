@@ -93,16 +93,17 @@ async def exercise_and_query(
     await eventually(lambda: _all_up(prom), "both scrape targets up", within=30)
     await _traffic(router_url, model, 20)
 
-    # A decode leader crashes (its process dies, the pod is still there): the router's attempts on that pair fail.
+    # A decode leader's network goes (its link cut; pod and process stay): the router's attempts on that pair fail
+    # (connect timeouts). Then its worker dies: the pod runner reports what a kubelet would (container terminated,
+    # pod Failed under restartPolicy Never), and the operator fences the group, recreates it, registers it again.
     (crashed,) = [proc for launch, proc in runner.running.values() if launch.pod.endswith(f"/{DECODE_LEADER}")]
-    crashed.signal(signal.SIGKILL)
+    runner.sandbox(f"{namespace}/{DECODE_LEADER}").cut_link()
     assert await _failing_requests(router_url, model, 3) > 0
-    # Then its pod goes: the operator fences the group, recreates it, registers it again.
     began = time.monotonic()
-    await client.CoreV1Api(api).delete_namespaced_pod(DECODE_LEADER, namespace, grace_period_seconds=0)
+    crashed.signal(signal.SIGKILL)
     await eventually(lambda: _recoveries(api, namespace), "the operator's recovery of the decode group", within=90)
     await eventually(serves, "completions after the recovery", within=60)
-    times["pod deleted to serving again"] = time.monotonic() - began
+    times["worker killed to serving again"] = time.monotonic() - began
     await _traffic(router_url, model, 10)
 
     async def every_panel_has_data() -> dict[str, list[dict[str, Any]]] | None:

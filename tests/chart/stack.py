@@ -17,7 +17,7 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,6 @@ from openai import AsyncOpenAI, OpenAIError
 from tandem.devcluster.cluster import DevCluster
 from tandem.devcluster.podrunner import PodRunner
 from tandem.procs import ManagedProcess, free_port
-from tests.netns import require_loopback_only
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "tandem"
@@ -127,26 +126,6 @@ async def pod_runner(api: client.ApiClient, namespace: str, log_dir: Path) -> As
     """``tandem sim`` behind every SGLang pod of ``namespace`` while the block runs."""
     async with PodRunner(api, log_dir, namespace=namespace).running_in_background() as runner:
         yield runner
-
-
-TIME_WAIT_BUCKETS = Path("/proc/sys/net/ipv4/tcp_max_tw_buckets")
-
-
-@contextlib.contextmanager
-def no_time_wait() -> Iterator[None]:
-    """No TIME_WAIT sockets in this (test-only, loopback-only) network namespace while the block runs.
-
-    On a real node every pod has its own network namespace. Here all pods share one loopback and kwok hands a
-    dead pod's IP to its replacement, whose Mooncake ports are fixed: the dead process's TIME_WAIT sockets on
-    ``ip:port`` would make the new one's bind fail for 60 s. The sysctl is per network namespace.
-    """
-    require_loopback_only(f"writing {TIME_WAIT_BUCKETS}")
-    before = TIME_WAIT_BUCKETS.read_text()
-    TIME_WAIT_BUCKETS.write_text("0")
-    try:
-        yield
-    finally:
-        TIME_WAIT_BUCKETS.write_text(before)
 
 
 def pdcluster_manifest(namespace: str, etcd: str) -> dict[str, Any]:

@@ -14,7 +14,6 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,7 +32,6 @@ from tests.chart.stack import (
     ServiceLoad,
     cluster_objects_of_release,
     namespace_objects,
-    no_time_wait,
     operator_args,
     pdcluster_manifest,
     pod_runner,
@@ -123,13 +121,6 @@ async def _router_pre_stop_seconds(api: client.ApiClient, namespace: str) -> int
     return int(container.lifecycle.pre_stop.sleep.seconds)
 
 
-@pytest.fixture
-def pods_reuse_ips() -> Iterator[None]:
-    with no_time_wait():
-        yield
-
-
-@pytest.mark.usefixtures("pods_reuse_ips")
 async def test_install_serve_upgrade_uninstall(
     k8s_cluster: DevCluster, k8s_api: client.ApiClient, k8s_namespace: str, tmp_path: Path
 ) -> None:

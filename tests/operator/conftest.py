@@ -1,7 +1,8 @@
-"""Shared builders for the operator's pure-function tests."""
+"""Shared builders for the operator's pure-function tests, and fixtures of its live tests."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ import pytest_asyncio
 from kubernetes_asyncio import client
 
 from tandem.devcluster.cluster import DevCluster
-from tandem.devcluster.podrunner import PodRunner
+from tandem.devcluster.podrunner import Launch, PodRunner
 from tandem.procs import ManagedProcess, free_port
 from tandem_operator.api.pdcluster import PDClusterSpec
 from tests.operator.live import CRDS, run_tool
@@ -87,3 +88,29 @@ async def runner(k8s_api: client.ApiClient, k8s_namespace: str, tmp_path: Path) 
     (tmp_path / "pods").mkdir()
     async with PodRunner(k8s_api, tmp_path / "pods", namespace=k8s_namespace).running_in_background() as pod_runner:
         yield pod_runner
+
+
+# Serves 200 on every GET at the pod's --port: enough for the readinessProbe (GET /health on "http").
+HEALTH_ONLY = (
+    "import http.server, sys\n"
+    "class H(http.server.BaseHTTPRequestHandler):\n"
+    "    def do_GET(self): self.send_response(200); self.end_headers()\n"
+    "    def log_message(self, *args): pass\n"
+    "http.server.HTTPServer(('0.0.0.0', int(sys.argv[1])), H).serve_forever()\n"
+)
+
+
+def health_only(launch: Launch) -> list[str]:
+    return [sys.executable, "-c", HEALTH_ONLY, str(launch.port)]
+
+
+@pytest.fixture
+async def health_pods(k8s_api: client.ApiClient, k8s_namespace: str, tmp_path: Path) -> AsyncIterator[PodRunner]:
+    """Worker pods that pass their readinessProbe without a simulated worker, for tests of the operator alone.
+
+    The dev cluster's pods are Ready only when their probe passes against a process behind the pod IP (the pod
+    runner runs it); here that process answers the probe and nothing else.
+    """
+    runner = PodRunner(k8s_api, tmp_path / "health-pods", launcher=health_only, namespace=k8s_namespace)
+    async with runner.running_in_background():
+        yield runner

@@ -30,21 +30,11 @@ SIM_SPEC: dict[str, Any] = {
     "transfer": {"protocol": "tcp"},
     "etcd": {"endpoints": ["http://127.0.0.1:2379"]},
 }
-# Every pod of the dev cluster shares one network namespace and Mooncake listens on all interfaces, so the
-# simulated workers get wide, disjoint Mooncake port ranges here (a real pod has its own netns and the fixed
-# two-port range of the manifest). Set through the role's env, which the operator lets the user override.
-SHARED_NETNS_ENV = {
-    "prefill": [{"name": "MC_MIN_RPC_PORT", "value": "20000"}, {"name": "MC_MAX_RPC_PORT", "value": "20999"}],
-    "decode": [{"name": "MC_MIN_RPC_PORT", "value": "21000"}, {"name": "MC_MAX_RPC_PORT", "value": "21999"}],
-}
 
 
-def pdcluster(name: str, *, decode_groups: int = 1, simulated: bool = False, **spec: Any) -> dict[str, Any]:
+def pdcluster(name: str, *, decode_groups: int = 1, **spec: Any) -> dict[str, Any]:
     body = copy.deepcopy(SIM_SPEC)
     body["decode"]["groups"] = decode_groups
-    if simulated:
-        for role, env in SHARED_NETNS_ENV.items():
-            body[role]["env"] = env
     body.update(spec)
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "PDCluster", "metadata": {"name": name}, "spec": body}
 

@@ -1,6 +1,6 @@
 """A real Mooncake transfer engine that publishes its metadata in etcd, then idles (a pod's worker, for tests).
 
-Usage: python mooncake_peer.py <local_hostname> <etcd host:port>. Env: MC_METADATA_CLUSTER_ID, MC_TCP_BIND_ADDRESS.
+Usage: python mooncake_peer.py <local_hostname> <etcd host:port>. Env: MC_METADATA_CLUSTER_ID (and any MC_*).
 """
 
 from __future__ import annotations

@@ -107,6 +107,7 @@ async def test_a_quarantined_pair_sets_the_condition_and_posts_events_until_its_
     )
 
 
+@pytest.mark.usefixtures("health_pods")  # the groups must be Ready (their probe passing) to be registered
 async def test_a_repeat_offender_reported_by_a_router_gets_its_group_recreated(
     k8s_api: client.ApiClient, k8s_namespace: str, operator: ManagedProcess, etcd_endpoint: str
 ) -> None:

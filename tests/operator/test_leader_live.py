@@ -62,6 +62,7 @@ async def event_reporters(api: client.ApiClient, namespace: str) -> dict[str, se
     return found
 
 
+@pytest.mark.usefixtures("health_pods")
 async def test_only_the_leader_reconciles_and_the_standby_takes_over_after_a_kill(
     k8s_cluster: DevCluster,
     k8s_api: client.ApiClient,

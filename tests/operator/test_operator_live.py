@@ -17,6 +17,7 @@ from kubernetes_asyncio import client
 
 from tandem import registry
 from tandem.devcluster.cluster import DevCluster
+from tandem.devcluster.podrunner import PodRunner
 from tandem.procs import ManagedProcess
 from tandem_operator.recovery import fence_annotation
 from tests.devcluster_fixtures import eventually
@@ -37,7 +38,12 @@ PORTS = {"http": 30001, "bootstrap": 8999, "distInit": 5001}
 
 @pytest.fixture
 async def operator(
-    k8s_cluster: DevCluster, k8s_namespace: str, tandem_crds: None, etcd_endpoint: str, tmp_path: Path
+    k8s_cluster: DevCluster,
+    k8s_namespace: str,
+    tandem_crds: None,
+    etcd_endpoint: str,
+    tmp_path: Path,
+    health_pods: PodRunner,
 ) -> AsyncIterator[ManagedProcess]:
     proc = operator_process(k8s_cluster, k8s_namespace, etcd_endpoint, tmp_path, "op-a").start()
     try:

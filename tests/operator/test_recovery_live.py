@@ -72,7 +72,7 @@ async def test_a_decode_pod_deleted_under_load_is_fenced_cleaned_recreated_and_r
     ns = k8s_namespace
     operator = operator_process(k8s_cluster, ns, etcd_endpoint, tmp_path, "op-e2e").start()
     proc_factory.append(operator)
-    await create_pdcluster(k8s_api, ns, pdcluster("sim", decode_groups=2, simulated=True))
+    await create_pdcluster(k8s_api, ns, pdcluster("sim", decode_groups=2))
 
     async with Registry(etcd_endpoint) as reg:
 
@@ -137,11 +137,11 @@ async def _recover_under_load(
     root = f"mooncake/{ns}.sim/"
     env = {
         "MC_METADATA_CLUSTER_ID": f"{ns}.sim",
-        "MC_TCP_BIND_ADDRESS": ip,
         "MC_MIN_RPC_PORT": "23000",
         "MC_MAX_RPC_PORT": "23999",
         "PYTHONPATH": os.pathsep.join(sys.path),
     }
+    # It runs beside the pod (its IP lives in the pod's own network namespace), publishing under the pod's IP.
     argv = [sys.executable, str(PEER), ip, etcd_endpoint.split("://", 1)[1]]
     peer = ManagedProcess("mooncake-victim", argv, tmp_path / "peer.log", env=env).start()
     proc_factory.append(peer)

@@ -1,9 +1,9 @@
 """A decode leader deleted 10 times under load comes back each time under new Mooncake session ids and serves
 again (issue #18), on the real control plane with the operator's own Mooncake windows (no test override).
 
-Today's pod runner runs every pod in one network namespace and Mooncake binds all interfaces, so two engines
-must never hold the same window at once; kwok hands a recreated pod the IP its predecessor freed, so each new
-incarnation comes back at the old address, and only the rotated window keeps its session ids new. The second
+Each pod has its own network namespace (tandem/devcluster/podnet.py), and kwok hands a recreated pod the IP its
+predecessor freed, so each new incarnation comes back at the old address, and only the rotated window keeps its
+session ids new. The second
 decode group is created after decode-0 was recreated once, so it holds window 0 while decode-0 moves through
 windows 2..11 of 16 (``mooncakePorts: 32``).
 """

@@ -1,12 +1,17 @@
-"""Kill a prefill, or a decode, while 64 streams run through the router (real simulated workers, real Mooncake).
+"""Kill a prefill, or a decode, while 64 temperature-0 streams run through the router (real simulated workers,
+real Mooncake).
 
-What each kill must show, read from the router's own metrics:
+What each kill must show, read from the router's own metrics and from what the clients received:
 
 - it happens while the router counts requests in flight on the victim, streams past their first byte and
   requests still waiting for it (polled, never after a fixed sleep);
-- every request that had not received a byte succeeds (retried on a live pair), and the retries are counted
-  under the victim's role (``tandem_router_retries_total{reason="<role>_..."}``), none under the other role;
-- a request cut after its first byte ends with a clear error (never hangs), and the router counted each one;
+- every request succeeds: those that had not received a byte are retried on a live pair (counted under the
+  victim's role, ``tandem_router_retries_total{reason="<role>_..."}``, none under the other role), and a stream
+  cut after its first byte is resumed on a fresh pair (``tandem_router_resumed_streams_total``, one resume gap
+  observed per resume, no stream error counted);
+- each client saw one uninterrupted stream: one ``id``, a finish reason, usage over the whole answer, and text
+  and token count equal to the uninterrupted reference (the same request asked again afterwards, not streamed);
+  the integrity detectors found nothing in the resumed streams;
 - the dead worker stays registered (the stack's supervisor leaves its key, as when nobody noticed the death
   yet), so only the router's breakers keep traffic off it: a later wave of requests all succeed and the dead
   worker sees only the breakers' few trial requests.
@@ -16,11 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tandem.local_stack import MODEL, LocalStack, Worker, sim_worker_argv
 from tandem.registry import Role
@@ -59,6 +65,10 @@ class Outcome:
     first_byte: bool = False
     ok: bool = False
     error: str = ""
+    text: str = ""
+    ids: set[str] = field(default_factory=set)
+    finish_reason: str | None = None
+    completion_tokens: int = -1
 
 
 def _time_to_kill(metrics: RouterMetrics, victim: str) -> bool:
@@ -69,19 +79,38 @@ def _time_to_kill(metrics: RouterMetrics, victim: str) -> bool:
     )
 
 
+def _messages(i: int) -> list[ChatCompletionMessageParam]:
+    return [{"role": "user", "content": f"request {i}: tell me a long story"}]
+
+
 async def _one(client: openai.AsyncOpenAI, i: int) -> Outcome:
     out = Outcome()
     try:
         stream = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"request {i}: tell me a long story"}],
-            max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            model=MODEL, messages=_messages(i), max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            stream_options={"include_usage": True},
         )  # fmt: skip
-        async for _chunk in stream:
+        async for chunk in stream:
             out.first_byte = True
+            out.ids.add(chunk.id)
+            for choice in chunk.choices:
+                out.text += choice.delta.content or ""
+                out.finish_reason = choice.finish_reason or out.finish_reason
+            if chunk.usage is not None:
+                out.completion_tokens = chunk.usage.completion_tokens
         out.ok = True
     except openai.APIError as err:
         out.error = f"{type(err).__name__}: {err.message}"
     return out
+
+
+async def _reference(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None, int]:
+    """The uninterrupted answer: the same request, not streamed, after the chaos."""
+    done = await client.chat.completions.create(
+        model=MODEL, messages=_messages(i), max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert done.usage is not None
+    return done.choices[0].message.content or "", done.choices[0].finish_reason, done.usage.completion_tokens
 
 
 async def _run(client: openai.AsyncOpenAI, first: int, count: int, concurrency: int) -> list[asyncio.Task[Outcome]]:
@@ -127,23 +156,36 @@ async def _kill_under_load(stack: LocalStack, victim: Worker, client: openai.Asy
     outcomes = await asyncio.gather(*tasks)
     after_kill = await scrape(stack.router_url)
 
-    cut = [o for o in outcomes if not o.ok]
+    failed = [o.error for o in outcomes if not o.ok]
     retries = after_kill.retries - before.retries
-    print(f"\n{victim.role.value} killed: {len(cut)} cut after the first byte, retries by reason {dict(retries)}")
-    assert all(o.first_byte for o in cut), [o.error for o in cut if not o.first_byte]
-    assert all(o.error for o in cut)
+    resumed = after_kill.resumed - before.resumed
+    print(f"\n{victim.role.value} killed: retries by reason {dict(retries)}, resumed by reason {dict(resumed)}")
+    assert not failed, failed
     if victim.role is Role.DECODE:
-        assert cut, "the kill cut no stream on the victim decode"
-    assert after_kill.stream_errors - before.stream_errors == len(cut)  # the router reported each cut stream
+        assert resumed.total() >= 1, "the kill cut no stream on the victim decode"
+    assert after_kill.resume_gaps - before.resume_gaps == resumed.total()
+    assert after_kill.stream_errors == before.stream_errors  # no stream ended with an error event
+    assert after_kill.detections == before.detections  # a resumed stream is not garbled
     assert sum(n for reason, n in retries.items() if reason.startswith(f"{victim.role.value}_")) >= 1, retries
     assert not [reason for reason in retries if reason.startswith(f"{other.value}_")], retries
+    sem = asyncio.Semaphore(CONCURRENCY)
+
+    async def reference(i: int) -> tuple[str, str | None, int]:
+        async with sem:
+            return await _reference(client, i)
+
+    references = await asyncio.gather(*(reference(i) for i in range(TOTAL)))
+    for i, (out, (text, finish, tokens)) in enumerate(zip(outcomes, references, strict=True)):
+        assert len(out.ids) == 1, (i, out.ids)
+        assert (out.text, out.finish_reason, out.completion_tokens) == (text, finish, tokens), i
 
     # Still registered (the supervisor left its key): only the router's breakers keep traffic off it.
     assert victim.url in after_kill.in_flight
+    before_wave = await scrape(stack.router_url)
     wave = await asyncio.gather(*await _run(client, TOTAL, WAVE, CONCURRENCY // 8))
     after_wave = await scrape(stack.router_url)
     assert all(o.ok for o in wave), [o.error for o in wave if not o.ok]
-    trials = after_wave.failures[victim.url] - after_kill.failures[victim.url]
+    trials = after_wave.failures[victim.url] - before_wave.failures[victim.url]
     print(f"the dead {victim.role.value} got {trials} of {WAVE} later requests (breaker trials)")
     assert trials <= MAX_TRIALS
     assert victim.url in after_wave.in_flight

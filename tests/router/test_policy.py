@@ -266,3 +266,18 @@ def test_pool_membership_changes() -> None:
     assert pool.workers[spec.key].in_flight == 0
     pool.remove(spec.key)
     assert pool.choose_pair("", 0.0) is None
+
+
+@pytest.mark.parametrize(("prefills", "decodes"), [(1, 1), (1, 2), (1, 4), (2, 2), (2, 3), (3, 2), (4, 2)])
+def test_round_robin_pairs_walk_every_combination_evenly(prefills: int, decodes: int) -> None:
+    """P * D successive requests use each (prefill, decode) pair once (one prefill and two decodes used to send
+    every request to the same decode)."""
+    pool = _pool(prefills, decodes)
+    rounds = 3
+    pairs: Counter[tuple[str, str]] = Counter()
+    for _ in range(prefills * decodes * rounds):
+        pair = pool.choose_pair("", 0.0)
+        assert pair is not None
+        pairs[pair.key] += 1
+    assert len(pairs) == prefills * decodes
+    assert set(pairs.values()) == {rounds}

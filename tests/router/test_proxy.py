@@ -119,6 +119,32 @@ async def test_stream_broken_after_first_byte_ends_with_openai_error_event() -> 
         assert "decode worker stream failed" in err["message"]
 
 
+async def test_a_broken_stream_resumes_on_a_fresh_decode_at_most_max_attempts_times() -> None:
+    """Every decode breaks its stream after 3 chunks: the first break resumes on the second decode, the second on
+    the third (each a continuation of what the client had), the third break is past ``--resume-max-attempts``
+    (default 2) and ends the stream with the OpenAI error event, as a stream that cannot be resumed does."""
+    async with stack(1, 3) as s:
+        for d in s.decodes:
+            await s.faults(d, break_after=3)
+        status, raw = await s.post("/v1/chat/completions", {**CHAT, "stream": True, "max_tokens": 40})
+        assert status == 200
+        events = _events(raw)
+        assert "decode worker stream failed" in orjson.loads(events[-1])["error"]["message"]
+        chunks = [orjson.loads(e) for e in events[:-1]]
+        assert len({c["id"] for c in chunks}) == 1
+        assert len(chunks) == 9  # three from each decode, nothing repeated
+        bodies = sorted([r["body"] for d in s.decodes for r in await s.received(d)], key=lambda b: len(b["messages"]))
+        assert bodies[0]["messages"] == CHAT["messages"]
+        relayed = "".join(c["choices"][0]["delta"]["content"] for c in chunks[:3])
+        assert bodies[1]["messages"][-1] == {"role": "assistant", "content": relayed}
+        assert bodies[1]["continue_final_message"] is True
+        assert bodies[1]["max_tokens"] == 40 - 3
+        metrics = await (await s.http.get(f"{s.router.url}/metrics")).text()
+        assert 'tandem_router_resumed_streams_total{reason="decode_stream_broken"} 2.0' in metrics
+        assert "tandem_router_resume_gap_seconds_count 2.0" in metrics
+        assert 'tandem_router_stream_errors_total{route="/v1/chat/completions"} 1.0' in metrics
+
+
 SGLANG_400 = {"object": "error", "message": "top_p must be in (0, 1], got 0.0.", "type": "BadRequestError",
               "param": None, "code": 400}  # fmt: skip
 

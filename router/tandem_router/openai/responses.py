@@ -65,6 +65,22 @@ def conform_body(route: Route, body: bytes) -> bytes:
     return orjson.dumps(conform(route, doc, stream=False))
 
 
+class EventSplitter:
+    """Whole SSE events out of chunks that may split an event anywhere: a partial event is held until its end."""
+
+    def __init__(self) -> None:
+        self.tail = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        data = self.tail + chunk
+        end = data.rfind(_EVENT_END)
+        if end < 0:
+            self.tail = data
+            return []
+        self.tail = data[end + len(_EVENT_END) :]
+        return data[:end].split(_EVENT_END)
+
+
 class StreamConformer:
     """Re-frames a relayed SSE stream into whole events and conforms each ``data:`` JSON event.
 
@@ -75,23 +91,16 @@ class StreamConformer:
         if route is Route.GENERATE:
             raise ValueError("/generate streams are SGLang's own shape: relay them as they come")
         self.route = route
-        self._tail = b""
+        self._events = EventSplitter()
 
     def feed(self, chunk: bytes) -> bytes:
-        if not self._tail and chunk.find(_EVENT_END) == len(chunk) - 2:  # the usual chunk: exactly one event
+        if not self._events.tail and chunk.find(_EVENT_END) == len(chunk) - 2:  # the usual chunk: exactly one event
             return self._event(chunk[:-2]) + _EVENT_END
-        data = self._tail + chunk
-        end = data.rfind(_EVENT_END)
-        if end < 0:
-            self._tail = data
-            return b""
-        self._tail = data[end + len(_EVENT_END) :]
-        events = data[:end].split(_EVENT_END)
-        return b"".join(self._event(e) + _EVENT_END for e in events)
+        return b"".join(self._event(e) + _EVENT_END for e in self._events.feed(chunk))
 
     def flush(self) -> bytes:
         """What is left when the stream ends (an unterminated event, relayed as it came)."""
-        tail, self._tail = self._tail, b""
+        tail, self._events.tail = self._events.tail, b""
         return tail
 
     def _event(self, event: bytes) -> bytes:

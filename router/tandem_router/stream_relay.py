@@ -1,0 +1,174 @@
+"""Relaying one stream to the client, and resuming it on a fresh pair when its pair fails after the first byte.
+
+A stream whose request is resumable (``resume.resumable``) is relayed through a ``StreamLedger``. When the decode's
+stream breaks (its worker died, or the connection to it did), the relay picks a fresh pair that contains neither
+worker that failed this stream, sends it the continuation (``StreamLedger.continuation``) like any request
+(prefill and decode at once, fresh bootstrap room) and relays its stream in place of the old one. A continuation
+that fails before its first byte (e.g. its prefill dies during the KV transfer) marks that side's worker failed
+too and the next pair is tried. At most ``ResumeConfig.max_attempts`` pairs per stream, within
+``deadline_s`` of the first break; after that, or for a stream that is not resumable, the client gets the OpenAI
+error event as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import aiohttp
+from aiohttp import web
+
+from tandem_router.integrity.textextract import StreamTexts
+from tandem_router.openai.responses import StreamConformer
+from tandem_router.pool import Pair
+from tandem_router.resume import StreamLedger
+from tandem_router.schema import Route, stream_error_event
+
+if TYPE_CHECKING:
+    from tandem_router.proxy import Proxy, ProxyRequest
+
+log = logging.getLogger("tandem.router.proxy")
+
+
+class StreamRelay:
+    def __init__(self, proxy: Proxy, req: ProxyRequest, http: web.Request, ledger: StreamLedger | None) -> None:
+        self.proxy = proxy
+        self.req = req
+        self.http = http
+        self.ledger = ledger
+        self.texts = StreamTexts(req.route.value) if proxy.observer is not None else None
+        self.shaped = StreamConformer(req.route) if req.route is not Route.GENERATE else None
+        self.attempts = 0
+        self.failed_workers: set[str] = set()
+
+    def _client_bytes(self, raw: bytes) -> bytes:
+        if self.ledger is not None:
+            raw = self.ledger.feed(raw)
+        if self.texts is not None:
+            self.texts.feed(raw)
+        return raw if self.shaped is None else self.shaped.feed(raw)
+
+    async def run(self, pair: Pair, resp: aiohttp.ClientResponse, first: bytes) -> web.StreamResponse:
+        proxy, req = self.proxy, self.req
+        route = req.route.value
+        metrics = proxy.metrics
+        out = web.StreamResponse(
+            status=200,
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": req.request_id},
+        )
+        ok = client_gone = False
+        settled = False
+        try:
+            try:
+                await out.prepare(self.http)
+                await out.write(self._client_bytes(first))
+            except ConnectionResetError:
+                client_gone = True
+                return out
+            last = time.monotonic()
+            metrics.ttft.labels(route).observe(last - req.started)
+            itl = metrics.itl.labels(route)
+            while True:
+                error: BaseException | None = None
+                async for chunk in _chunks(resp):
+                    if isinstance(chunk, BaseException):
+                        error = chunk
+                        break
+                    try:
+                        await out.write(self._client_bytes(chunk))
+                    except ConnectionResetError:
+                        client_gone = True  # the client left: stop the decode (closing its connection aborts it)
+                        return out
+                    now = time.monotonic()
+                    itl.observe(now - last)
+                    last = now
+                if error is None:
+                    ok = True
+                    if self.texts is not None:
+                        proxy.report_texts(pair, req, self.texts.texts())
+                    if self.shaped is not None:
+                        with contextlib.suppress(ConnectionResetError):
+                            await out.write(self.shaped.flush())
+                    break
+                metrics.pair_failure(pair, "decode_stream_broken")
+                log.warning(
+                    "decode stream broke after the first byte",
+                    extra={"request_id": req.request_id, "decode": pair.decode.url, "error": repr(error)},
+                )
+                proxy.settle(pair, resp, ok=False, client_gone=False)
+                settled = True
+                resumed = await self._resume(pair, time.monotonic())
+                if resumed is None:
+                    metrics.stream_errors.labels(route).inc()
+                    with contextlib.suppress(ConnectionResetError):
+                        await out.write(stream_error_event(f"decode worker stream failed: {type(error).__name__}"))
+                    break
+                pair, resp, first = resumed
+                settled = False
+                try:
+                    await out.write(self._client_bytes(first))
+                except ConnectionResetError:
+                    client_gone = True
+                    return out
+                last = time.monotonic()
+            with contextlib.suppress(ConnectionResetError):
+                await out.write_eof()
+            return out
+        finally:
+            if not settled:
+                proxy.settle(pair, resp, ok=ok, client_gone=client_gone)
+            metrics.e2e.labels(route).observe(time.monotonic() - req.started)
+
+    async def _resume(self, failed: Pair, broke_at: float) -> tuple[Pair, aiohttp.ClientResponse, bytes] | None:
+        """A fresh pair's continuation of the stream (its response and first chunk), or None: give up."""
+        proxy, req, ledger = self.proxy, self.req, self.ledger
+        if ledger is None or not ledger.can_resume:
+            return None
+        self.failed_workers.add(failed.decode.key)
+        reason = "decode_stream_broken"
+        deadline = broke_at + proxy.resume_cfg.deadline_s
+        while self.attempts < proxy.resume_cfg.max_attempts and time.monotonic() < deadline:
+            now = time.monotonic()
+            exclude = frozenset(
+                p.key for p in proxy.pool.all_pairs() if {p.prefill.key, p.decode.key} & self.failed_workers
+            )
+            pair = proxy.pool.choose_pair(req.prefix, now, exclude)
+            if pair is None:
+                return None
+            self.attempts += 1
+            ledger.next_segment()
+            opened = await proxy.open_pair(pair, req, ledger.continuation())
+            if isinstance(opened, tuple):
+                proxy.metrics.resumed.labels(reason).inc()
+                proxy.metrics.resume_gap.observe(time.monotonic() - broke_at)
+                log.info(
+                    "resumed the stream on a fresh pair",
+                    extra={
+                        "request_id": req.request_id,
+                        "attempt": self.attempts,
+                        "relayed_tokens": ledger.sent_tokens,
+                        "old_prefill": failed.prefill.url,
+                        "old_decode": failed.decode.url,
+                        "prefill": pair.prefill.url,
+                        "decode": pair.decode.url,
+                    },
+                )
+                return pair, opened[0], opened[1]
+            if opened.client_error:
+                return None
+            proxy.metrics.pair_failure(pair, opened.reason)
+            self.failed_workers.add(pair.prefill.key if opened.reason.startswith("prefill") else pair.decode.key)
+            failed, reason = pair, opened.reason
+        return None
+
+
+async def _chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes | BaseException]:
+    """The response's chunks; a transport error is yielded (as the last item) instead of raised."""
+    try:
+        async for chunk in resp.content.iter_any():
+            yield chunk
+    except (TimeoutError, aiohttp.ClientError) as err:
+        yield err

@@ -1,0 +1,180 @@
+"""The resume ledger (pure): what the client saw, the continuation request, and the new stream shaped into the old."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, cast
+
+import orjson
+import pytest
+from aiohttp import web
+
+from tandem.registry import Role
+from tandem_router.metrics import RouterMetrics
+from tandem_router.policy.selection import Policy
+from tandem_router.pool import Pair, WorkerPool, WorkerSpec
+from tandem_router.proxy import Proxy, ProxyRequest, _Failure
+from tandem_router.resume import ResumeConfig, StreamLedger, resumable, upstream_body
+from tandem_router.schema import Route
+from tandem_router.stream_relay import StreamRelay
+
+BODY: dict[str, Any] = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "hi"}],
+    "stream": True,
+    "max_tokens": 10,
+    "min_tokens": 2,
+    "seed": 7,
+    "temperature": 0,
+}
+
+
+def _chunk(stream_id: str, delta: dict[str, Any], finish: str | None, completion: int, prompt: int = 5) -> bytes:
+    doc = {
+        "id": stream_id,
+        "created": 100 if stream_id == "a" else 200,
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+    }
+    return b"data: " + orjson.dumps(doc) + b"\n\n"
+
+
+def _events(raw: bytes) -> list[Any]:
+    return [orjson.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+
+
+def test_only_single_choice_chat_streams_without_tools_are_resumable() -> None:
+    assert resumable(Route.CHAT, BODY)
+    assert not resumable(Route.CHAT, {**BODY, "stream": False})
+    assert not resumable(Route.CHAT, {**BODY, "n": 2})
+    assert not resumable(Route.CHAT, {**BODY, "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert not resumable(Route.COMPLETIONS, {"prompt": "x", "stream": True})
+    assert not resumable(Route.GENERATE, {"text": "x", "stream": True})
+
+
+def test_the_workers_are_asked_for_usage_on_every_chunk() -> None:
+    sent = upstream_body({**BODY, "stream_options": {"include_usage": False}})
+    assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    assert "stream_options" not in BODY  # the client's request is not changed
+
+
+def test_continuation_carries_the_relayed_text_and_shrinks_the_limits() -> None:
+    ledger = StreamLedger(BODY)
+    ledger.feed(_chunk("a", {"role": "assistant", "content": "Hello"}, None, 1))
+    ledger.feed(_chunk("a", {"content": " wor"}, None, 2) + _chunk("a", {"content": "ld"}, None, 3)[:20])
+    assert ledger.text == "Hello wor"  # the half event is not the client's yet
+    assert ledger.can_resume
+    ledger.next_segment()
+    body = ledger.continuation()
+    assert body["messages"] == [*BODY["messages"], {"role": "assistant", "content": "Hello wor"}]
+    assert body["continue_final_message"] is True
+    assert (body["max_tokens"], body["min_tokens"], body["seed"], body["temperature"]) == (8, 0, 7, 0)
+    assert body["stream_options"]["continuous_usage_stats"] is True
+
+
+def test_a_client_prefix_is_extended_not_repeated() -> None:
+    prefixed = {**BODY, "messages": [*BODY["messages"], {"role": "assistant", "content": "Sure: "}]}
+    ledger = StreamLedger({**prefixed, "continue_final_message": True})
+    ledger.feed(_chunk("a", {"role": "assistant", "content": "one"}, None, 1))
+    assert ledger.continuation()["messages"][-1] == {"role": "assistant", "content": "Sure: one"}
+
+
+def test_the_new_stream_looks_like_the_old_one() -> None:
+    ledger = StreamLedger({**BODY, "stream_options": {"include_usage": True}})
+    first = _events(ledger.feed(_chunk("a", {"role": "assistant", "content": "Hello"}, None, 1)))
+    assert first[0]["usage"] is None  # continuous usage only when the client asked for it
+    ledger.next_segment()
+    # The continuation's prompt is 5 + 1 tokens; its first chunk repeats the role.
+    opening = _events(ledger.feed(_chunk("b", {"role": "assistant", "content": ""}, None, 0, prompt=6)))
+    assert opening == []
+    rest = _events(
+        ledger.feed(_chunk("b", {"content": " world"}, None, 1, prompt=6))
+        + ledger.feed(_chunk("b", {"content": ""}, "stop", 2, prompt=6))
+    )
+    final = b'data: {"id":"b","created":200,"choices":[],"usage":{"prompt_tokens":6,"completion_tokens":2}}\n\n'
+    usage = _events(ledger.feed(final))
+    assert [(e["id"], e["created"]) for e in rest + usage] == [("a", 100)] * 3
+    assert "role" not in rest[0]["choices"][0]["delta"]
+    assert rest[1]["choices"][0]["finish_reason"] == "stop"
+    # Usage over the whole answer: the first prompt, every completion token.
+    assert usage[0]["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert ledger.text == "Hello world"
+    assert ledger.finished
+    assert not ledger.can_resume
+
+
+@pytest.mark.parametrize(
+    ("delta", "finish", "tokens"),
+    [({"reasoning_content": "hmm"}, None, 1), ({"content": "x"}, "length", 1), ({"content": "x"}, None, 10)],
+    ids=["reasoning-sent", "finished", "no-tokens-left"],
+)
+def test_what_cannot_be_resumed(delta: dict[str, Any], finish: str | None, tokens: int) -> None:
+    ledger = StreamLedger(BODY)
+    ledger.feed(_chunk("a", delta, finish, tokens))
+    assert not ledger.can_resume
+
+
+def test_without_token_counts_there_is_no_resume() -> None:
+    """A worker that does not report usage per chunk: the limits cannot be shrunk, so the break is final."""
+    ledger = StreamLedger(BODY)
+    ledger.feed(b'data: {"id":"a","choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}\n\n')
+    assert not ledger.can_resume
+
+
+def test_the_usage_chunk_is_dropped_unless_asked_for() -> None:
+    ledger = StreamLedger(BODY)
+    final = b'data: {"id":"a","created":1,"choices":[],"usage":{"prompt_tokens":6,"completion_tokens":2}}\n\n'
+    assert ledger.feed(final) == b""
+    assert ledger.feed(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"
+
+
+class _FakeProxy:
+    """What ``StreamRelay._resume`` uses of the proxy: a real pool and metrics, continuations that fail first."""
+
+    def __init__(self, failures: list[str]) -> None:
+        self.pool = WorkerPool(Policy.ROUND_ROBIN)
+        for role, n in ((Role.PREFILL, 2), (Role.DECODE, 3)):
+            for i in range(n):
+                self.pool.upsert(WorkerSpec(role, f"http://{role.value}{i}"))
+        self.metrics = RouterMetrics(self.pool)
+        self.resume_cfg = ResumeConfig()
+        self.observer = None
+        self.failures = failures
+        self.tried: list[Pair] = []
+
+    async def open_pair(self, pair: Pair, req: object, body: dict[str, Any]) -> Any:
+        self.tried.append(pair)
+        self.pool.finished(pair)
+        if self.failures:
+            return _Failure(self.failures.pop(0), True)
+        return ("response", b"first")
+
+
+def _relay(proxy: _FakeProxy) -> StreamRelay:
+    req = ProxyRequest(Route.CHAT, BODY, True, 0, "", "rid", 0.0)
+    relay = StreamRelay(cast(Proxy, proxy), req, cast(web.Request, None), StreamLedger(BODY))
+    assert relay.ledger is not None
+    relay.ledger.feed(_chunk("a", {"role": "assistant", "content": "Hello"}, None, 1))
+    return relay
+
+
+async def test_a_continuation_whose_prefill_dies_moves_on_without_either_failed_worker() -> None:
+    proxy = _FakeProxy(["prefill_unreachable"])
+    broken = Pair(WorkerSpec(Role.PREFILL, "http://prefill0"), WorkerSpec(Role.DECODE, "http://decode0"))
+    resumed = await _relay(proxy)._resume(broken, time.monotonic())
+    assert resumed is not None
+    first, second = proxy.tried
+    assert first.decode.url != "http://decode0"
+    assert second.decode.url != "http://decode0"
+    assert second.prefill.url != first.prefill.url  # the prefill that died is skipped too
+    samples = [s for m in proxy.metrics.registry.collect() for s in m.samples]
+    counted = {s.labels["reason"]: s.value for s in samples if s.name == "tandem_router_resumed_streams_total"}
+    assert counted == {"prefill_unreachable": 1}  # the resume is counted under what broke the last pair
+
+
+async def test_resume_gives_up_after_max_attempts() -> None:
+    proxy = _FakeProxy(["decode_stream_error"] * 5)
+    broken = Pair(WorkerSpec(Role.PREFILL, "http://prefill0"), WorkerSpec(Role.DECODE, "http://decode0"))
+    assert await _relay(proxy)._resume(broken, time.monotonic()) is None
+    assert len(proxy.tried) == ResumeConfig().max_attempts
