@@ -247,6 +247,8 @@ class Server:
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         busy = bool(self.worker.tasks)
+        if not busy:
+            self.worker.flush_cache()  # SGLang's Scheduler.flush_cache: tree_cache.reset()
         text = (
             "Cache flushed.\nPlease check backend logs for more details. "
             "(When there are running or waiting requests, the operation will not be performed.)"
