@@ -24,6 +24,7 @@ from tandem.peers import PeerMissingError
 # section name -> module that defines run(BenchArgs) -> list[Table]
 SECTIONS: dict[str, str] = {
     "sim": "tandem_sim.bench",
+    "sim-load": "tandem_sim.bench_load",
     "router": "tandem_router.bench",
     "operator": "tandem_operator.bench",
     "images": "tandem.images.bench",

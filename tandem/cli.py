@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "router": ("tandem_router.main", "main", "OpenAI-compatible prefill/decode router"),
     "operator": ("tandem_operator.main", "main", "Kubernetes operator for PDCluster/PDPool"),
+    "render": ("tandem_operator.render", "main", "print every manifest the operator would create for a PDCluster"),
     "up": ("tandem.local_stack", "main", "run the embedded local stack: etcd, workers, router on :8000"),
     "bench": ("tandem.bench", "main", "run the benchmarks and print tables"),
     "dev-cluster": (

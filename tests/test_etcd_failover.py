@@ -30,8 +30,8 @@ from tandem.procs import ManagedProcess
 from tandem.registry import Endpoint, IntegrityReport, Role
 from tandem.registry_etcd import EndpointWatcher, client
 from tandem.stack_fixture import running_stack
-from tandem_operator.fencing import GroupKey
 from tandem_operator.integrity_watch import IntegrityWatcher
+from tandem_operator.observe import GroupKey
 from tandem_operator.registrar import Registrar
 from tests.devcluster_fixtures import eventually
 from tests.routermetrics import scrape

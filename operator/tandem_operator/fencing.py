@@ -2,10 +2,12 @@
 
 Fencing is the first, event-driven step of recovery: the group's registry key is deleted so routers stop sending
 it requests, before anything slower (Events, pod deletions, the reconcile) happens. A pod event fences its group
-when the pod is dead (``status.pod_health``: deleted, terminating, Failed, a container restarted, on a lost node)
-or when it turned NotReady while its group was registered (serving). Groups the operator itself is retiring
-(scale-down, rollout) are not fenced: the reconcile unregisters them before deleting their pods, and their end
-is not a recovery.
+only when the pod is dead (``observe.pod_health``: deleted, terminating, Failed, a container exited or restarted,
+on a lost node): only then is the group recreated. A pod that merely turned NotReady while its group was registered
+(a busy worker's slow ``/health``) is *unrouted* (``unroute_decision``): its registry entry is removed, nothing
+else, and the reconcile registers it again with the same epoch when it is Ready. Groups the operator itself is
+retiring (scale-down, rollout) are not fenced: the reconcile unregisters them before deleting their pods, and
+their end is not a recovery.
 
 Mooncake writes ``mooncake/[<cluster_id>/]rpc_meta/<server>`` and ``.../ram/<segment>`` without a lease, where the
 server / segment name is the ``local_hostname`` given to ``TransferEngine.initialize``: the pod IP, or
@@ -20,20 +22,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from tandem.registry import Role
-from tandem_operator.api.mooncake_ports import MAX_PORTS_PER_POD
-from tandem_operator.desired.naming import (
-    ANNOTATION_EPOCH,
-    LABEL_CLUSTER,
-    LABEL_GROUP,
-    LABEL_RANK,
-    LABEL_ROLE,
-)
-from tandem_operator.status import PodHealth, pod_health
+from tandem_operator.observe import GroupKey, Pod, PodFacts, PodHealth, is_ready, pod_facts, pod_health
 
-Pod = Mapping[str, Any]
 MOONCAKE_ROOT = "mooncake/"
-MAX_NAMED_PORTS = MAX_PORTS_PER_POD  # a hostNetwork pod's Mooncake names are cleaned one port at a time
 
 
 class FenceReason(StrEnum):
@@ -42,49 +33,8 @@ class FenceReason(StrEnum):
     POD_FAILED = "PodFailed"
     CONTAINER_RESTARTED = "ContainerRestarted"
     NODE_LOST = "NodeLost"
-    POD_NOT_READY = "PodNotReady"
+    START_DEADLINE = "StartDeadlineExceeded"  # Starting/Incomplete past lifecycle.startDeadlineSeconds
     INTEGRITY_REPEAT_OFFENDER = "IntegrityRepeatOffender"  # routers keep quarantining its pairs (not a pod event)
-
-
-@dataclass(frozen=True, order=True)
-class GroupKey:
-    role: Role
-    index: int
-
-    @property
-    def name(self) -> str:
-        """The group's name in the registry (``Endpoint.group``)."""
-        return f"{self.role.value}-{self.index}"
-
-
-@dataclass(frozen=True)
-class PodFacts:
-    """What recovery needs to know about one worker pod."""
-
-    name: str
-    namespace: str
-    cluster: str
-    group: GroupKey
-    rank: int
-    epoch: int
-    ip: str | None
-    node: str | None
-    env: Mapping[str, str]  # literal env values of the worker container
-    host_network: bool = False
-
-    @property
-    def mooncake_ports(self) -> tuple[int, ...]:
-        """Mooncake's port range (MC_MIN_RPC_PORT..MC_MAX_RPC_PORT) when it is small enough to name each port."""
-        low, high = self.env.get("MC_MIN_RPC_PORT", ""), self.env.get("MC_MAX_RPC_PORT", "")
-        if not (low.isdigit() and high.isdigit()) or not 0 <= int(high) - int(low) < MAX_NAMED_PORTS:
-            return ()
-        return tuple(range(int(low), int(high) + 1))
-
-    @property
-    def mooncake_rpc_port(self) -> int | None:
-        """The fixed Mooncake RPC port (MC_MIN_RPC_PORT == MC_MAX_RPC_PORT), if the pod has one."""
-        ports = self.mooncake_ports
-        return ports[0] if len(ports) == 1 else None
 
 
 @dataclass(frozen=True)
@@ -95,46 +45,8 @@ class Fence:
     pod: str
 
 
-def _int(value: object, default: int = 0) -> int:
-    return int(value) if isinstance(value, str) and value.isdigit() else default
-
-
-def pod_facts(pod: Pod) -> PodFacts | None:
-    """The facts of a Tandem worker pod, or None for any other pod (missing or malformed labels)."""
-    metadata = pod.get("metadata") or {}
-    labels = metadata.get("labels") or {}
-    try:
-        role = Role(labels.get(LABEL_ROLE, ""))
-    except ValueError:
-        return None
-    if not labels.get(LABEL_CLUSTER) or not str(labels.get(LABEL_GROUP, "")).isdigit():
-        return None
-    if not str(labels.get(LABEL_RANK, "")).isdigit():
-        return None
-    spec, status = pod.get("spec") or {}, pod.get("status") or {}
-    containers = spec.get("containers") or [{}]
-    env = {e["name"]: e["value"] for e in containers[0].get("env") or () if "name" in e and "value" in e}
-    return PodFacts(
-        name=metadata.get("name", ""),
-        namespace=metadata.get("namespace", ""),
-        cluster=labels[LABEL_CLUSTER],
-        group=GroupKey(role, int(labels[LABEL_GROUP])),
-        rank=int(labels[LABEL_RANK]),
-        epoch=_int((metadata.get("annotations") or {}).get(ANNOTATION_EPOCH)),
-        ip=status.get("podIP") or None,
-        node=spec.get("nodeName") or None,
-        env=env,
-        host_network=bool(spec.get("hostNetwork")),
-    )
-
-
-def _is_ready(pod: Pod) -> bool:
-    conditions = (pod.get("status") or {}).get("conditions") or ()
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
-
-
-def death_reason(event_type: str, pod: Pod, lost_nodes: Collection[str], serving: bool) -> FenceReason | None:
-    """Why this pod can no longer serve, or None if it can (or has not started serving yet)."""
+def death_reason(event_type: str, pod: Pod, lost_nodes: Collection[str]) -> FenceReason | None:
+    """Why this pod can no longer serve, or None if it is alive (Ready or not)."""
     if event_type == "DELETED":
         return FenceReason.POD_DELETED
     metadata, status = pod.get("metadata") or {}, pod.get("status") or {}
@@ -146,8 +58,6 @@ def death_reason(event_type: str, pod: Pod, lost_nodes: Collection[str], serving
         return FenceReason.NODE_LOST
     if pod_health(pod, frozenset(lost_nodes)) is PodHealth.DEAD:
         return FenceReason.CONTAINER_RESTARTED
-    if serving and not _is_ready(pod):
-        return FenceReason.POD_NOT_READY
     return None
 
 
@@ -156,25 +66,38 @@ def fence_decision(
     pod: Pod,
     *,
     lost_nodes: Collection[str],
-    registered: Mapping[GroupKey, int],
     fenced: Mapping[GroupKey, int],
     retiring: Collection[GroupKey],
 ) -> Fence | None:
     """The fence one pod event calls for.
 
-    ``registered``: group -> epoch of its registry entry; ``fenced``: group -> epoch already fenced (one fence per
-    incarnation); ``retiring``: groups the operator is deleting on purpose.
+    ``fenced``: group -> epoch already fenced (one fence per incarnation); ``retiring``: groups the operator is
+    deleting on purpose.
     """
     facts = pod_facts(pod)
     if facts is None or facts.group in retiring:
         return None
     if fenced.get(facts.group) == facts.epoch:
         return None
-    serving = registered.get(facts.group) == facts.epoch
-    reason = death_reason(event_type, pod, lost_nodes, serving)
+    reason = death_reason(event_type, pod, lost_nodes)
     if reason is None:
         return None
     return Fence(facts.group, facts.epoch, reason, facts.name)
+
+
+def unroute_decision(
+    event_type: str, pod: Pod, *, lost_nodes: Collection[str], registered: Mapping[GroupKey, int]
+) -> GroupKey | None:
+    """The registered group to take out of rotation because this live member turned NotReady, else None.
+
+    Readiness only gates routing: the group keeps its pods and epoch, and is registered again once Ready.
+    """
+    facts = pod_facts(pod)
+    if facts is None or registered.get(facts.group) != facts.epoch:
+        return None  # not serving at this incarnation (still starting, or an older one)
+    if death_reason(event_type, pod, lost_nodes) is not None or is_ready(pod):
+        return None
+    return facts.group
 
 
 def node_lost(event_type: str, node: Mapping[str, Any]) -> bool:

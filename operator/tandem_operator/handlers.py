@@ -21,7 +21,6 @@ from tandem_operator.api.pdcluster import PDClusterSpec
 from tandem_operator.desired.naming import LABEL_CLUSTER, ClusterRef
 from tandem_operator.fencing import node_lost
 from tandem_operator.k8s.kube import Kube
-from tandem_operator.reconcile import apply_pools
 from tandem_operator.registrar import Registrar
 from tandem_operator.runtime import ClusterRuntime, RuntimeOptions
 
@@ -84,7 +83,7 @@ def build_registry(state: OperatorState) -> kopf.OperatorRegistry:
         ref = ClusterRef(name=str(meta["name"]), namespace=str(meta["namespace"]), uid=str(meta["uid"]))
         model = parse_spec(spec)
         runtime = await state.ensure_runtime(ref, model)
-        await apply_pools(runtime)
+        await runtime.reconciler.apply_pools()
         runtime.update(model, int(meta.get("generation") or 0), dict(status))
 
     @kopf.on.event(GROUP, VERSION, "pdclusters", registry=registry)

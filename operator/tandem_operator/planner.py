@@ -10,9 +10,17 @@ Rules, in order:
    once (they serve nothing). A Ready outdated group is deleted only when the role still has ``desired`` Ready
    groups without it: with ``maxSurgeGroups: 1`` a new group is created first (step 4) and the old one goes
    when the new one is Ready; with ``0`` the old one goes only when every group is Ready, and its replacement
-   is created at once.
+   is created at once. When the rollout changes the compatibility revision (model, image, transfer), the last
+   Ready group of the old revision is kept until both roles have a *registered* group of the new one (routers
+   pair equal revisions only, and see only registered groups), so routers always have a pair (with
+   ``maxSurgeGroups: 1``).
 4. **Fill** up to ``desired`` (``desired + 1`` while surging, only when every current group is Ready, so one new
    group starts at a time) at the lowest free indices; INCOMPLETE current groups get their missing pods.
+
+``plan`` says *what*; ``steps`` turns each action into everything the executor needs, so the executor makes no
+choice of its own: the registry entry to drop first, the epoch stamped on the Service before the pods go (a
+restarted operator then recreates with a higher one), the pods still alive to delete and their grace, the
+manifests (Service + missing ranks, epoch stamped) to apply, and the Event to report.
 """
 
 from __future__ import annotations
@@ -20,8 +28,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
-from tandem_operator.status import GroupState, GroupView
+from tandem_operator.desired.pods import RoleContext, group_extras, group_pod, group_service
+from tandem_operator.observe import GroupKey, GroupState, GroupView, Pod, pod_facts
+from tandem_operator.reasons import Reason
+from tandem_operator.recovery import stamp_epoch
+from tandem_operator.registration import next_epoch
 
 
 class DeleteReason(StrEnum):
@@ -50,13 +63,23 @@ Action = CreateGroup | DeleteGroup
 _STATE_ORDER = {GroupState.BROKEN: 0, GroupState.INCOMPLETE: 1, GroupState.STARTING: 2, GroupState.READY: 3}
 
 
-def plan(desired: int, groups: Mapping[int, GroupView], template_hash: str, max_surge: int) -> list[Action]:
+def plan(
+    desired: int,
+    groups: Mapping[int, GroupView],
+    template_hash: str,
+    max_surge: int,
+    retiring: frozenset[int] = frozenset(),
+    revisions: tuple[str, frozenset[str]] | None = None,
+) -> list[Action]:
+    """``retiring``: groups already unregistered for a deletion (draining); they stay the first victims, so a
+    drain is never abandoned for another group. ``revisions``: the current compatibility revision and the
+    revisions that have a registered group in *both* roles, i.e. that routers can pair (None: no revision rule)."""
     actions: list[Action] = []
     rolling = any(g.template_hash != template_hash for g in groups.values())
     budget = desired + (max_surge if rolling else 0)
 
-    def victim_order(g: GroupView) -> tuple[int, int, int]:
-        return (_STATE_ORDER[g.state], g.template_hash == template_hash, -g.index)
+    def victim_order(g: GroupView) -> tuple[bool, int, bool, int]:
+        return (g.index not in retiring, _STATE_ORDER[g.state], g.template_hash == template_hash, -g.index)
 
     ordered = sorted(groups.values(), key=victim_order)
     surplus = ordered[: max(0, len(groups) - budget)]
@@ -70,7 +93,11 @@ def plan(desired: int, groups: Mapping[int, GroupView], template_hash: str, max_
     outdated = [g for g in remaining.values() if g.template_hash != template_hash and g.state is not GroupState.BROKEN]
     replaced = [g for g in outdated if g.state is not GroupState.READY]
     ready = sum(g.state is GroupState.READY for g in remaining.values())
-    ready_outdated = sorted((g for g in outdated if g.state is GroupState.READY), key=lambda g: -g.index)
+    ready_outdated = sorted(
+        (g for g in outdated if g.state is GroupState.READY), key=lambda g: (g.index not in retiring, -g.index)
+    )
+    if ready_outdated and max_surge > 0 and revisions is not None:
+        ready_outdated = [g for g in ready_outdated if _may_retire(g, ready_outdated, *revisions)]
     if ready_outdated:
         everything_ready = ready == len(remaining) == desired
         if ready - 1 >= desired or (max_surge == 0 and everything_ready):
@@ -89,3 +116,137 @@ def plan(desired: int, groups: Mapping[int, GroupView], template_hash: str, max_
     free = (i for i in range(len(groups) + target + 1) if i not in groups)
     actions += [CreateGroup(next(free)) for _ in range(max(0, target - live))]
     return actions
+
+
+def _may_retire(group: GroupView, ready_outdated: list[GroupView], current: str, pairable: frozenset[str]) -> bool:
+    """Keep the last Ready group of an old revision until routers can pair the current one."""
+    if group.revision == current or current in pairable:
+        return True
+    return sum(g.revision == group.revision for g in ready_outdated) > 1
+
+
+@dataclass(frozen=True)
+class Drain:
+    """Wait for the serving group's in-flight work to reach 0 (read at ``metrics_url``) before its pods go."""
+
+    metrics_url: str
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class DeletePods:
+    """Retire or recreate one group: unregister (a deliberate retirement), stamp the next epoch on the Service
+    (recreate or rollout) or delete the Service (scale-down), then delete the pods still alive."""
+
+    group: GroupKey
+    reason: DeleteReason
+    unregister: bool
+    service: dict[str, Any]  # the group's Service, stamped with the next epoch unless it is deleted
+    delete_service: bool  # with the group's other objects (``extras``)
+    stamp_service: bool  # apply ``service`` (its epoch changed) before the pods go
+    pods: tuple[str, ...]  # members not already terminating
+    grace_seconds: int | None  # 0 for a broken group (NCCL cannot lose a rank); None: the pod's own
+    event: Reason
+    drain: Drain | None = None  # a serving group retired on purpose (scale-down, rollout)
+    extras: tuple[dict[str, Any], ...] = ()  # PodDisruptionBudget, PodGroup: deleted with the Service
+
+
+@dataclass(frozen=True)
+class CreatePods:
+    """Apply the group's Service, its other objects (PodDisruptionBudget, PodGroup) and its missing ranks; the
+    Service and pods are stamped with ``epoch``."""
+
+    group: GroupKey
+    epoch: int
+    manifests: tuple[dict[str, Any], ...]  # the Service first, then the group's other objects, then the pods
+    event: Reason | None  # None when only missing ranks of an existing group are added
+
+
+Step = DeletePods | CreatePods
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What ``steps`` reads besides the actions: pods by name and the epochs recorded on Services and pods."""
+
+    pods: Mapping[str, Pod]
+    service_epochs: Mapping[GroupKey, int]
+    pod_epochs: Mapping[GroupKey, int]
+    fenced: frozenset[GroupKey]
+
+
+_DELETE_EVENTS = {
+    DeleteReason.BROKEN: Reason.GROUP_RECREATING,
+    DeleteReason.SCALE_DOWN: Reason.SCALED_DOWN,
+    DeleteReason.ROLLOUT: Reason.ROLLOUT_STEP,
+}
+
+
+def steps(ctx: RoleContext, actions: list[Action], views: Mapping[int, GroupView], seen: Observed) -> list[Step]:
+    """The executor's steps for ``plan``'s actions, in order."""
+    svc_epochs = dict(seen.service_epochs)  # a delete's new epoch is what a later create in this pass uses
+    result: list[Step] = []
+    for action in actions:
+        key = GroupKey(ctx.role, action.index)
+        view = views.get(action.index)
+        if isinstance(action, DeleteGroup):
+            result.append(_delete_step(ctx, key, action.reason, view, seen, svc_epochs))
+        else:
+            result.append(_create_step(ctx, key, view, seen, svc_epochs))
+    return result
+
+
+def _delete_step(
+    ctx: RoleContext,
+    key: GroupKey,
+    reason: DeleteReason,
+    view: GroupView | None,
+    seen: Observed,
+    svc_epochs: dict[GroupKey, int],
+) -> DeletePods:
+    service = group_service(ctx, key.index)
+    stamp = False
+    if reason is not DeleteReason.SCALE_DOWN:  # the replacement is a new incarnation
+        epoch = next_epoch(svc_epochs.get(key), seen.pod_epochs.get(key))
+        stamp = svc_epochs.get(key) != epoch
+        svc_epochs[key] = epoch
+        service = stamp_epoch(service, epoch)
+    names = view.pods if view is not None else ()
+    alive = tuple(n for n in names if not ((seen.pods.get(n) or {}).get("metadata") or {}).get("deletionTimestamp"))
+    drain = None
+    if reason is not DeleteReason.BROKEN and view is not None and view.state is GroupState.READY:
+        leader = next((f for f in (pod_facts(seen.pods.get(n) or {}) for n in names) if f and f.rank == 0), None)
+        if leader is not None and leader.ip:
+            url = f"http://{leader.ip}:{ctx.spec.role(ctx.role).ports.http}/metrics"
+            drain = Drain(url, ctx.spec.lifecycle.drain_timeout_seconds)
+    return DeletePods(
+        group=key,
+        reason=reason,
+        unregister=reason is not DeleteReason.BROKEN,
+        service=service,
+        delete_service=reason is DeleteReason.SCALE_DOWN,
+        stamp_service=stamp,
+        pods=alive,
+        grace_seconds=0 if reason is DeleteReason.BROKEN else None,
+        event=_DELETE_EVENTS[reason],
+        drain=drain,
+        extras=tuple(group_extras(ctx, key.index)) if reason is DeleteReason.SCALE_DOWN else (),
+    )
+
+
+def _create_step(
+    ctx: RoleContext, key: GroupKey, view: GroupView | None, seen: Observed, svc_epochs: Mapping[GroupKey, int]
+) -> CreatePods:
+    existing = set()
+    for name in view.pods if view is not None else ():
+        facts = pod_facts(seen.pods.get(name) or {})
+        if facts is not None:
+            existing.add(facts.rank)
+    epoch = seen.pod_epochs[key] if existing else svc_epochs.get(key, 0)
+    nodes = ctx.spec.role(ctx.role).nodes_per_group
+    pods = [stamp_epoch(group_pod(ctx, key.index, rank, epoch), epoch) for rank in range(nodes) if rank not in existing]
+    event = None
+    if view is None:
+        event = Reason.GROUP_RECREATING if key in seen.fenced else Reason.SCALED_UP
+    service = stamp_epoch(group_service(ctx, key.index), epoch)
+    return CreatePods(key, epoch, (service, *group_extras(ctx, key.index), *pods), event)

@@ -1,19 +1,17 @@
-"""One reconcile pass of a PDCluster (see ``runtime``): observe, decide with the pure layers, act, report.
+"""One reconcile pass of a PDCluster (driven by ``runtime``): observe, decide with the pure layers, act, report.
 
-Order matters for correctness under concurrent pod events: a group is fenced (registry key deleted) before its
-pods are deleted; its Service's epoch is bumped before its pods are deleted, so a restarted operator recreates it
-with a higher epoch; registry puts re-check the fence under the runtime's lock, so a pass that observed a group
-Ready just before it died cannot advertise it again after the fast path fenced it.
+The ``Reconciler`` owns the cluster's ``ClusterState`` and its ``Executor``. A pass lists the cluster's pods and
+Services, decides per role (``observe.group_views`` -> ``recovery.apply_fences`` -> ``planner.plan`` ->
+``planner.steps``), lets the executor carry the steps out, brings the registry to the desired entries
+(``registration``) and writes status.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
+from collections.abc import Callable, Collection
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
-
-from kubernetes_asyncio.client.exceptions import ApiException
+from typing import Any
 
 from tandem.registry import Endpoint, Role
 from tandem_operator.api.common import API_VERSION
@@ -25,40 +23,30 @@ from tandem_operator.desired.naming import (
     role_labels,
     selector_string,
 )
-from tandem_operator.desired.pods import RoleContext, group_pod, group_service
+from tandem_operator.desired.pods import RoleContext
 from tandem_operator.desired.pools import pool_manifest
-from tandem_operator.fencing import Fence, FenceReason, GroupKey, death_reason, pod_facts
+from tandem_operator.executor import Executor, bounded
+from tandem_operator.fencing import Fence, FenceReason, death_reason
 from tandem_operator.integrity import CONDITION_TYPE as INTEGRITY_CONDITION
 from tandem_operator.integrity import integrity_condition
 from tandem_operator.k8s.apply import INITIAL_SIZE_MANAGER, object_path
-from tandem_operator.k8s.events import Reason
-from tandem_operator.metrics import RECOVERY_SECONDS
-from tandem_operator.planner import DeleteGroup, DeleteReason, plan
+from tandem_operator.k8s.kube import ConflictError, Kube
+from tandem_operator.observe import GroupKey, GroupState, GroupView, group_views
+from tandem_operator.planner import CreatePods, DeletePods, Observed, plan, steps
 from tandem_operator.recovery import (
     FenceRecord,
     apply_fences,
     group_epochs,
-    recovered,
     resumed_fences,
     service_epochs,
     service_fences,
-    stamp_epoch,
+    stuck_groups,
 )
-from tandem_operator.registration import desired_endpoints, next_epoch, registry_changes
-from tandem_operator.status import (
-    GroupState,
-    GroupView,
-    Recovery,
-    cluster_status,
-    group_views,
-    pool_status,
-    role_status,
-)
+from tandem_operator.registrar import Registrar
+from tandem_operator.registration import desired_endpoints
+from tandem_operator.state import ClusterState
+from tandem_operator.status import Recovery, cluster_status, pool_status, role_status
 
-if TYPE_CHECKING:
-    from tandem_operator.runtime import ClusterRuntime
-
-PARALLEL_WRITES = 16
 # Groups created concurrently in one pass (each applies its Service, then its pods PARALLEL_WRITES at a time):
 # one group after the other took 70 s for 100 four-node groups on a loaded API server (tandem bench operator).
 PARALLEL_GROUPS = 8
@@ -66,119 +54,6 @@ PARALLEL_GROUPS = 8
 
 def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-async def ensure_pools(rt: ClusterRuntime) -> dict[Role, dict[str, Any]]:
-    """The role's PDPools, created (with the initial size) when missing."""
-    pools: dict[Role, dict[str, Any]] = {}
-    for role in Role:
-        manifest = pool_manifest(rt.ref, rt.spec, role, create=True)
-        found = await rt.kube.get(object_path(manifest))
-        if found is None:
-            try:
-                found = await rt.kube.create(manifest, field_manager=INITIAL_SIZE_MANAGER)
-            except ApiException as err:
-                if err.status != 409:  # 409: the PDCluster handler created it first
-                    raise
-                found = await rt.kube.get(object_path(manifest))
-        if found is None:
-            raise RuntimeError(f"PDPool {manifest['metadata']['name']} vanished while being created")
-        pools[role] = found
-    return pools
-
-
-async def apply_pools(rt: ClusterRuntime) -> None:
-    """Create missing pools; apply the others without ``spec.replicas`` (the replicas rule)."""
-    for role in Role:
-        manifest = pool_manifest(rt.ref, rt.spec, role, create=True)
-        if await rt.kube.get(object_path(manifest)) is None:
-            try:
-                await rt.kube.create(manifest, field_manager=INITIAL_SIZE_MANAGER)
-                continue
-            except ApiException as err:
-                if err.status != 409:  # 409: the reconcile loop created it first; apply below
-                    raise
-        await rt.kube.apply(pool_manifest(rt.ref, rt.spec, role, create=False))
-
-
-async def _bounded(jobs: list[Any], limit: int = PARALLEL_WRITES) -> None:
-    gate = asyncio.Semaphore(limit)
-
-    async def run(job: Any) -> None:
-        async with gate:
-            await job
-
-    await asyncio.gather(*(run(j) for j in jobs))
-
-
-async def reconcile_once(rt: ClusterRuntime) -> None:
-    ns, spec = rt.ref.namespace, rt.spec
-    pools = await ensure_pools(rt)
-    selector = selector_string({LABEL_CLUSTER: rt.ref.name})
-    pods = await rt.kube.list("v1", "Pod", ns, selector)
-    services = await rt.kube.list("v1", "Service", ns, selector)
-    rt.pods = {p["metadata"]["name"]: p for p in pods}
-    svc_epochs, pod_epochs = service_epochs(services), group_epochs(pods)
-    for key, (epoch, reason) in resumed_fences(service_fences(services), rt.fenced, pod_epochs).items():
-        rt.fenced[key] = FenceRecord(epoch, reason, time.monotonic())  # fenced before this operator started
-    lost = frozenset(rt.lost_nodes())
-    desired: dict[GroupKey, Endpoint] = {}
-    roles = {}
-    for role in Role:
-        pool = pools[role]
-        owner = OwnerRef(API_VERSION, "PDPool", pool["metadata"]["name"], pool["metadata"]["uid"])
-        ctx = RoleContext.build(rt.ref, spec, role, owner)
-        role_pods = rt.role_pods(role)
-        views = group_views(role_pods, spec.role(role).nodes_per_group, lost)
-        views = apply_fences(role, views, {k: r.epoch for k, r in rt.fenced.items()}, pod_epochs)
-        await _fence_broken(rt, role, views, pod_epochs, lost)
-        rt.retiring -= {k for k in rt.retiring if k.role is role and k.index not in views}
-        replicas = int(pool["spec"].get("replicas", 0))
-        actions = plan(replicas, views, ctx.template_hash, spec.role(role).max_surge_groups)
-        deleting: set[int] = set()
-        creating = []
-        for action in actions:
-            key = GroupKey(role, action.index)
-            if isinstance(action, DeleteGroup):
-                deleting.add(action.index)
-                await _delete_group(rt, ctx, key, action.reason, views[action.index], svc_epochs, pod_epochs)
-            else:
-                creating.append(_create_group(rt, ctx, key, views.get(action.index), svc_epochs, pod_epochs))
-        await _bounded(creating, PARALLEL_GROUPS)
-        live = {i: v for i, v in views.items() if i not in deleting}
-        fenced = {k: r.epoch for k, r in rt.fenced.items()}
-        desired.update(desired_endpoints(spec, role, live, role_pods, fenced))
-        roles[role] = role_status(views, replicas, ctx.template_hash)
-        status = pool_status(
-            int(pool["metadata"].get("generation", 0)),
-            roles[role],
-            len(views),
-            selector_string(role_labels(rt.ref.name, role)),
-            [],
-            _now(),
-        )
-        await rt.kube.apply(
-            _status_body("PDPool", pool_name(rt.ref.name, role), ns, status.to_wire()), subresource="status"
-        )
-    await sync_registry(rt, desired)
-    cluster = cluster_status(
-        generation=rt.generation,
-        revision=compat_revision(spec),
-        prefill=roles[Role.PREFILL],
-        decode=roles[Role.DECODE],
-        recovery=Recovery(rt.recoveries, rt.last_recovery_s),
-        previous=rt.conditions,
-        now=_now(),
-    )
-    now = _now()
-    conditions = list(cluster.conditions)
-    if rt.integrity_reports is not None:
-        conditions.append(integrity_condition(rt.integrity_reports, rt.conditions, rt.generation, now))
-    else:  # not listed yet: keep what the status says until the watch has synced
-        conditions += [c for c in rt.conditions if c.type == INTEGRITY_CONDITION]
-    cluster = cluster.model_copy(update={"conditions": conditions})
-    rt.conditions = conditions
-    await rt.kube.apply(_status_body("PDCluster", rt.ref.name, ns, cluster.to_wire()), subresource="status")
 
 
 def _status_body(kind: str, name: str, namespace: str, status: dict[str, Any]) -> dict[str, Any]:
@@ -190,103 +65,167 @@ def _status_body(kind: str, name: str, namespace: str, status: dict[str, Any]) -
     }
 
 
-async def _fence_broken(
-    rt: ClusterRuntime, role: Role, views: dict[int, GroupView], pod_epochs: dict[GroupKey, int], lost: frozenset[str]
-) -> None:
-    """Fence BROKEN groups the fast path did not see die (missed events, or an operator restart)."""
-    for index, view in views.items():
-        key = GroupKey(role, index)
-        epoch = pod_epochs.get(key, 0)
-        record = rt.fenced.get(key)
-        if view.state is not GroupState.BROKEN or key in rt.retiring or (record and record.epoch == epoch):
-            continue
-        members = [rt.pods[name] for name in view.pods if name in rt.pods]
-        reasons = [death_reason("MODIFIED", p, lost, serving=False) for p in members]
-        reason = next((r for r in reasons if r is not None), FenceReason.POD_DELETED)  # else: a rank is missing
-        await rt.fence(Fence(key, epoch, reason, view.pods[0] if view.pods else ""), time.monotonic())
+class Reconciler:
+    def __init__(
+        self,
+        state: ClusterState,
+        kube: Kube,
+        registrar: Registrar,
+        instance: str,
+        lost_nodes: Callable[[], Collection[str]],
+    ) -> None:
+        self.state, self.kube, self.lost_nodes = state, kube, lost_nodes
+        self.executor = Executor(state, kube, registrar, instance)
 
+    async def ensure_pools(self) -> dict[Role, dict[str, Any]]:
+        """The role's PDPools, created (with the initial size) when missing."""
+        pools: dict[Role, dict[str, Any]] = {}
+        for role in Role:
+            manifest = pool_manifest(self.state.ref, self.state.spec, role, create=True)
+            found = await self.kube.get(object_path(manifest))
+            if found is None:
+                try:
+                    found = await self.kube.create(manifest, field_manager=INITIAL_SIZE_MANAGER)
+                except ConflictError:  # the PDCluster handler created it first
+                    found = await self.kube.get(object_path(manifest))
+            if found is None:
+                raise RuntimeError(f"PDPool {manifest['metadata']['name']} vanished while being created")
+            pools[role] = found
+        return pools
 
-async def _delete_group(
-    rt: ClusterRuntime,
-    ctx: RoleContext,
-    key: GroupKey,
-    reason: DeleteReason,
-    view: GroupView,
-    svc_epochs: dict[GroupKey, int],
-    pod_epochs: dict[GroupKey, int],
-) -> None:
-    ns = rt.ref.namespace
-    if reason is not DeleteReason.BROKEN:
-        rt.retiring.add(key)
-        async with rt.registry_lock:
-            rt.registered.pop(key, None)
-            await rt.registrar.fence(ns, rt.ref.name, key)
-    if reason is DeleteReason.SCALE_DOWN:
-        rt.fenced.pop(key, None)  # a group that is going away will not recover
-        await rt.kube.delete(f"/api/v1/namespaces/{ns}/services/{group_service(ctx, key.index)['metadata']['name']}")
-    else:  # the replacement is a new incarnation: record its epoch before the pods go
-        epoch = next_epoch(svc_epochs.get(key), pod_epochs.get(key))
-        if svc_epochs.get(key) != epoch:
-            await rt.kube.apply(stamp_epoch(group_service(ctx, key.index), epoch))
-            svc_epochs[key] = epoch
-    grace = 0 if reason is DeleteReason.BROKEN else None
-    alive = [n for n in view.pods if not (rt.pods.get(n, {}).get("metadata") or {}).get("deletionTimestamp")]
-    await _bounded([rt.kube.delete(f"/api/v1/namespaces/{ns}/pods/{name}", grace) for name in alive])
-    if alive:
-        event = (
-            Reason.GROUP_RECREATING
-            if reason is DeleteReason.BROKEN
-            else (Reason.SCALED_DOWN if reason is DeleteReason.SCALE_DOWN else Reason.ROLLOUT_STEP)
+    async def apply_pools(self) -> None:
+        """Create missing pools; apply the others without ``spec.replicas`` (the replicas rule)."""
+        ref, spec = self.state.ref, self.state.spec
+        for role in Role:
+            manifest = pool_manifest(ref, spec, role, create=True)
+            if await self.kube.get(object_path(manifest)) is None:
+                try:
+                    await self.kube.create(manifest, field_manager=INITIAL_SIZE_MANAGER)
+                    continue
+                except ConflictError:  # the reconcile loop created it first; apply below
+                    pass
+            await self.kube.apply(pool_manifest(ref, spec, role, create=False))
+
+    async def reconcile_once(self) -> bool:
+        """One pass; True when some group is still draining (the caller looks again after ``drain.POLL_S``)."""
+        state, executor = self.state, self.executor
+        ref, spec = state.ref, state.spec
+        pools = await self.ensure_pools()
+        selector = selector_string({LABEL_CLUSTER: ref.name})
+        pods = await self.kube.list("v1", "Pod", ref.namespace, selector)
+        services = await self.kube.list("v1", "Service", ref.namespace, selector)
+        state.pods = {p["metadata"]["name"]: p for p in pods}
+        svc_epochs, pod_epochs = service_epochs(services), group_epochs(pods)
+        for key, (epoch, reason) in resumed_fences(service_fences(services), state.fenced, pod_epochs).items():
+            state.fenced[key] = FenceRecord(epoch, reason, time.monotonic())  # fenced before this operator started
+        lost = frozenset(self.lost_nodes())
+        observed = {role: await self._observe(role, pod_epochs, lost) for role in Role}
+        desired: dict[GroupKey, Endpoint] = {}
+        roles = {}
+        draining = False
+        pairable = await self._pairable(observed)
+        for role in Role:
+            pool, views = pools[role], observed[role]
+            owner = OwnerRef(API_VERSION, "PDPool", pool["metadata"]["name"], pool["metadata"]["uid"])
+            ctx = RoleContext.build(ref, spec, role, owner)
+            replicas = int(pool["spec"].get("replicas", 0))
+            retiring = frozenset(k.index for k in state.retiring if k.role is role)
+            surge = spec.role(role).max_surge_groups
+            actions = plan(replicas, views, ctx.template_hash, surge, retiring, (ctx.revision, pairable))
+            seen = Observed(state.pods, svc_epochs, pod_epochs, frozenset(state.fenced))
+            role_steps = steps(ctx, actions, views, seen)
+            self._resume_abandoned_drains(role, {s.group for s in role_steps if isinstance(s, DeletePods)})
+            for step in role_steps:
+                if isinstance(step, DeletePods) and not await executor.delete(step):
+                    draining = True
+            await bounded([executor.create(s) for s in role_steps if isinstance(s, CreatePods)], PARALLEL_GROUPS)
+            deleting = {s.group.index for s in role_steps if isinstance(s, DeletePods)}
+            live = {i: v for i, v in views.items() if i not in deleting}
+            fenced = {k: r.epoch for k, r in state.fenced.items()}
+            desired.update(desired_endpoints(spec, role, live, state.role_pods(role), fenced))
+            roles[role] = role_status(views, replicas, ctx.template_hash)
+            generation = int(pool["metadata"].get("generation", 0))
+            labels = selector_string(role_labels(ref.name, role))
+            status = pool_status(generation, roles[role], len(views), labels, [], _now())
+            body = _status_body("PDPool", pool_name(ref.name, role), ref.namespace, status.to_wire())
+            await self.kube.apply(body, subresource="status")
+        await executor.sync_registry(desired)
+        await self._write_status(roles[Role.PREFILL], roles[Role.DECODE])
+        return draining
+
+    async def _pairable(self, observed: dict[Role, dict[int, GroupView]]) -> frozenset[str]:
+        """Revisions routers can pair now: a registered prefill and decode of it whose leaders answer /health.
+        Asked only while a revision change rolls (some group's revision differs from the spec's)."""
+        state, current = self.state, compat_revision(self.state.spec)
+        if all(v.revision == current for views in observed.values() for v in views.values()):
+            return frozenset({current})
+        answering = {
+            key: endpoint
+            for key, endpoint in state.registered.items()
+            if await self.executor.worker_metrics.healthy(endpoint.url)
+        }
+        by_role = {r: {e.revision for k, e in answering.items() if k.role is r} for r in Role}
+        return frozenset(by_role[Role.PREFILL] & by_role[Role.DECODE])
+
+    async def _observe(self, role: Role, pod_epochs: dict[GroupKey, int], lost: frozenset[str]) -> dict[int, GroupView]:
+        """The role's groups, after fencing the dead and stuck ones (a fenced group reads BROKEN)."""
+        state, spec = self.state, self.state.spec
+        views = group_views(state.role_pods(role), spec.role(role).nodes_per_group, lost)
+        stuck = stuck_groups(role, views, state.pods, datetime.now(UTC), spec.lifecycle.start_deadline_seconds)
+        await self._fence(role, views, stuck, pod_epochs, lost)
+        state.retiring -= {k for k in state.retiring if k.role is role and k.index not in views}
+        return apply_fences(role, views, {k: r.epoch for k, r in state.fenced.items()}, pod_epochs)
+
+    def _resume_abandoned_drains(self, role: Role, deleting: set[GroupKey]) -> None:
+        """A group drained for a deletion the plan no longer wants (scaled back up) serves again: it is no longer
+        retiring, so it is registered again (its pods were never touched)."""
+        for key in [k for k in self.state.draining if k.role is role and k not in deleting]:
+            del self.state.draining[key]
+            self.state.retiring.discard(key)
+
+    async def _write_status(self, prefill: Any, decode: Any) -> None:
+        state = self.state
+        cluster = cluster_status(
+            generation=state.generation,
+            revision=compat_revision(state.spec),
+            prefill=prefill,
+            decode=decode,
+            recovery=Recovery(state.recoveries, state.last_recovery_s),
+            previous=state.conditions,
+            now=_now(),
         )
-        rt.emit(event, f"group {key.name}: deleting {len(alive)} pods ({reason.value})", "Delete")
+        conditions = list(cluster.conditions)
+        if state.integrity_reports is not None:
+            conditions.append(integrity_condition(state.integrity_reports, state.conditions, state.generation, _now()))
+        else:  # not listed yet: keep what the status says until the watch has synced
+            conditions += [c for c in state.conditions if c.type == INTEGRITY_CONDITION]
+        cluster = cluster.model_copy(update={"conditions": conditions})
+        state.conditions = conditions
+        body = _status_body("PDCluster", state.ref.name, state.ref.namespace, cluster.to_wire())
+        await self.kube.apply(body, subresource="status")
 
-
-async def _create_group(
-    rt: ClusterRuntime,
-    ctx: RoleContext,
-    key: GroupKey,
-    view: GroupView | None,
-    svc_epochs: dict[GroupKey, int],
-    pod_epochs: dict[GroupKey, int],
-) -> None:
-    existing_ranks = set()
-    for name in view.pods if view is not None else ():
-        facts = pod_facts(rt.pods.get(name, {}))
-        if facts is not None:
-            existing_ranks.add(facts.rank)
-    epoch = pod_epochs[key] if existing_ranks else svc_epochs.get(key, 0)
-    await rt.kube.apply(stamp_epoch(group_service(ctx, key.index), epoch))
-    nodes = rt.spec.role(key.role).nodes_per_group
-    missing = [rank for rank in range(nodes) if rank not in existing_ranks]
-    await _bounded([rt.kube.apply(stamp_epoch(group_pod(ctx, key.index, rank, epoch), epoch)) for rank in missing])
-    if view is None:
-        reason = Reason.GROUP_RECREATING if key in rt.fenced else Reason.SCALED_UP
-        rt.emit(reason, f"group {key.name} epoch {epoch}: creating {len(missing)} pods", "Create")
-
-
-async def sync_registry(rt: ClusterRuntime, desired: dict[GroupKey, Endpoint]) -> None:
-    """Put new or changed entries (under the operator's lease), remove the rest, and close finished recoveries."""
-    changes = registry_changes(desired, rt.registered)
-    stale_adopted = [k for k in rt.adopted if k not in desired]
-    ns, name = rt.ref.namespace, rt.ref.name
-    for key in [*changes.remove, *stale_adopted]:
-        async with rt.registry_lock:
-            rt.registered.pop(key, None)
-            await rt.registrar.fence(ns, name, key)
-    rt.adopted.clear()
-    for key, endpoint in changes.put.items():
-        async with rt.registry_lock:
-            record = rt.fenced.get(key)
-            if record is not None and record.epoch >= endpoint.epoch:
-                continue  # fenced while this pass ran
-            await rt.registrar.put(ns, name, endpoint)
-            rt.registered[key] = endpoint
-        rt.emit(Reason.REGISTERED, f"group {key.name} epoch {endpoint.epoch} at {endpoint.url}", "Register")
-    done = recovered(rt.fenced, {k: e.epoch for k, e in rt.registered.items()}, time.monotonic())
-    for key, seconds in done.items():
-        del rt.fenced[key]
-        rt.recoveries += 1
-        rt.last_recovery_s = round(seconds, 3)
-        rt.recovery_timings.append((key, seconds))
-        RECOVERY_SECONDS.observe(seconds)
-        rt.emit(Reason.GROUP_READY, f"group {key.name} recovered in {seconds:.2f}s (registered again)", "Recover")
+    async def _fence(
+        self,
+        role: Role,
+        views: dict[int, GroupView],
+        stuck: dict[GroupKey, str],
+        pod_epochs: dict[GroupKey, int],
+        lost: frozenset[str],
+    ) -> None:
+        """Fence BROKEN groups the fast path did not see die (missed events, or an operator restart), and groups
+        stuck Starting/Incomplete past the start deadline (then recreated like a broken one)."""
+        state = self.state
+        for index, view in views.items():
+            key = GroupKey(role, index)
+            epoch = pod_epochs.get(key, 0)
+            record = state.fenced.get(key)
+            if key in state.retiring or (record and record.epoch == epoch):
+                continue
+            if key in stuck:
+                await self.executor.fence(Fence(key, epoch, FenceReason.START_DEADLINE, stuck[key]), time.monotonic())
+            elif view.state is GroupState.BROKEN:
+                members = [state.pods[name] for name in view.pods if name in state.pods]
+                reasons = [death_reason("MODIFIED", p, lost) for p in members]
+                reason = next((r for r in reasons if r is not None), FenceReason.POD_DELETED)  # a rank is missing
+                pod = view.pods[0] if view.pods else ""
+                await self.executor.fence(Fence(key, epoch, reason, pod), time.monotonic())

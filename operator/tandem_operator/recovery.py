@@ -13,12 +13,12 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
+from datetime import datetime
 from typing import Any
 
 from tandem.registry import Role
 from tandem_operator.desired.naming import ANNOTATION_EPOCH, ANNOTATION_FENCED, LABEL_GROUP, LABEL_ROLE
-from tandem_operator.fencing import GroupKey, Pod, pod_facts
-from tandem_operator.status import GroupState, GroupView
+from tandem_operator.observe import GroupKey, GroupState, GroupView, Pod, created_at, pod_facts, started
 
 
 def stamp_epoch(manifest: Mapping[str, Any], epoch: int) -> dict[str, Any]:
@@ -114,3 +114,27 @@ def recovered(
         for key, record in fenced.items()
         if key in registered_epochs and registered_epochs[key] > record.epoch
     }
+
+
+def stuck_groups(
+    role: Role, views: Mapping[int, GroupView], pods: Mapping[str, Pod], now: datetime, deadline_s: float
+) -> dict[GroupKey, str]:
+    """Groups stuck Starting or Incomplete past ``deadline_s`` since their newest pod was created -> a member.
+
+    A STARTING group whose members have all started (their startupProbe passed) is a loaded group that is merely
+    NotReady (busy): readiness only takes it out of rotation and liveness decides about it, so it is never stuck.
+    An INCOMPLETE group (a rank missing, e.g. unschedulable) or one with a member not started (Pending, pulling,
+    loading) is; the kubelet's startupProbe already bounds a load, so this catches what no probe sees.
+    """
+    result: dict[GroupKey, str] = {}
+    for index, view in views.items():
+        if view.state not in (GroupState.STARTING, GroupState.INCOMPLETE):
+            continue
+        members = [pods[name] for name in view.pods if name in pods]
+        if view.state is GroupState.STARTING and all(started(p) for p in members):
+            continue
+        stamps = [t for t in (created_at(p) for p in members) if t is not None]
+        if stamps and (now - max(stamps)).total_seconds() > deadline_s:
+            waiting = next((p for p in members if not started(p)), members[0])
+            result[GroupKey(role, index)] = str(waiting["metadata"]["name"])
+    return result

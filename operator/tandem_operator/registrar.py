@@ -20,7 +20,8 @@ import pydantic
 from tandem import registry
 from tandem.registry import Endpoint
 from tandem.registry_etcd import client as etcd_client
-from tandem_operator.fencing import GroupKey, StaleKeys
+from tandem_operator.fencing import StaleKeys
+from tandem_operator.observe import GroupKey
 from tandem_operator.registration import parse_group
 
 log = logging.getLogger("tandem.operator.registry")

@@ -1,93 +1,14 @@
-"""Observed state from child pods, with gang semantics. Pure: no I/O, time passed in.
-
-A pod is DEAD when it is being deleted, has terminated (Failed/Succeeded), restarted a container (NCCL lost the
-rank even if the kubelet brought it back) or sits on a node the caller knows is lost. A group is:
-
-* READY when every rank is present and Ready;
-* BROKEN when any member is dead, or a rank is missing after some member had become Ready (the NCCL group had
-  formed and lost a rank): the whole group must be recreated, never left half-alive;
-* INCOMPLETE when ranks are missing but none had become Ready yet (still being created: create the rest);
-* STARTING otherwise (all present, not all Ready).
-"""
+"""Role, pool and cluster status with conditions, from the observed groups (``observe``). Pure: time passed in."""
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from enum import StrEnum
-from typing import Any
 
 from tandem_operator.api.common import Condition, ConditionStatus
 from tandem_operator.api.pdcluster import PDClusterStatus, Phase, RoleStatus
 from tandem_operator.api.pdpool import PDPoolStatus
-from tandem_operator.desired.naming import LABEL_GROUP, LABEL_RANK, LABEL_TEMPLATE_HASH
-
-Pod = Mapping[str, Any]
-
-
-class PodHealth(StrEnum):
-    READY = "Ready"
-    STARTING = "Starting"
-    DEAD = "Dead"
-
-
-class GroupState(StrEnum):
-    READY = "Ready"
-    STARTING = "Starting"
-    INCOMPLETE = "Incomplete"
-    BROKEN = "Broken"
-
-
-@dataclass(frozen=True)
-class GroupView:
-    index: int
-    state: GroupState
-    template_hash: str  # "" when the ranks disagree (a half-rolled group counts as outdated)
-    pods: tuple[str, ...]
-
-
-def pod_health(pod: Pod, lost_nodes: frozenset[str] = frozenset()) -> PodHealth:
-    metadata, status = pod.get("metadata", {}), pod.get("status", {})
-    phase = status.get("phase")
-    if metadata.get("deletionTimestamp") or phase in ("Failed", "Succeeded"):
-        return PodHealth.DEAD
-    for container in status.get("containerStatuses", ()):
-        if container.get("restartCount", 0) > 0 or "terminated" in container.get("state", {}):
-            return PodHealth.DEAD
-    if pod.get("spec", {}).get("nodeName") in lost_nodes:
-        return PodHealth.DEAD
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions", ()))
-    return PodHealth.READY if phase == "Running" and ready else PodHealth.STARTING
-
-
-def group_views(
-    pods: Iterable[Pod], nodes_per_group: int, lost_nodes: frozenset[str] = frozenset()
-) -> dict[int, GroupView]:
-    """Pods of one role, grouped by their group label. Pods without tandem labels are ignored."""
-    by_group: dict[int, list[Pod]] = defaultdict(list)
-    for pod in pods:
-        labels = pod.get("metadata", {}).get("labels", {})
-        if labels.get(LABEL_GROUP, "").isdigit() and labels.get(LABEL_RANK, "").isdigit():
-            by_group[int(labels[LABEL_GROUP])].append(pod)
-    return {index: _group_view(index, members, nodes_per_group, lost_nodes) for index, members in by_group.items()}
-
-
-def _group_view(index: int, pods: list[Pod], nodes_per_group: int, lost_nodes: frozenset[str]) -> GroupView:
-    health = [pod_health(pod, lost_nodes) for pod in pods]
-    ranks = {int(pod["metadata"]["labels"][LABEL_RANK]) for pod in pods}
-    hashes = {pod["metadata"]["labels"].get(LABEL_TEMPLATE_HASH, "") for pod in pods}
-    missing = set(range(nodes_per_group)) - ranks
-    if PodHealth.DEAD in health or (missing and PodHealth.READY in health):
-        state = GroupState.BROKEN
-    elif missing:
-        state = GroupState.INCOMPLETE
-    elif all(h is PodHealth.READY for h in health):
-        state = GroupState.READY
-    else:
-        state = GroupState.STARTING
-    names = tuple(sorted(pod["metadata"]["name"] for pod in pods))
-    return GroupView(index, state, hashes.pop() if len(hashes) == 1 else "", names)
+from tandem_operator.observe import GroupState, GroupView
 
 
 def role_status(views: Mapping[int, GroupView], desired: int, template_hash: str) -> RoleStatus:

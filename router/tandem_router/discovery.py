@@ -17,6 +17,7 @@ from tandem_router.pool import WorkerPool, WorkerSpec
 log = logging.getLogger("tandem.router.discovery")
 
 BOOTSTRAP_PORT_ANNOTATION = "sglang.ai/bootstrap-port"
+REVISION_LABEL = "tandem.dev/revision"  # the operator's compatibility revision on every worker pod
 DEFAULT_BOOTSTRAP_PORT = 8998
 
 
@@ -39,6 +40,7 @@ def endpoint_spec(endpoint: Endpoint) -> WorkerSpec:
         attn_dp_size=endpoint.attn_dp_size,
         model=endpoint.model,
         epoch=endpoint.epoch,
+        revision=endpoint.revision,
     )
 
 
@@ -58,7 +60,8 @@ def pod_spec(pod: Mapping[str, Any], role: Role, port: int) -> WorkerSpec | None
         raw = (meta.get("annotations") or {}).get(BOOTSTRAP_PORT_ANNOTATION)
         bootstrap_port = int(raw) if isinstance(raw, str) and raw.isdigit() else DEFAULT_BOOTSTRAP_PORT
     host = f"[{ip}]" if ":" in ip else ip
-    return WorkerSpec(role, f"http://{host}:{port}", bootstrap_port)
+    revision = str((meta.get("labels") or {}).get(REVISION_LABEL, ""))
+    return WorkerSpec(role, f"http://{host}:{port}", bootstrap_port, revision=revision)
 
 
 class StaticDiscovery:

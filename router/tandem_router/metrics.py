@@ -9,8 +9,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from tandem.registry import Role
 from tandem_router.policy.breaker import BreakerState
-from tandem_router.pool import Pair, WorkerPool
+from tandem_router.pool import Pair, WorkerPool, same_revision
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 _ITL_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 5)
@@ -71,7 +72,16 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.pairs = Counter(
+            "tandem_router_pair_dispatches",
+            "Requests dispatched per pair of prefill and decode compatibility revisions (mixed: never).",
+            ["prefill_revision", "decode_revision"],
+            registry=r,
+        )
         r.register(_PoolCollector(pool))
+
+    def dispatched(self, pair: Pair) -> None:
+        self.pairs.labels(pair.prefill.revision, pair.decode.revision).inc()
 
     def pair_failure(self, pair: Pair, reason: str) -> None:
         self.pair_failures.labels(pair.prefill.url, pair.decode.url, reason).inc()
@@ -109,3 +119,21 @@ class _PoolCollector(Collector):
             "Recreated groups registered under a Mooncake session id of their previous incarnation.",
             value=self.pool.mooncake_session_reuses,
         )
+        yield _available_pairs(self.pool, now)
+
+
+def _available_pairs(pool: WorkerPool, now: float) -> GaugeMetricFamily:
+    """Pairs the router may choose now, by revision: during a rollout, one series per revision."""
+    pairs = GaugeMetricFamily(
+        "tandem_router_pairs",
+        "Prefill/decode pairs the router may choose, by compatibility revision.",
+        labels=["revision"],
+    )
+    counts: dict[str, int] = {}
+    for p in pool.available(Role.PREFILL, now):
+        for d in pool.available(Role.DECODE, now):
+            if same_revision(Pair(p.spec, d.spec)):
+                counts[p.spec.revision] = counts.get(p.spec.revision, 0) + 1
+    for revision, count in sorted(counts.items()):
+        pairs.add_metric([revision], count)
+    return pairs

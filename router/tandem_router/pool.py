@@ -5,7 +5,9 @@ health checker reports probes and scraped load, and ``choose_pair`` turns a snap
 pure policies. Everything runs on the event loop thread, so no locks.
 
 ``PairGate`` is the seam for vetoes beyond health (e.g. integrity quarantine of a pair): the pool asks every gate
-before it offers a pair, and tells every gate each pair outcome.
+before it offers a pair, and tells every gate each pair outcome. Before any gate, a prefill and a decode pair only
+when their ``revision``s are equal (``same_revision``): during a rollout of the model or worker image, old pairs
+with old and new with new, never across.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class WorkerSpec:
     attn_dp_size: int = 1
     model: str | None = None  # served model name when known (registry), else learned from /v1/models
     epoch: int = 0
+    revision: str = ""  # compatibility revision (model, image, transfer); "" when the source does not say
 
     @property
     def key(self) -> str:
@@ -57,6 +60,11 @@ class Pair:
     @property
     def key(self) -> tuple[str, str]:
         return (self.prefill.key, self.decode.key)
+
+
+def same_revision(pair: Pair) -> bool:
+    """A prefill's KV layout and transfer must match its decode's: pair only equal compatibility revisions."""
+    return pair.prefill.revision == pair.decode.revision
 
 
 class PairGate(Protocol):
@@ -174,7 +182,7 @@ class WorkerPool:
         return None
 
     def _pair_allowed(self, pair: Pair, now: float) -> bool:
-        return all(gate.allows(pair, now) for gate in self.gates)
+        return same_revision(pair) and all(gate.allows(pair, now) for gate in self.gates)
 
     def _pick(self, role: Role, workers: Sequence[WorkerState], prefix: str) -> int:
         candidates = [w.candidate() for w in workers]

@@ -200,6 +200,7 @@ class Proxy:
         path = req.route.value
         now = time.monotonic()
         self.pool.dispatched(pair, now)
+        self.metrics.dispatched(pair)
         prefill_task = asyncio.create_task(self._prefill(pair, path, data, headers))
         decode_task = asyncio.create_task(self._decode_head(pair, path, data, headers, req.stream))
         committed = False

@@ -17,6 +17,7 @@ from typing import Any
 
 from tandem.sglang_args import SGLANG_VERSION, add_sglang_flags
 from tandem_sim.model import MIN_KV_BYTES
+from tandem_sim.profiles import DEFAULT_PROFILE, PROFILES, SimProfile
 from tandem_sim.ranks import KVLayout, Topology, check_parallel_flags, layout_error
 
 HICACHE_BACKENDS_SIMULATED = ("file", "mooncake")
@@ -58,6 +59,7 @@ class PdEnv:
     probe_max_interval_s: float = 300.0
     failed_session_idle_timeout_s: float = 600.0
     test_failure_prob: float = 0.0
+    health_check_timeout_s: float = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT (sglang/srt/entrypoints/http_server.py)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> PdEnv:
@@ -77,6 +79,7 @@ class PdEnv:
             probe_max_interval_s=num("SGLANG_FAILED_SESSION_PROBE_MAX_INTERVAL_S", 300.0),
             failed_session_idle_timeout_s=num("SGLANG_FAILED_SESSION_IDLE_TIMEOUT_S", 600.0),
             test_failure_prob=num("SGLANG_TEST_DISAGG_FAILURE_PROB", 0.0),
+            health_check_timeout_s=num("SGLANG_HEALTH_CHECK_TIMEOUT", 20.0),
         )
 
 
@@ -125,17 +128,20 @@ class SimConfig:
     max_total_tokens: int
     host_pool_tokens: int
     max_running_requests: int
+    max_prefill_tokens: int
+    chunked_prefill_size: int  # -1: no chunking
+    radix_cache: bool  # prefix cache in prefill and aggregated workers (off with --disable-radix-cache)
     context_length: int
     offload: bool
     hicache_storage_backend: str | None
     hicache_file_dir: str | None  # shared L3 pages (file backend): decode offload writes, prefill reads/writes
     enable_metrics: bool
-    prefill_ms_per_token: float
-    inter_token_ms: float
+    profile: SimProfile
     kv_bytes_per_token: int
     seed: int
     inject_offload_race: bool
     transfer_failure_prob: float
+    slow_health_s: float  # /health answers this much later while requests run (a health check queued under load)
     pd: PdEnv
     server_args: Mapping[str, Any]  # every SGLang flag's resolved value, shown in /server_info
 
@@ -156,8 +162,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_sglang_flags(parser)
     sim = parser.add_argument_group("simulator")
-    sim.add_argument("--sim-prefill-ms-per-token", type=float, default=0.02, help="simulated prefill compute")
-    sim.add_argument("--sim-inter-token-ms", type=float, default=2.0, help="simulated time per decoded token")
+    sim.add_argument(
+        "--sim-profile",
+        choices=sorted(PROFILES),
+        default=DEFAULT_PROFILE,
+        help="timing constants of the simulated GPU (tandem_sim/profiles.py); the --sim-*-ms flags override them",
+    )
+    sim.add_argument("--sim-time-factor", type=float, default=None, help="multiply every simulated time by this")
+    sim.add_argument("--sim-prefill-ms-per-token", type=float, default=None, help="prefill time per uncached token")
+    sim.add_argument("--sim-inter-token-ms", type=float, default=None, help="decode step time, whatever the batch")
+    sim.add_argument("--sim-decode-ms-per-seq", type=float, default=None, help="decode step time per running seq")
+    sim.add_argument(
+        "--sim-decode-ms-per-kv-token", type=float, default=None, help="decode step time per KV token attended"
+    )
     sim.add_argument("--sim-kv-bytes-per-token", type=int, default=256, help=f"KV bytes per token (>= {MIN_KV_BYTES})")
     sim.add_argument("--sim-seed", type=int, default=0, help="simulated weights: changes KV bytes and text")
     sim.add_argument(
@@ -170,6 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="probability that a KV send fails (default: SGLANG_TEST_DISAGG_FAILURE_PROB or 0)",
+    )
+    sim.add_argument(
+        "--sim-slow-health-s",
+        type=float,
+        default=0.0,
+        help="while requests run, /health answers this much later (a scheduler stalled under load; SGLang's "
+        "/health waits up to SGLANG_HEALTH_CHECK_TIMEOUT for any scheduler output, then answers 503)",
     )
     sim.add_argument("--sim-host-pool-tokens", type=int, default=None, help="host KV pool size (default 4x device)")
     sim.add_argument(
@@ -186,6 +210,44 @@ def _positive(name: str, value: int) -> int:
     if value <= 0:
         raise ConfigError(f"{name} must be positive, got {value}")
     return value
+
+
+def _profile(ns: argparse.Namespace) -> SimProfile:
+    profile = PROFILES[str(ns.sim_profile)].with_overrides(
+        time_factor=ns.sim_time_factor,
+        prefill_ms_per_token=ns.sim_prefill_ms_per_token,
+        decode_base_ms=ns.sim_inter_token_ms,
+        decode_ms_per_seq=ns.sim_decode_ms_per_seq,
+        decode_ms_per_kv_token=ns.sim_decode_ms_per_kv_token,
+    )
+    for flag, value in (
+        ("--sim-time-factor", profile.time_factor),
+        ("--sim-prefill-ms-per-token", profile.prefill_ms_per_token),
+        ("--sim-inter-token-ms", profile.decode_base_ms),
+        ("--sim-decode-ms-per-seq", profile.decode_ms_per_seq),
+        ("--sim-decode-ms-per-kv-token", profile.decode_ms_per_kv_token),
+    ):
+        if value < 0:
+            raise ConfigError(f"{flag} must be >= 0, got {value}")
+    return profile
+
+
+def _batching(ns: argparse.Namespace) -> tuple[int, int, int]:
+    """``--max-running-requests``, ``--max-prefill-tokens``, ``--chunked-prefill-size`` (SGLang's defaults: 256
+    here for the first, 16384, and 8192 for an H200-sized GPU, ``server_args._handle_gpu_memory_settings``)."""
+    running = 256 if ns.max_running_requests is None else int(ns.max_running_requests)
+    if running <= 0:
+        raise ConfigError(f"--max-running-requests must be positive, got {running}")
+    prefill = _positive("--max-prefill-tokens", int(ns.max_prefill_tokens))
+    chunk = 8192 if ns.chunked_prefill_size is None else int(ns.chunked_prefill_size)
+    if chunk == 0 or chunk < -1:
+        raise ConfigError(f"--chunked-prefill-size must be positive or -1 (no chunking), got {chunk}")
+    if chunk > prefill:
+        raise ConfigError(
+            f"--chunked-prefill-size {chunk} is larger than --max-prefill-tokens {prefill}: a chunk could never be "
+            "scheduled in one prefill batch"
+        )
+    return running, prefill, chunk
 
 
 def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> SimConfig:
@@ -230,6 +292,8 @@ def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> SimConfig:
             f"live in each token's KV), got {ns.sim_kv_bytes_per_token}"
         )
     page_size = _positive("--page-size", int(ns.page_size or 1))
+    max_running, max_prefill, chunk = _batching(ns)
+    profile = _profile(ns)
     max_total = _positive("--max-total-tokens", int(ns.max_total_tokens or 65536))
     max_total -= max_total % page_size
     context_length = int(ns.context_length or 32768)
@@ -246,6 +310,7 @@ def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> SimConfig:
         file_dir = env.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR") or "/tmp/hicache"
     server_args = {k: v for k, v in vars(ns).items() if not k.startswith("sim_")}
     server_args.update(attn_dp_size=attn_dp, dp_size=dp_size, page_size=page_size, max_total_tokens=max_total)
+    server_args.update(max_running_requests=max_running, chunked_prefill_size=chunk)
     if ns.enable_dp_attention:
         server_args["enable_dp_attention"] = False  # resolved into attn_dp_size, as SGLang reports it
     server_args["context_length"] = context_length
@@ -267,18 +332,21 @@ def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> SimConfig:
         page_size=page_size,
         max_total_tokens=max_total,
         host_pool_tokens=int(ns.sim_host_pool_tokens or 4 * max_total),
-        max_running_requests=int(ns.max_running_requests or 256),
+        max_running_requests=max_running,
+        max_prefill_tokens=max_prefill,
+        chunked_prefill_size=chunk,
+        radix_cache=not ns.disable_radix_cache,
         context_length=context_length,
         offload=bool(ns.disaggregation_decode_enable_offload_kvcache),
         hicache_storage_backend=ns.hicache_storage_backend,
         hicache_file_dir=file_dir,
         enable_metrics=bool(ns.enable_metrics),
-        prefill_ms_per_token=float(ns.sim_prefill_ms_per_token),
-        inter_token_ms=float(ns.sim_inter_token_ms),
+        profile=profile,
         kv_bytes_per_token=int(ns.sim_kv_bytes_per_token),
         seed=int(ns.sim_seed),
         inject_offload_race=bool(ns.sim_inject_offload_race),
         transfer_failure_prob=float(failure_prob),
+        slow_health_s=max(0.0, float(ns.sim_slow_health_s)),
         pd=pd_env,
         server_args=server_args,
     )

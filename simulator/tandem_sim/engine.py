@@ -27,7 +27,9 @@ from tandem_sim.config import SimConfig
 from tandem_sim.hicache import FileStore
 from tandem_sim.kvpool import PagedPool, ShardedPool
 from tandem_sim.metrics import Metrics
+from tandem_sim.radix import RadixCache
 from tandem_sim.ranks import KVLayout
+from tandem_sim.stepper import Stepper
 
 # Simulated device->host(+storage backend) copy time per page: not instantaneous, which is the races' window.
 OFFLOAD_COPY_S = 0.05
@@ -82,6 +84,16 @@ class Engine:
         self._frees: set[asyncio.Task[None]] = set()
         self.poisoned_pages = 0
         self._token_seconds: deque[list[int]] = deque(maxlen=11)
+        # One scheduler per attention-DP group: its batch loop and (prefill/aggregated) its radix prefix cache.
+        self.stepper = Stepper(cfg.profile, cfg.max_prefill_tokens, cfg.chunked_prefill_size)
+        self.radix = RadixCache(cfg.page_size) if cfg.radix_cache and cfg.mode != "decode" else None
+        self._prefilling = 0  # prompts waiting for or in prefill batches (SGLang's waiting queue)
+        self._admitted_prefilling = 0  # of those, the ones holding pool pages (counted in _running)
+
+    @property
+    def running(self) -> int:
+        """Requests holding device KV (SGLang's ``num_running_reqs``)."""
+        return self._running
 
     # -- admission -------------------------------------------------------------------------------------------
     async def admit(self, req: RunningRequest) -> None:
@@ -108,6 +120,9 @@ class Engine:
             return
         req.finished = True
         self._running -= 1
+        if self.radix is not None:  # cache_finished_req: prompt + output stay in the tree for the next turn
+            tokens = _tokens_at(req, 0, req.prompt_len + len(req.output_ids))
+            self.radix.insert(tokens.ids, tokens.words, self._cache_capacity())
         if self.cfg.offload and not req.released:
             self._offload_tail(req)
         if req.inflight_offloads == 0 or self.cfg.inject_offload_race:
@@ -122,6 +137,33 @@ class Engine:
         async with self._pages_changed:
             self._pages_changed.notify_all()
         self._gauges()
+
+    # -- prefill -----------------------------------------------------------------------------------------------
+    async def prefill(self, prompt: model.Tokens, admitted: bool = True) -> int:
+        """Run the prompt through prefill batches; returns its cached tokens (skipped compute). ``admitted``: the
+        request holds pool pages (aggregated mode), so it counts as running once its prefill is done."""
+        cached = self.radix.match_prefix(prompt.ids, prompt.words) if self.radix is not None else 0
+        self._prefilling += 1
+        self._admitted_prefilling += admitted
+        self._gauges()
+        try:
+            await self.stepper.prefill(len(prompt.ids) - cached)
+        finally:
+            self._prefilling -= 1
+            self._admitted_prefilling -= admitted
+            self._gauges()
+        if self.radix is not None:  # cache_unfinished_req: the prompt's pages go into the tree
+            self.radix.insert(prompt.ids, prompt.words, self._cache_capacity())
+        m = self.metrics
+        m.prompt_tokens.inc(len(prompt.ids))
+        m.cache_hit_rate.set(cached / max(1, len(prompt.ids)))
+        if cached:
+            m.cached_tokens.inc(cached)
+        return cached
+
+    def _cache_capacity(self) -> int:
+        """Tokens the tree may hold: what running requests leave of ``--max-total-tokens``."""
+        return self.pool.capacity_tokens - self.pool.used_tokens
 
     # -- KV ----------------------------------------------------------------------------------------------------
     def write_prompt_kv_locally(self, req: RunningRequest) -> None:
@@ -140,12 +182,23 @@ class Engine:
         ``on_token(token, word)`` is awaited after each token; returning False stops generation (a stop string
         matched).
         """
+        self.stepper.join()
+        try:
+            return await self._decode_loop(req, on_token)
+        finally:
+            self.stepper.leave()
+
+    async def _decode_loop(self, req: RunningRequest, on_token: Callable[[int, str], Awaitable[bool]] | None) -> str:
         decoder = model.Decoder(self.weights, req.prompt_len, req.params, self._read_rows(req))
-        interval = self.cfg.inter_token_ms / 1000.0
         last = time.monotonic()
-        for _ in range(req.params.max_new_tokens):
-            token, word = decoder.next_token()
+        for step in range(req.params.max_new_tokens):
             position = req.prompt_len + len(req.output_ids)
+            if step:  # the first token comes out of the prefill; every later one takes a decode step of the batch
+                await self.stepper.decode_step(position)
+                now = time.monotonic()
+                self.metrics.inter_token_latency.observe(now - last)
+                last = now
+            token, word = decoder.next_token()
             if token == model.EOS_ID:
                 return "stop"
             self.pool.write(
@@ -158,10 +211,6 @@ class Engine:
             self._note_token()
             if on_token is not None and not await on_token(token, word):
                 return "stop"
-            await asyncio.sleep(interval)
-            now = time.monotonic()
-            self.metrics.inter_token_latency.observe(now - last)
-            last = now
         return "length"
 
     def _note_token(self) -> None:
@@ -249,8 +298,9 @@ class Engine:
     def _gauges(self) -> None:
         m, group = self.metrics, self.group
         used = sum(e.pool.used_tokens for e in group)
-        m.num_running_reqs.set(sum(e._running for e in group))
-        m.num_queue_reqs.set(sum(e._queued for e in group))
+        # SGLang: running = the decoding batch; queue = waiting to be admitted or prefilled (its waiting_queue).
+        m.num_running_reqs.set(sum(e._running - e._admitted_prefilling for e in group))
+        m.num_queue_reqs.set(sum(e._queued + e._prefilling for e in group))
         m.kv_used_tokens.set(used)
         m.kv_available_tokens.set(sum(e.pool.free_pages * e.pool.page_size for e in group))
         m.token_usage.set(used / max(1, sum(e.pool.capacity_tokens for e in group)))
@@ -259,6 +309,12 @@ class Engine:
         return {
             "num_running_reqs": self._running,
             "num_queue_reqs": self._queued,
+            "num_prefilling_reqs": self._prefilling,
+            "radix_cached_tokens": self.radix.cached_tokens if self.radix is not None else 0,
+            "prefill_batches": self.stepper.stats.prefill_batches,
+            "prefill_chunks": self.stepper.stats.prefill_chunks,
+            "decode_steps": self.stepper.stats.decode_steps,
+            "max_decode_batch": self.stepper.stats.max_decode_batch,
             "kv_used_tokens": self.pool.used_tokens,
             "max_total_num_tokens": self.pool.capacity_tokens,
             "offloaded_pages": self.offloaded_pages,

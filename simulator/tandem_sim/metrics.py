@@ -39,6 +39,13 @@ class Metrics:
         self.num_decode_transfer_queue_reqs = gauge(
             "sglang:num_decode_transfer_queue_reqs", "Decode requests waiting for their KV."
         )
+        self.cache_hit_rate = gauge("sglang:cache_hit_rate", "The prefix cache hit rate.")
+        self.cached_tokens = Counter(
+            "sglang:cached_tokens_total",
+            "Number of cached prompt tokens by source (device/host/storage).",
+            (*LABELS, "cache_source"),
+            registry=r,
+        ).labels(model_name, "device")
         self.prompt_tokens = counter("sglang:prompt_tokens_total", "Number of prefill tokens processed.")
         self.generation_tokens = counter("sglang:generation_tokens_total", "Number of generation tokens processed.")
         self.num_requests = counter("sglang:num_requests_total", "The number of requests finished.")

@@ -20,6 +20,7 @@ class Outcome:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: dict[str, Any] | None = None
+    cached_tokens: int = 0  # prompt tokens served by the radix cache (SGLang's req.cached_tokens)
     started: float = field(default_factory=time.monotonic)
 
 
@@ -36,7 +37,7 @@ def meta_info(out: Outcome) -> dict[str, Any]:
         "finish_reason": out.finish_reason,
         "prompt_tokens": out.prompt_tokens,
         "completion_tokens": len(out.output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": out.cached_tokens,
         "weight_version": "default",
         "e2e_latency": time.monotonic() - out.started,
     }

@@ -200,13 +200,21 @@ class Server:
         return _json({"object": "list", "data": [card]})
 
     async def health(self, request: web.Request) -> web.Response:
+        """SGLang's ``/health``: a one-token generation within ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s), else 503
+        (``health_generate`` in sglang/srt/entrypoints/http_server.py). ``--sim-slow-health-s`` delays it while
+        requests run, as a health request queued behind a busy batch."""
         if not self.ready():
             return web.Response(status=503)
         try:
-            await asyncio.wait_for(self.worker.health_generate(), timeout=20)
+            await asyncio.wait_for(self._health_check(), timeout=self.cfg.pd.health_check_timeout_s)
         except (TimeoutError, GenerationError):
             return web.Response(status=503)
         return web.Response(status=200)
+
+    async def _health_check(self) -> None:
+        if self.cfg.slow_health_s > 0 and self.worker.engine.running > 0:
+            await asyncio.sleep(self.cfg.slow_health_s)
+        await self.worker.health_generate()
 
     async def ready_check(self, request: web.Request) -> web.Response:
         return _json({"status": "ready"}) if self.ready() else _json({"status": "starting"}, 503)
@@ -239,6 +247,8 @@ class Server:
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         busy = bool(self.worker.tasks)
+        if not busy:
+            self.worker.flush_cache()  # SGLang's Scheduler.flush_cache: tree_cache.reset()
         text = (
             "Cache flushed.\nPlease check backend logs for more details. "
             "(When there are running or waiting requests, the operation will not be performed.)"

@@ -144,10 +144,8 @@ class Worker:
             raise GenerationError("prefill mode requires bootstrap fields", 400)
         room = inp.bootstrap.room
         dp_rank = room % self.cfg.attn_dp_size
-        n = len(inp.input_ids)
         try:
-            await asyncio.sleep(self.cfg.prefill_ms_per_token * n / 1000.0)
-            self.metrics.prompt_tokens.inc(n)
+            out.cached_tokens = await self.engines[dp_rank].prefill(inp.prompt, admitted=False)
             message = {"op": "prefill", "room": room, "ids": inp.prompt.ids, "words": inp.prompt.words}
             remote = [self._call(node, message, TransferFailedError) for node in self._remote_nodes[dp_rank]]
             await run_together([self._prefill_here(dp_rank, room, inp.prompt), *remote])
@@ -173,9 +171,8 @@ class Worker:
             if pd:
                 received = await self._receive(inp, req, dp_rank)
             else:
-                await asyncio.sleep(self.cfg.prefill_ms_per_token * len(inp.input_ids) / 1000.0)
+                out.cached_tokens = await engine.prefill(inp.prompt)
                 engine.write_prompt_kv_locally(req)
-                self.metrics.prompt_tokens.inc(len(inp.input_ids))
                 received = True
             first = time.monotonic()
             stops = inp.params.stop
@@ -309,6 +306,11 @@ class Worker:
         finally:
             await self.engine.release(req)
 
+    def flush_cache(self) -> None:
+        for engine in self.engines.values():
+            if engine.radix is not None:
+                engine.radix.reset()
+
     def gen_throughput(self) -> float:
         return sum(engine.gen_throughput() for engine in self.engines.values())
 
@@ -328,4 +330,6 @@ class Worker:
             task.cancel()
         for decode in self.decode_ranks:
             await decode.close()
+        for engine in self.engines.values():
+            await engine.stepper.close()
         self.close_transfers()

@@ -136,6 +136,16 @@ class ServiceMonitor(Values):
     interval: str = Field(default="15s", description="Scrape interval.")
 
 
+class WorkerPodMonitor(Values):
+    enabled: bool = Field(
+        default=False, description="Create a Prometheus Operator PodMonitor selecting every worker group's leader pod."
+    )
+    interval: str = Field(default="15s", description="Scrape interval.")
+    namespaces: list[str] = Field(
+        default_factory=list, description="Namespaces of the PDClusters to scrape ([]: every namespace)."
+    )
+
+
 class PrometheusRule(Values):
     enabled: bool = Field(default=False, description="Create a PrometheusRule with Tandem's alerts.")
 
@@ -147,6 +157,10 @@ class Dashboards(Values):
 
 class Metrics(Values):
     service_monitor: ServiceMonitor = Field(default_factory=ServiceMonitor, description="ServiceMonitor settings.")
+    worker_pod_monitor: WorkerPodMonitor = Field(
+        default_factory=WorkerPodMonitor,
+        description="PodMonitor of the SGLang worker pods (sglang:* gauges, KV-transfer failures).",
+    )
     prometheus_rule: PrometheusRule = Field(default_factory=PrometheusRule, description="Alerting rules.")
     dashboards: Dashboards = Field(default_factory=Dashboards, description="Grafana dashboard ConfigMap.")
 

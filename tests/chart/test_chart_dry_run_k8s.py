@@ -2,7 +2,7 @@
 validation: an unknown or misspelled field is an error, not a silently dropped key).
 
 Covered: the CRDs, the chart with its defaults and with each ``deploy/values-*.yaml``, and the deploy/ PDCluster
-examples against the installed CRDs. The test cluster has no Prometheus Operator, so its ServiceMonitor and
+examples against the installed CRDs. The test cluster has no Prometheus Operator, so its ServiceMonitor, PodMonitor and
 PrometheusRule kinds are registered here as stand-in CRDs whose ``spec`` is not validated (the kinds, API
 version and metadata are); the PrometheusRule's rules are checked by ``promtool`` in test_chart_monitoring.
 """
@@ -56,7 +56,11 @@ async def _render(cluster: DevCluster, namespace: str, *args: str) -> list[dict[
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def monitoring_kinds(k8s_cluster: DevCluster) -> None:
-    docs = [_stand_in_crd("ServiceMonitor", "servicemonitors"), _stand_in_crd("PrometheusRule", "prometheusrules")]
+    docs = [
+        _stand_in_crd("ServiceMonitor", "servicemonitors"),
+        _stand_in_crd("PodMonitor", "podmonitors"),
+        _stand_in_crd("PrometheusRule", "prometheusrules"),
+    ]
     await tool(k8s_cluster, "kubectl", "apply", "--server-side", "-f", "-", stdin=yaml.safe_dump_all(docs).encode())
     await tool(k8s_cluster, "kubectl", "wait", "--for=condition=Established", "crd", "--all", "--timeout=30s")
 

@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import json
 import os
 import sys
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import openai
 from kubernetes_asyncio import client
 
 from tandem import registry
 from tandem.devcluster.cluster import DevCluster
-from tandem.procs import ManagedProcess
+from tandem.devcluster.podrunner import PodRunner
+from tandem.procs import ManagedProcess, free_port
 from tandem.registry import Endpoint
 from tandem.registry_etcd import client as etcd_client
+from tests.devcluster_fixtures import eventually
 
 REPO = Path(__file__).resolve().parents[2]
 CRDS = REPO / "charts" / "tandem" / "crds"
@@ -86,6 +93,92 @@ def operator_process(
     ]
     argv += ["--leader-election-namespace", namespace] if leader_election else ["--no-leader-election"]
     return ManagedProcess(f"operator-{identity}", argv, log_dir / f"operator-{identity}.log")
+
+
+def router_process(etcd: str, namespace: str, cluster: str, port: int, log_dir: Path) -> ManagedProcess:
+    """``tandem router`` discovering the cluster's workers in the test etcd (round robin, fast health checks)."""
+    argv = [sys.executable, "-m", "tandem.cli", "router", "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--discovery", "etcd", "--etcd-endpoint", etcd.split("://", 1)[1]]
+    argv += ["--cluster-namespace", namespace, "--cluster-name", cluster, "--health-interval-s", "0.5"]
+    argv += ["--policy", "round_robin"]
+    return ManagedProcess("router", argv, log_dir / "router.log")
+
+
+LOAD_CLIENT = Path(__file__).with_name("load_client.py")
+SIM_MODEL = "kimi-k2.6-sim"
+
+
+@dataclass
+class SimStack:
+    """A simulated PDCluster ``sim`` serving through a router: its registry and the router's OpenAI base URL."""
+
+    reg: Registry
+    base_url: str
+    metrics_url: str
+    runner: PodRunner  # acts as the kubelet: probes, container exits (``runner.running``), network faults
+
+
+@contextlib.asynccontextmanager
+async def sim_stack(
+    cluster: DevCluster,
+    api: client.ApiClient,
+    namespace: str,
+    etcd: str,
+    log_dir: Path,
+    procs: list[ManagedProcess],
+    groups: Sequence[str],
+    **spec: Any,
+) -> AsyncIterator[SimStack]:
+    """Operator, PDCluster ``sim`` (simulated workers behind pod IPs), pod runner, router: yields once ``groups``
+    are registered and a completion goes through the router."""
+    procs.append(operator_process(cluster, namespace, etcd, log_dir, "op").start())
+    await create_pdcluster(api, namespace, pdcluster("sim", simulated=True, **spec))
+    (log_dir / "pods").mkdir()
+    async with (
+        PodRunner(api, log_dir / "pods", namespace=namespace).running_in_background() as runner,
+        Registry(etcd) as reg,
+    ):
+
+        async def registered() -> bool:
+            return sorted(await reg.endpoints(namespace, "sim")) == sorted(groups)
+
+        await eventually(registered, f"{', '.join(groups)} registered", within=90)
+        port = free_port()
+        procs.append(router_process(etcd, namespace, "sim", port, log_dir).start())
+        base_url = f"http://127.0.0.1:{port}/v1"
+        await eventually(lambda: serves(base_url, SIM_MODEL), "a completion through the router", within=60)
+        yield SimStack(reg, base_url, f"http://127.0.0.1:{port}/metrics", runner)
+
+
+async def start_load(
+    base_url: str, model: str, streams: int, seconds: float, max_tokens: int = 16
+) -> asyncio.subprocess.Process:
+    """Streaming load through the router in its own process (tests/operator/load_client.py)."""
+    argv = [str(LOAD_CLIENT), base_url, model, str(streams), str(seconds), str(max_tokens)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return await asyncio.create_subprocess_exec(sys.executable, *argv, stdout=asyncio.subprocess.PIPE, env=env)
+
+
+async def serves(base_url: str, model: str) -> bool:
+    """One streamed completion through the router succeeds."""
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=30) as sdk:
+        try:
+            stream = await sdk.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
+            )
+            async for _ in stream:
+                pass
+        except openai.OpenAIError:
+            return False
+    return True
+
+
+async def load_result(load: asyncio.subprocess.Process, within: float) -> dict[str, Any]:
+    """The load client's JSON line: ok, cut_mid_stream, failed_before_first_byte."""
+    async with asyncio.timeout(within):
+        out, _ = await load.communicate()
+    result: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
+    return result
 
 
 async def pdc_status(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:

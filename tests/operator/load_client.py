@@ -1,8 +1,8 @@
 """Bounded streaming load through the router with the ``openai`` SDK, in its own process (so the test's event loop
 measures fence times undisturbed). Prints one JSON line: ok, cut_mid_stream, failed_before_first_byte.
 
-Usage: python load_client.py <base_url> <model> <streams> <seconds>; SIGTERM ends the load early (streams in flight
-finish, then the JSON line is printed).
+Usage: python load_client.py <base_url> <model> <streams> <seconds> [<max_tokens>, default 16]; SIGTERM ends the
+load early (streams in flight finish, then the JSON line is printed).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 import openai
 
 
-async def main(base_url: str, model: str, streams: int, seconds: float) -> dict[str, object]:
+async def main(base_url: str, model: str, streams: int, seconds: float, max_tokens: int = 16) -> dict[str, object]:
     result: dict[str, object] = {"ok": 0, "cut_mid_stream": 0, "failed_before_first_byte": []}
     failed: list[str] = []
     deadline = time.monotonic() + seconds
@@ -35,7 +35,10 @@ async def main(base_url: str, model: str, streams: int, seconds: float) -> dict[
             received = False
             try:
                 stream = await sdk.chat.completions.create(
-                    model=model, messages=[{"role": "user", "content": f"count to {w}-{n}"}], max_tokens=16, stream=True
+                    model=model,
+                    messages=[{"role": "user", "content": f"count to {w}-{n}"}],
+                    max_tokens=max_tokens,
+                    stream=True,
                 )
                 async for _ in stream:
                     received = True
@@ -56,4 +59,5 @@ async def main(base_url: str, model: str, streams: int, seconds: float) -> dict[
 
 if __name__ == "__main__":
     url, name, count, duration = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
-    print(json.dumps(asyncio.run(main(url, name, count, duration))), flush=True)
+    tokens = int(sys.argv[5]) if len(sys.argv) > 5 else 16
+    print(json.dumps(asyncio.run(main(url, name, count, duration, tokens))), flush=True)

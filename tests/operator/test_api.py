@@ -49,7 +49,7 @@ def test_wire_form_is_camel_case_and_round_trips() -> None:
             "epSize must divide tpSize",
         ),
         ({"decode": {"attnDpSize": 3}}, "attnDpSize must divide tpSize"),
-        ({"decode": {"epSize": 4}}, "moeA2ABackend deepep needs epSize == tpSize"),
+        ({"decode": {"epSize": 4, "moeA2ABackend": "deepep"}}, "moeA2ABackend deepep needs epSize == tpSize"),
         ({"prefill": {"enableDpLmHead": True}}, "enableDpLmHead needs attnDpSize > 1"),
         ({"prefill": {"extraArgs": ["--tp-size=4"]}}, "extraArgs may not set flags the operator manages"),
         ({"prefill": {"extraArgs": ["--host", "0.0.0.0"]}}, "extraArgs may not set flags the operator manages"),

@@ -35,6 +35,10 @@ def check_golden(name: str, data: Any) -> None:
     assert path.read_text() == text, f"{path} differs; rerun with TANDEM_UPDATE_GOLDEN=1 and review"
 
 
+def pods_of(manifests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [m for m in manifests if m["kind"] == "Pod"]
+
+
 def test_decode_group_golden() -> None:
     check_golden("decode-group-0", group_manifests(ctx(kimi_spec(), Role.DECODE), 0))
 
@@ -54,7 +58,7 @@ def flag(command: list[str], name: str) -> str | None:
 
 
 def test_multi_node_group_ranks_and_leader_address() -> None:
-    service, *pods = group_manifests(ctx(kimi_spec(), Role.DECODE), 3)
+    service, *pods = [m for m in group_manifests(ctx(kimi_spec(), Role.DECODE), 3) if m["kind"] in ("Service", "Pod")]
     assert service["metadata"]["name"] == "kimi-decode-3"
     assert service["spec"]["selector"]["tandem.dev/rank"] == "0"
     assert service["spec"]["publishNotReadyAddresses"] is True
@@ -68,18 +72,18 @@ def test_multi_node_group_ranks_and_leader_address() -> None:
 
 def test_only_prefill_leaders_carry_the_bootstrap_annotation() -> None:
     spec = kimi_spec(prefill={"nodesPerGroup": 2, "tpSize": 16, "epSize": 16})
-    _, leader, follower = group_manifests(ctx(spec, Role.PREFILL), 0)
+    leader, follower = pods_of(group_manifests(ctx(spec, Role.PREFILL), 0))
     assert leader["metadata"]["annotations"] == {"sglang.ai/bootstrap-port": "8998"}
     assert "annotations" not in follower["metadata"]
     for pod in (leader, follower):
         assert flag(container(pod)["command"], "--disaggregation-bootstrap-port") == "8998"
-    _, decode_leader, _ = group_manifests(ctx(kimi_spec(), Role.DECODE), 0)
+    decode_leader, _ = pods_of(group_manifests(ctx(kimi_spec(), Role.DECODE), 0))
     assert "annotations" not in decode_leader["metadata"]
     assert "--disaggregation-bootstrap-port" not in container(decode_leader)["command"]
 
 
 def test_single_node_group_has_no_dist_init() -> None:
-    _, pod = group_manifests(ctx(kimi_spec(), Role.PREFILL), 0)
+    (pod,) = pods_of(group_manifests(ctx(kimi_spec(), Role.PREFILL), 0))
     command = container(pod)["command"]
     assert "--dist-init-addr" not in command
     assert "--nnodes" not in command
@@ -87,17 +91,17 @@ def test_single_node_group_has_no_dist_init() -> None:
 
 def test_tcp_transfer_has_no_infiniband_and_forces_tcp() -> None:
     spec = kimi_spec(transfer={"protocol": "tcp"})
-    _, pod = group_manifests(ctx(spec, Role.PREFILL), 0)
+    (pod,) = pods_of(group_manifests(ctx(spec, Role.PREFILL), 0))
     c = container(pod)
     assert "--disaggregation-ib-device" not in c["command"]
     assert {"name": "MC_FORCE_TCP", "value": "true"} in c["env"]
-    assert [v["name"] for v in pod["spec"]["volumes"]] == ["dshm"]
+    assert [v["name"] for v in pod["spec"]["volumes"]] == ["dshm", "jit-cache"]
     assert "privileged" not in c["securityContext"]
 
 
 def test_rdma_device_plugin_replaces_host_infiniband() -> None:
     spec = kimi_spec(transfer={"protocol": "rdma", "ibDevices": ["mlx5_0"], "rdmaResource": "rdma/ib"})
-    _, pod = group_manifests(ctx(spec, Role.PREFILL), 0)
+    (pod,) = pods_of(group_manifests(ctx(spec, Role.PREFILL), 0))
     c = container(pod)
     assert c["resources"]["limits"] == {"nvidia.com/gpu": "8", "rdma/ib": "1"}
     assert "infiniband" not in [v["name"] for v in pod["spec"]["volumes"]]
@@ -108,7 +112,7 @@ def test_host_network_declares_host_ports_that_differ_between_roles() -> None:
     spec = kimi_spec(transfer={"protocol": "tcp", "hostNetwork": True})
     ports: dict[Role, set[int]] = {}
     for role in Role:
-        pod = group_manifests(ctx(spec, role), 0)[1]
+        pod = pods_of(group_manifests(ctx(spec, role), 0))[0]
         assert pod["spec"]["hostNetwork"] is True
         assert pod["spec"]["dnsPolicy"] == "ClusterFirstWithHostNet"
         declared = container(pod)["ports"]
@@ -119,19 +123,23 @@ def test_host_network_declares_host_ports_that_differ_between_roles() -> None:
 
 def test_user_env_overrides_operator_env_without_duplicates() -> None:
     spec = kimi_spec(prefill={"env": [{"name": "MC_TE_METRIC", "value": "false"}]})
-    env = container(group_manifests(ctx(spec, Role.PREFILL), 0)[1])["env"]
+    env = container(pods_of(group_manifests(ctx(spec, Role.PREFILL), 0))[0])["env"]
     names = [v["name"] for v in env]
     assert len(names) == len(set(names))
     assert {"name": "MC_TE_METRIC", "value": "false"} in env
 
 
 def test_offload_env_points_mooncake_at_etcd() -> None:
-    env = {v["name"]: v.get("value") for v in container(group_manifests(ctx(kimi_spec(), Role.DECODE), 0)[1])["env"]}
+    env = {
+        v["name"]: v.get("value")
+        for v in container(pods_of(group_manifests(ctx(kimi_spec(), Role.DECODE), 0))[0])["env"]
+    }
     assert env["MOONCAKE_MASTER"] == "etcd://etcd-0.etcd:2379;etcd-1.etcd:2379"
     assert env["MOONCAKE_TE_META_DATA_SERVER"] == "etcd://etcd-0.etcd:2379;etcd-1.etcd:2379"
     assert env["MC_METADATA_CLUSTER_ID"] == "llm.kimi"
     # rdma, 8 GPUs per pod: one RPC port per rank's Mooncake engine
     assert (env["MC_MIN_RPC_PORT"], env["MC_MAX_RPC_PORT"]) == ("15100", "15107")
+    assert env["MOONCAKE_GLOBAL_SEGMENT_SIZE"] == "0gb"  # mooncake_store._parse_global_segment_size: "<n>gb"
 
 
 def test_template_hash_ignores_group_count_and_other_role() -> None:
@@ -155,3 +163,62 @@ def test_pools_carry_replicas_only_when_created(existing: frozenset[Role], with_
     assert {p["spec"]["role"]: p["spec"]["replicas"] for p in pools if "replicas" in p["spec"]} == with_replicas
     owner = pools[0]["metadata"]["ownerReferences"][0]
     assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == ("PDCluster", "kimi", CLUSTER.uid, True)
+
+
+def test_recipe_env_volumes_and_gang_objects() -> None:
+    spec = kimi_spec(
+        transfer={"protocol": "rdma", "ibDevices": ["mlx5_0", "mlx5_1"], "socketInterface": "eth0", "ibGidIndex": 3},
+        scheduling={"schedulerName": "volcano", "podGroup": "volcano"},
+        model={
+            "path": "/models/Kimi-K2.6",
+            "weightCache": {"hostPath": "/mnt/nvme/models", "repo": "moonshotai/Kimi-K2.6"},
+            "contextLength": 262144,
+            "speculative": {"enabled": True},
+        },
+    )
+    manifests = group_manifests(ctx(spec, Role.DECODE), 0)
+    kinds = [m["kind"] for m in manifests]
+    assert kinds == ["Service", "PodDisruptionBudget", "PodGroup", "Pod", "Pod"]
+    group = {"tandem.dev/cluster": "kimi", "tandem.dev/role": "decode", "tandem.dev/group": "0"}
+    assert manifests[1]["spec"] == {"maxUnavailable": 0, "selector": {"matchLabels": group}}
+    assert manifests[2]["spec"] == {"minMember": 2}
+    pod = manifests[3]
+    env = {v["name"]: v.get("value") for v in container(pod)["env"]}
+    assert env["NCCL_IB_HCA"] == env["NVSHMEM_HCA_LIST"] == "mlx5_0,mlx5_1"
+    assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "eth0"
+    assert env["NCCL_IB_GID_INDEX"] == env["NVSHMEM_IB_GID_INDEX"] == "3"
+    assert env["SGLANG_CACHE_DIR"] == "/var/cache/sglang"
+    assert pod["spec"]["schedulerName"] == "volcano"
+    assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "kimi-decode-0"
+    (init,) = pod["spec"]["initContainers"]
+    assert init["command"][3:5] == ["moonshotai/Kimi-K2.6", "/models/Kimi-K2.6"]
+    mounts = {m["name"]: m["mountPath"] for m in container(pod)["volumeMounts"]}
+    assert mounts["weights"] == "/models"
+    assert mounts["jit-cache"] == "/var/cache/sglang"
+    command = container(pod)["command"]
+    assert command[command.index("--context-length") + 1] == "262144"
+    assert command[command.index("--speculative-draft-model-path") + 1] == "lightseekorg/kimi-k2.6-eagle3.1-mla"
+
+
+def test_chunked_prefill_is_per_attention_dp_rank() -> None:
+    spec = kimi_spec(decode={**kimi_spec().to_wire()["decode"], "chunkedPrefillSize": 4096})
+    command = container(pods_of(group_manifests(ctx(spec, Role.DECODE), 0))[0])["command"]
+    assert command[command.index("--chunked-prefill-size") + 1] == str(4096 * 16)  # attnDpSize 16
+
+
+def test_prefill_hicache_with_mooncake_store_and_host_memory_check() -> None:
+    hicache = {
+        "enabled": True,
+        "hostMemoryGib": 96,
+        "storageBackend": "mooncake",
+        "mooncakeStore": {"globalSegmentGib": 32},
+    }
+    spec = kimi_spec(prefill={"hicache": hicache, "nodeMemoryGib": 2048})
+    pod = pods_of(group_manifests(ctx(spec, Role.PREFILL), 0))[0]
+    command = container(pod)["command"]
+    assert command[command.index("--hicache-size") + 1] == "96"
+    assert "--enable-hierarchical-cache" in command
+    env = {v["name"]: v.get("value") for v in container(pod)["env"]}
+    assert env["MOONCAKE_GLOBAL_SEGMENT_SIZE"] == "32gb"
+    with pytest.raises(ValueError, match="must fit nodeMemoryGib"):
+        kimi_spec(prefill={"hicache": hicache, "nodeMemoryGib": 1000})  # (96 + 32) x 8 = 1024 GiB

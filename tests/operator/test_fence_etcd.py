@@ -21,8 +21,8 @@ from tandem import registry
 from tandem.procs import ManagedProcess, free_port
 from tandem.registry import Role
 from tandem.registry_etcd import client as etcd_client
-from tandem_operator.fencing import GroupKey
 from tandem_operator.k8s.kube import Kube
+from tandem_operator.observe import GroupKey
 from tandem_operator.registrar import Registrar
 from tandem_operator.registration import leader_endpoint
 from tandem_operator.runtime import ClusterRuntime, RuntimeOptions
@@ -140,7 +140,7 @@ async def test_a_deleted_member_is_fenced_and_its_mooncake_metadata_removed(
             endpoint = leader_endpoint(SPEC, Role.DECODE, pods[2 * index])
             assert endpoint is not None
             await registrar.put("serving", "kimi", endpoint)
-            runtime.registered[GroupKey(Role.DECODE, index)] = endpoint
+            runtime.state.registered[GroupKey(Role.DECODE, index)] = endpoint
         prefix = registry.cluster_prefix("serving", "kimi")
         assert await keys(etcd, prefix) == [f"{prefix}decode/decode-0", f"{prefix}decode/decode-1"]
 
@@ -153,7 +153,7 @@ async def test_a_deleted_member_is_fenced_and_its_mooncake_metadata_removed(
         assert decision.group == GroupKey(Role.DECODE, 0)
         assert await keys(etcd, prefix) == [f"{prefix}decode/decode-1"]
         assert await keys(etcd, root) == [f"{root}ram/127.0.0.10"]
-        timing = runtime.fence_timings[-1]
+        timing = runtime.state.fence_timings[-1]
         assert timing.fenced_s < 1.0
         assert timing.cleaned_s < 2.0
         assert timing.stale_keys == 4

@@ -10,13 +10,13 @@ from tandem.registry import Role
 from tandem_operator.fencing import (
     Fence,
     FenceReason,
-    GroupKey,
     StaleKeys,
     fence_decision,
     node_lost,
-    pod_facts,
     stale_mooncake_keys,
+    unroute_decision,
 )
+from tandem_operator.observe import GroupKey, pod_facts
 from tests.operator.conftest import kimi_spec
 from tests.operator.workers import live_pod
 
@@ -25,7 +25,7 @@ DECODE_0 = GroupKey(Role.DECODE, 0)
 
 
 def decide(event: str, pod: dict[str, Any], **kwargs: Any) -> Fence | None:
-    args: dict[str, Any] = {"lost_nodes": (), "registered": {DECODE_0: 0}, "fenced": {}, "retiring": ()}
+    args: dict[str, Any] = {"lost_nodes": (), "fenced": {}, "retiring": ()}
     return fence_decision(event, pod, **{**args, **kwargs})
 
 
@@ -63,7 +63,6 @@ def _dead(how: str) -> dict[str, Any]:
         ("MODIFIED", "terminating", FenceReason.POD_TERMINATING),
         ("MODIFIED", "failed", FenceReason.POD_FAILED),
         ("MODIFIED", "restarted", FenceReason.CONTAINER_RESTARTED),
-        ("MODIFIED", "notready", FenceReason.POD_NOT_READY),
     ],
 )
 def test_a_dead_member_fences_its_group(event: str, how: str, reason: FenceReason) -> None:
@@ -78,12 +77,20 @@ def test_a_member_on_a_lost_node_fences_its_group() -> None:
     assert decide("MODIFIED", pod, lost_nodes={"gpu-8"}) is None
 
 
-def test_healthy_or_starting_pods_fence_nothing() -> None:
+def test_healthy_starting_or_notready_pods_fence_nothing() -> None:
     assert decide("MODIFIED", live_pod(SPEC, Role.DECODE, 0, 1)) is None
-    # NotReady while the group was never registered is a pod still starting, not a death.
-    assert decide("ADDED", _dead("notready"), registered={}) is None
-    # NotReady of an older incarnation than the registered one: not this group's serving pods.
-    assert decide("MODIFIED", _dead("notready"), registered={DECODE_0: 1}) is None
+    assert decide("MODIFIED", _dead("notready")) is None  # readiness only gates routing
+
+
+def test_a_notready_member_of_a_registered_group_only_unroutes_it() -> None:
+    def unroute(pod: dict[str, Any], registered: dict[GroupKey, int]) -> GroupKey | None:
+        return unroute_decision("MODIFIED", pod, lost_nodes=(), registered=registered)
+
+    assert unroute(_dead("notready"), {DECODE_0: 0}) == DECODE_0
+    assert unroute(live_pod(SPEC, Role.DECODE, 0, 1), {DECODE_0: 0}) is None  # Ready
+    assert unroute(_dead("notready"), {}) is None  # never registered: still starting
+    assert unroute(_dead("notready"), {DECODE_0: 1}) is None  # an older incarnation than the registered one
+    assert unroute(_dead("failed"), {DECODE_0: 0}) is None  # dead: fenced, not unrouted
 
 
 def test_one_fence_per_incarnation_and_none_for_retiring_groups() -> None:

@@ -20,6 +20,7 @@ from tandem.devcluster.cluster import DevCluster
 from tandem.devcluster.podrunner import PodRunner
 from tandem.procs import ManagedProcess
 from tandem_operator.recovery import fence_annotation
+from tandem_operator.render import InvalidClusterError, render
 from tests.devcluster_fixtures import eventually
 from tests.operator.live import (
     SIM_SPEC,
@@ -122,6 +123,16 @@ async def test_a_pdcluster_becomes_ready_with_the_right_pods_and_scales(
         ({"decode": {"groups": 1, "nodesPerGroup": 2, "gpusPerNode": 1, "tpSize": 4}}, "spec.decode", "tpSize"),
         ({"transfer": {"protocol": "rdma"}}, "spec.transfer.ibDevices", "protocol rdma needs ibDevices"),
         ({"router": {"policy": "least_load"}}, "spec.router.policy", "Unsupported value"),
+        (
+            {"prefill": {"groups": 1, "gpusPerNode": 2, "tpSize": 2, "epSize": 1, "moeA2ABackend": "deepep"}},
+            "spec.prefill.epSize",
+            "moeA2ABackend deepep needs epSize == tpSize",
+        ),
+        (
+            {"lifecycle": {"modelLoadTimeoutSeconds": 7200, "startDeadlineSeconds": 3600}},
+            "spec.lifecycle.startDeadlineSeconds",
+            "startDeadlineSeconds must exceed modelLoadTimeoutSeconds",
+        ),
         (  # tcp, 1 GPU per pod: [32767, 32768] touches the ephemeral ports
             {
                 "decode": {
@@ -155,6 +166,10 @@ async def test_invalid_specs_are_rejected_by_the_api_server_with_field_paths(
     assert code != 0
     assert field in err, err
     assert message in err, err
+    with pytest.raises(InvalidClusterError) as offline:  # tandem render: the same field paths and messages
+        render(manifest, k8s_namespace)
+    for line in offline.value.messages:
+        assert line in err, (line, err)
 
 
 async def test_a_restarted_operator_keeps_pods_and_registrations_and_finishes_a_recorded_fence(
@@ -171,10 +186,10 @@ async def test_a_restarted_operator_keeps_pods_and_registrations_and_finishes_a_
         await eventually(three, "three groups registered", within=30)
         before = {p.metadata.name: p.metadata.uid for p in await pods(k8s_api, ns)}
         operator.stop()
-        # The state an operator leaves when it dies right after fencing decode-1 (NotReady) and before
+        # The state an operator leaves when it dies right after fencing decode-1 (a member failed) and before
         # recreating it: the registry key deleted, the fence recorded on the group's Service.
         await reg.client.delete(f"{registry.cluster_prefix(ns, 'sim')}decode/decode-1".encode())
-        await client.CoreV1Api(k8s_api).patch_namespaced_service("sim-decode-1", ns, fence_annotation(0, "PodNotReady"))
+        await client.CoreV1Api(k8s_api).patch_namespaced_service("sim-decode-1", ns, fence_annotation(0, "PodFailed"))
         successor = operator_process(k8s_cluster, ns, etcd_endpoint, operator.log_path.parent, "op-b").start()
         try:
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tandem_operator.observe import GroupState, GroupView
 from tandem_operator.planner import Action, CreateGroup, DeleteGroup, DeleteReason, plan
-from tandem_operator.status import GroupState, GroupView
 
 R, S, INC, B = GroupState.READY, GroupState.STARTING, GroupState.INCOMPLETE, GroupState.BROKEN
 NEW, OLD = "new", "old"
@@ -136,3 +136,24 @@ def test_rollout_converges_and_never_drops_below_desired_ready_groups() -> None:
         assert len(nxt) <= 4, nxt
         world = nxt
     assert sorted(g.template_hash for g in world.values()) == [NEW, NEW, NEW]
+
+
+def test_the_last_ready_group_of_an_old_revision_waits_for_the_other_roles_new_revision() -> None:
+    views = {
+        0: GroupView(0, R, OLD, (), revision="rev-old"),
+        1: GroupView(1, R, NEW, (), revision="rev-new"),
+    }
+    # No registered pair of the new revision yet: routers would have no pair without group 0.
+    assert plan(1, views, NEW, 1, revisions=("rev-new", frozenset({"rev-old"}))) == []
+    assert plan(1, views, NEW, 1, revisions=("rev-new", frozenset({"rev-old", "rev-new"}))) == [
+        delete(0, DeleteReason.ROLLOUT)
+    ]
+    # A template change that keeps the revision (e.g. an env var) pairs as before: no wait.
+    same = {0: GroupView(0, R, OLD, (), revision="rev"), 1: GroupView(1, R, NEW, (), revision="rev")}
+    assert plan(1, same, NEW, 1, revisions=("rev", frozenset({"rev"}))) == [delete(0, DeleteReason.ROLLOUT)]
+
+
+def test_a_draining_group_stays_the_scale_down_victim() -> None:
+    views = groups((0, S, NEW), (1, R, NEW), (2, R, NEW))
+    assert plan(2, views, NEW, 1) == [delete(0, DeleteReason.SCALE_DOWN)]
+    assert plan(2, views, NEW, 1, retiring=frozenset({2})) == [delete(2, DeleteReason.SCALE_DOWN)]

@@ -25,7 +25,15 @@ from tandem.devcluster.cluster import DevCluster
 from tandem.devcluster.podrunner import PodRunner
 from tandem.procs import ManagedProcess, free_port
 from tests.devcluster_fixtures import eventually
-from tests.operator.live import Registry, create_pdcluster, operator_process, pdc_status, pdcluster, pods
+from tests.operator.live import (
+    Registry,
+    create_pdcluster,
+    operator_process,
+    pdc_status,
+    pdcluster,
+    pods,
+    router_process,
+)
 from tests.routermetrics import scrape
 
 pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(300)]
@@ -81,32 +89,7 @@ async def test_a_decode_pod_deleted_under_load_is_fenced_cleaned_recreated_and_r
 
         await eventually(all_registered, "prefill-0, decode-0 and decode-1 registered", within=90)
         port = free_port()
-        router = ManagedProcess(
-            "router",
-            [
-                sys.executable,
-                "-m",
-                "tandem.cli",
-                "router",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--discovery",
-                "etcd",
-                "--etcd-endpoint",
-                etcd_endpoint.split("://", 1)[1],
-                "--cluster-namespace",
-                ns,
-                "--cluster-name",
-                "sim",
-                "--health-interval-s",
-                "0.5",
-                "--policy",
-                "round_robin",
-            ],
-            tmp_path / "router.log",
-        ).start()
+        router = router_process(etcd_endpoint, ns, "sim", port, tmp_path).start()
         proc_factory.append(router)
         sdk = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
         try:

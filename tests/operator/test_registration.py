@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tandem.registry import Endpoint, Role
-from tandem_operator.fencing import GroupKey
+from tandem_operator.observe import GroupKey, GroupState, group_views
 from tandem_operator.recovery import (
     FenceRecord,
     apply_fences,
@@ -25,7 +25,6 @@ from tandem_operator.registration import (
     parse_group,
     registry_changes,
 )
-from tandem_operator.status import GroupState, group_views
 from tests.operator.conftest import kimi_spec
 from tests.operator.workers import live_pod
 

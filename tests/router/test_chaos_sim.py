@@ -54,7 +54,9 @@ MAX_TRIALS = WAVE // 8
 
 
 def _slow_sim(role: Role, port: int, bootstrap_port: int | None) -> list[str]:
-    slow = ["--sim-inter-token-ms", "15", "--sim-prefill-ms-per-token", "20"]  # ~0.5 s prefill, 3 s streams
+    # 3 s streams. Prefill batches run one at a time per worker (as on a GPU), so 64 prompts of ~15 tokens at
+    # 4 ms/token keep a queue of up to ~4 s before their first byte, under FAST_PD_ENV's 10 s waiting timeout.
+    slow = ["--sim-inter-token-ms", "15", "--sim-prefill-ms-per-token", "4"]
     return [*sim_worker_argv(role, port, bootstrap_port), *slow]
 
 

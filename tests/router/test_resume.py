@@ -132,11 +132,12 @@ def test_the_usage_chunk_is_dropped_unless_asked_for() -> None:
 class _FakeProxy:
     """What ``StreamRelay._resume`` uses of the proxy: a real pool and metrics, continuations that fail first."""
 
-    def __init__(self, failures: list[str]) -> None:
+    def __init__(self, failures: list[str], revisions: tuple[str, ...] = ("",)) -> None:
         self.pool = WorkerPool(Policy.ROUND_ROBIN)
-        for role, n in ((Role.PREFILL, 2), (Role.DECODE, 3)):
-            for i in range(n):
-                self.pool.upsert(WorkerSpec(role, f"http://{role.value}{i}"))
+        for revision in revisions:
+            for role, n in ((Role.PREFILL, 2), (Role.DECODE, 3)):
+                for i in range(n):
+                    self.pool.upsert(WorkerSpec(role, f"http://{role.value}{i}{revision}", revision=revision))
         self.metrics = RouterMetrics(self.pool)
         self.resume_cfg = ResumeConfig()
         self.observer = None
@@ -178,3 +179,15 @@ async def test_resume_gives_up_after_max_attempts() -> None:
     broken = Pair(WorkerSpec(Role.PREFILL, "http://prefill0"), WorkerSpec(Role.DECODE, "http://decode0"))
     assert await _relay(proxy)._resume(broken, time.monotonic()) is None
     assert len(proxy.tried) == ResumeConfig().max_attempts
+
+
+async def test_resume_stays_on_the_broken_pairs_revision() -> None:
+    """During a rollout the relayed tokens came from the old model: the continuation never moves to the new one."""
+    proxy = _FakeProxy(["decode_stream_error"] * 3, revisions=("old", "new"))
+    broken = Pair(
+        WorkerSpec(Role.PREFILL, "http://prefill0old", revision="old"),
+        WorkerSpec(Role.DECODE, "http://decode0old", revision="old"),
+    )
+    await _relay(proxy)._resume(broken, time.monotonic())
+    assert proxy.tried
+    assert {(p.prefill.revision, p.decode.revision) for p in proxy.tried} == {("old", "old")}

@@ -14,9 +14,10 @@ Everything else about a role (parallelism, images, transfer, placement) comes fr
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, StringConstraints
 
@@ -32,6 +33,7 @@ from tandem_operator.api.common import (
     Resources,
     Toleration,
 )
+from tandem_operator.api.lifecycle import LifecycleSpec
 from tandem_operator.api.mooncake_ports import (
     EPHEMERAL_PORTS,
     MOONCAKE_MIN_PORT,
@@ -39,7 +41,18 @@ from tandem_operator.api.mooncake_ports import (
     ports_needed,
     ports_needed_cel,
 )
+from tandem_operator.api.recipe import (
+    GangSchedulingSpec,
+    HiCacheSpec,
+    HostKvCacheSpec,
+    JitCacheSpec,
+    SpeculativeSpec,
+    WeightCacheSpec,
+    host_cache_rules,
+)
 from tandem_operator.api.rules import CrdModel, Rule, immutable
+from tandem_operator.api.transfer import TransferProtocol as TransferProtocol
+from tandem_operator.api.transfer import TransferSpec as TransferSpec
 
 # Flags the operator computes from the spec; extraArgs may not set them (they would silently fight).
 MANAGED_FLAGS = (
@@ -64,11 +77,32 @@ MANAGED_FLAGS = (
     "--deepep-mode",
     "--hicache-storage-backend",
     "--disaggregation-decode-enable-offload-kvcache",
+    "--enable-hierarchical-cache",
+    "--hicache-size",
+    "--speculative-algorithm",
+    "--speculative-draft-model-path",
 )
 _MANAGED_CEL = "[" + ", ".join(f"'{flag}'" for flag in MANAGED_FLAGS) + "]"
 
+# Child names are "<cluster>-<role>-<group>-<rank>" (pods) and "<cluster>-<role>-<group>" (Services, DNS labels
+# of at most 63 characters): "-prefill-999-63" adds 15 characters, so 48 keeps every name valid.
+MAX_CLUSTER_NAME = 48
+_DNS_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+# Rules on the whole object (``self`` is the PDCluster; ``check`` gets its name).
+CLUSTER_NAME_RULES = (
+    Rule(
+        cel=f"self.metadata.name.matches('{_DNS_LABEL}')",
+        message="metadata.name must be a DNS label (lowercase letters, digits, '-'): Services derive from it",
+        check=lambda name: re.fullmatch(_DNS_LABEL, name) is not None,
+    ),
+    Rule(
+        cel=f"self.metadata.name.size() <= {MAX_CLUSTER_NAME}",
+        message=f"metadata.name must be at most {MAX_CLUSTER_NAME} characters (pod and Service names derive from it)",
+        check=lambda name: len(name) <= MAX_CLUSTER_NAME,
+    ),
+)
+
 ExtraArg = Annotated[str, StringConstraints(min_length=1, max_length=256)]
-IbDevice = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)]
 EtcdEndpoint = Annotated[str, StringConstraints(pattern=r"^https?://[^/\s]+$", max_length=253)]
 
 
@@ -76,11 +110,6 @@ class DeepEPMode(StrEnum):
     NORMAL = "normal"
     LOW_LATENCY = "low_latency"
     AUTO = "auto"
-
-
-class TransferProtocol(StrEnum):
-    RDMA = "rdma"
-    TCP = "tcp"
 
 
 class ModelSpec(CrdModel):
@@ -100,6 +129,26 @@ class ModelSpec(CrdModel):
         description="PersistentVolumeClaim holding the weights, mounted read-only at mountPath (point path at it).",
     )
     mount_path: str = Field(default="/models", pattern=r"^/", max_length=1024)
+    context_length: int | None = Field(default=None, ge=1, le=4194304, description="--context-length.")
+    speculative: SpeculativeSpec = Field(default_factory=SpeculativeSpec, description="EAGLE3 speculative decoding.")
+    weight_cache: WeightCacheSpec | None = Field(
+        default=None, description="Node-local weights (hostPath, prefetched); path then names the copy in it."
+    )
+
+    cel_rules = (
+        Rule(
+            cel="!has(self.weightCache) || !has(self.pvc)",
+            message="model.weightCache and model.pvc both mount at mountPath: use one",
+            check=lambda s: s.weight_cache is None or s.pvc is None,
+            field_path=".weightCache",
+        ),
+        Rule(
+            cel="!has(self.weightCache) || self.path.startsWith(self.mountPath + '/')",
+            message="with weightCache, path must be the local copy under mountPath (e.g. /models/Kimi-K2.6)",
+            check=lambda s: s.weight_cache is None or s.path.startswith(s.mount_path + "/"),
+            field_path=".path",
+        ),
+    )
 
 
 class ImagesSpec(CrdModel):
@@ -128,14 +177,23 @@ class PoolSpec(CrdModel):
     tp_size: int = Field(default=8, ge=1, le=1024, description="--tp-size over the whole group.")
     ep_size: int = Field(default=8, ge=1, le=1024, description="--ep-size (expert parallelism).")
     attn_dp_size: int = Field(default=1, ge=1, le=1024, description="--attn-dp-size (attention data parallelism).")
-    moe_a2a_backend: Literal["deepep", "none"] = "deepep"
+    moe_a2a_backend: Literal["deepep", "none"] = Field(
+        default="none",
+        description="MoE all-to-all: none (SGLang's standard dispatch; the only one Kimi K2.6's INT4 W4A16 Marlin "
+        "MoE takes in SGLang 0.5.23) or deepep (FP8/BF16 checkpoints).",
+    )
     deepep_mode: DeepEPMode = DeepEPMode.AUTO
     enable_eplb: bool = False
     ep_num_redundant_experts: int = Field(default=0, ge=0, le=1024)
     moe_dense_tp_size: Literal[1] | None = None
     enable_dp_lm_head: bool = False
     enable_two_batch_overlap: bool = False
-    chunked_prefill_size: int | None = Field(default=None, ge=1)
+    chunked_prefill_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="Chunked-prefill tokens per attention-DP rank: the operator passes this x attnDpSize, since "
+        "SGLang divides --chunked-prefill-size by attn_dp_size (sglang/srt/arg_groups/parallel_hook.py).",
+    )
     mem_fraction_static: float | None = Field(default=None, gt=0, lt=1)
     extra_args: list[ExtraArg] = Field(
         default_factory=list, max_length=64, description="Appended to the SGLang command line verbatim."
@@ -149,6 +207,12 @@ class PoolSpec(CrdModel):
         description="Node label (rack, NVLink/IB block) all pods of a group must share with the group leader.",
     )
     shm_size: Quantity = Field(default="64Gi", description="Size of the memory-backed /dev/shm.")
+    node_memory_gib: int | None = Field(
+        default=None,
+        ge=1,
+        le=65536,
+        description="Memory of the role's nodes: the host KV cache of every rank on a node must fit it.",
+    )
     max_surge_groups: int = Field(
         default=1,
         ge=0,
@@ -157,7 +221,7 @@ class PoolSpec(CrdModel):
         "needs no spare nodes but lowers capacity by one group during each step).",
     )
 
-    cel_rules = (
+    cel_rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
             cel="self.tpSize == self.nodesPerGroup * self.gpusPerNode",
             message="tpSize must equal nodesPerGroup * gpusPerNode (one tensor-parallel rank per GPU)",
@@ -206,57 +270,38 @@ def _decode_ports() -> PortSet:
     return PortSet(http=30001, bootstrap=8999, dist_init=5001, mooncake_rpc=15100)  # above prefill's 32 ports
 
 
+_HOST_MEMORY_MESSAGE = (
+    "host KV cache per node ((hostMemoryGib + mooncakeStore.globalSegmentGib) x gpusPerNode ranks) must fit "
+    "nodeMemoryGib"
+)
+
+
 class PrefillSpec(PoolSpec):
     """Prefill groups: DeepEP normal mode (throughput); their leaders run the PD bootstrap server."""
 
     deepep_mode: DeepEPMode = DeepEPMode.NORMAL
     ports: PortSet = Field(default_factory=_prefill_ports, json_schema_extra={"default": _prefill_ports().to_wire()})
+    hicache: HiCacheSpec = Field(default_factory=HiCacheSpec, description="HiCache + Mooncake Store (PD: prefill).")
 
-
-class MooncakeStoreSpec(CrdModel):
-    """The Mooncake Store that holds decode's offloaded KV (HiCache L3)."""
-
-    master_ha: bool = Field(
-        default=True,
-        description="Find the master through etcd (Mooncake master HA, leader elected on the cluster's etcd).",
-    )
-    master_address: str | None = Field(default=None, max_length=253, description="host:port of a single master.")
-    global_segment_size: Quantity = Field(
-        default=0, description="Memory each worker contributes to the store (0: a pure client)."
-    )
-
-    cel_rules = (
+    cel_rules: ClassVar[tuple[Rule, ...]] = (
+        *PoolSpec.cel_rules,
         Rule(
-            cel="self.masterHa || has(self.masterAddress)",
-            message="mooncakeStore needs masterHa: true or a masterAddress",
-            check=lambda s: s.master_ha or s.master_address is not None,
-            field_path=".masterAddress",
+            cel="!has(self.nodeMemoryGib) || !self.hicache.enabled || (self.hicache.hostMemoryGib + "
+            "(has(self.hicache.mooncakeStore) ? self.hicache.mooncakeStore.globalSegmentGib : 0)) * self.gpusPerNode"
+            " <= self.nodeMemoryGib",
+            message=_HOST_MEMORY_MESSAGE,
+            check=lambda s: (
+                s.node_memory_gib is None or s.hicache.host_gib_per_rank() * s.gpus_per_node <= s.node_memory_gib
+            ),
+            field_path=".hicache.hostMemoryGib",
         ),
     )
 
 
-class KvOffloadSpec(CrdModel):
+class KvOffloadSpec(HostKvCacheSpec):
     """Decode KV-cache offload to host memory and a HiCache storage backend."""
 
-    enabled: bool = False
-    host_memory_gib: int = Field(default=64, ge=1, le=4096, description="Host KV cache per rank (--hicache-size).")
-    storage_backend: Literal["mooncake"] | None = Field(default=None, description="--hicache-storage-backend.")
-    mooncake_store: MooncakeStoreSpec | None = None
-
-    cel_rules = (
-        Rule(
-            cel="!self.enabled || has(self.storageBackend)",
-            message="kvOffload.enabled needs a storageBackend (mooncake)",
-            check=lambda s: not s.enabled or s.storage_backend is not None,
-            field_path=".storageBackend",
-        ),
-        Rule(
-            cel="!has(self.storageBackend) || self.storageBackend != 'mooncake' || has(self.mooncakeStore)",
-            message="storageBackend mooncake needs mooncakeStore",
-            check=lambda s: s.storage_backend != "mooncake" or s.mooncake_store is not None,
-            field_path=".mooncakeStore",
-        ),
-    )
+    cel_rules = host_cache_rules("kvOffload")
 
 
 class DecodeSpec(PoolSpec):
@@ -265,58 +310,6 @@ class DecodeSpec(PoolSpec):
     deepep_mode: DeepEPMode = DeepEPMode.LOW_LATENCY
     ports: PortSet = Field(default_factory=_decode_ports, json_schema_extra={"default": _decode_ports().to_wire()})
     kv_offload: KvOffloadSpec = Field(default_factory=KvOffloadSpec)
-
-
-class TransferSpec(CrdModel):
-    """How KV moves from prefill to decode (Mooncake transfer engine)."""
-
-    protocol: TransferProtocol = TransferProtocol.RDMA
-    ib_devices: list[IbDevice] = Field(default_factory=list, max_length=16, description="e.g. [mlx5_0, mlx5_1].")
-    rdma_resource: str | None = Field(
-        default=None,
-        max_length=253,
-        description="Extended resource of an RDMA device plugin (e.g. rdma/hca_shared_devices_a); requested once "
-        "per pod instead of mounting the host's /dev/infiniband.",
-    )
-    host_network: bool = Field(default=False, description="Run workers in the node's network namespace.")
-    metadata_refresh_seconds: int = Field(
-        default=2,
-        ge=1,
-        le=300,
-        description="MC_TE_METADATA_REFRESH_INTERVAL_SECONDS: how often every engine re-reads the descriptors of the "
-        "peers it cached (Mooncake's default, 0, never does): a peer that came back under the same session id with "
-        "another TCP data port or other buffers is reached again within this time.",
-    )
-    disable_metadata_cache: bool = Field(default=False, description="MC_DISABLE_METACACHE.")
-    failed_session_probe_seconds: int = Field(
-        default=1,
-        ge=1,
-        le=300,
-        description="SGLANG_FAILED_SESSION_PROBE_INTERVAL_S (SGLang's default: 30): how soon a prefill probes a decode "
-        "session it blacklisted after a failed send, and un-blacklists it when the probe succeeds.",
-    )
-    failed_session_probe_max_seconds: int = Field(
-        default=4,
-        ge=1,
-        le=3600,
-        description="SGLANG_FAILED_SESSION_PROBE_MAX_INTERVAL_S (SGLang's default: 300): the probe interval doubles "
-        "per failed probe up to this.",
-    )
-
-    cel_rules = (
-        Rule(
-            cel="self.failedSessionProbeSeconds <= self.failedSessionProbeMaxSeconds",
-            message="failedSessionProbeSeconds must not exceed failedSessionProbeMaxSeconds",
-            check=lambda s: s.failed_session_probe_seconds <= s.failed_session_probe_max_seconds,
-            field_path=".failedSessionProbeSeconds",
-        ),
-        Rule(
-            cel="self.protocol != 'rdma' || (has(self.ibDevices) && self.ibDevices.size() > 0)",
-            message="protocol rdma needs ibDevices (e.g. [mlx5_0]); use protocol tcp without RDMA",
-            check=lambda s: s.protocol != TransferProtocol.RDMA or len(s.ib_devices) > 0,
-            field_path=".ibDevices",
-        ),
-    )
 
 
 class RouterSpec(CrdModel):
@@ -386,6 +379,9 @@ class PDClusterSpec(CrdModel):
     transfer: TransferSpec
     router: RouterSpec = Field(default_factory=RouterSpec)
     etcd: EtcdSpec
+    lifecycle: LifecycleSpec = Field(default_factory=LifecycleSpec)
+    jit_cache: JitCacheSpec = Field(default_factory=JitCacheSpec)
+    scheduling: GangSchedulingSpec = Field(default_factory=GangSchedulingSpec)
 
     cel_rules = (
         *(

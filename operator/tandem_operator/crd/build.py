@@ -7,13 +7,9 @@ from typing import Any
 from pydantic import BaseModel
 
 from tandem_operator.api.common import GROUP, VERSION
-from tandem_operator.api.pdcluster import PDClusterSpec, PDClusterStatus
+from tandem_operator.api.pdcluster import CLUSTER_NAME_RULES, PDClusterSpec, PDClusterStatus
 from tandem_operator.api.pdpool import PDPoolSpec, PDPoolStatus
 from tandem_operator.crd.schema import Schema, structural_schema
-
-# Child names are "<cluster>-<role>-<group>-<rank>" (pods) and "<cluster>-<role>-<group>" (Services, DNS labels
-# of at most 63 characters): "-prefill-999-63" adds 15 characters, so 48 keeps every name valid.
-MAX_CLUSTER_NAME = 48
 
 
 def _object_schema(spec: type[BaseModel], status: type[BaseModel], description: str) -> Schema:
@@ -82,17 +78,7 @@ def pdcluster_crd() -> dict[str, Any]:
         PDClusterStatus,
         "A prefill/decode-disaggregated SGLang deployment (Mooncake KV transfer) reconciled by tandem-operator.",
     )
-    schema["x-kubernetes-validations"] = [
-        {
-            "rule": "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
-            "message": "metadata.name must be a DNS label (lowercase letters, digits, '-'): Services derive from it",
-        },
-        {
-            "rule": f"self.metadata.name.size() <= {MAX_CLUSTER_NAME}",
-            "message": f"metadata.name must be at most {MAX_CLUSTER_NAME} characters (pod and Service names derive "
-            "from it)",
-        },
-    ]
+    schema["x-kubernetes-validations"] = [rule.to_schema() for rule in CLUSTER_NAME_RULES]
     columns: list[dict[str, Any]] = [
         {"name": "Prefill", "type": "integer", "jsonPath": ".status.prefill.readyGroups",
          "description": "Ready prefill groups"},

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.registry import Role
-from tandem_operator.api.pdcluster import DecodeSpec, PDClusterSpec, TransferProtocol
+from tandem_operator.api.pdcluster import DecodeSpec, PDClusterSpec, PrefillSpec, TransferProtocol
 
 LAUNCH = ("python3", "-m", "sglang.launch_server")
 
@@ -37,6 +37,8 @@ def sglang_args(spec: PDClusterSpec, placement: Placement) -> list[str]:
         args += ["--tool-call-parser", model.tool_call_parser]
     if model.reasoning_parser is not None:
         args += ["--reasoning-parser", model.reasoning_parser]
+    if model.context_length is not None:
+        args += ["--context-length", str(model.context_length)]
     args += ["--host", "$(POD_IP)", "--port", str(role.ports.http), "--enable-metrics"]
 
     args += ["--tp-size", str(role.tp_size), "--ep-size", str(role.ep_size)]
@@ -54,8 +56,8 @@ def sglang_args(spec: PDClusterSpec, placement: Placement) -> list[str]:
         args.append("--enable-dp-lm-head")
     if role.enable_two_batch_overlap:
         args.append("--enable-two-batch-overlap")
-    if role.chunked_prefill_size is not None:
-        args += ["--chunked-prefill-size", str(role.chunked_prefill_size)]
+    if role.chunked_prefill_size is not None:  # per attention-DP rank; SGLang divides the flag by attn_dp_size
+        args += ["--chunked-prefill-size", str(role.chunked_prefill_size * role.attn_dp_size)]
     if role.mem_fraction_static is not None:
         args += ["--mem-fraction-static", repr(role.mem_fraction_static)]
 
@@ -74,6 +76,16 @@ def sglang_args(spec: PDClusterSpec, placement: Placement) -> list[str]:
         args += ["--disaggregation-ib-device", ",".join(spec.transfer.ib_devices)]
     if placement.role is Role.PREFILL:
         args += ["--disaggregation-bootstrap-port", str(role.ports.bootstrap)]
+    speculative = model.speculative
+    if speculative.enabled:  # SGLang's Kimi K2.6 cookbook: EAGLE3 with its draft model
+        args += ["--speculative-algorithm", speculative.algorithm]
+        args += ["--speculative-draft-model-path", speculative.draft_model_path]
+        args += ["--speculative-num-steps", str(speculative.num_steps)]
+        args += ["--speculative-eagle-topk", str(speculative.eagle_topk)]
+        args += ["--speculative-num-draft-tokens", str(speculative.num_draft_tokens)]
+    if isinstance(role, PrefillSpec) and role.hicache.enabled and role.hicache.storage_backend is not None:
+        args += ["--enable-hierarchical-cache", "--hicache-size", str(role.hicache.host_memory_gib)]
+        args += ["--hicache-storage-backend", role.hicache.storage_backend]
     if isinstance(role, DecodeSpec) and role.kv_offload.enabled and role.kv_offload.storage_backend is not None:
         args += [
             "--disaggregation-decode-enable-offload-kvcache",

@@ -117,5 +117,8 @@ def template_hash(spec: PDClusterSpec, role: Role) -> str:
             "images": wire["images"],
             "transfer": wire["transfer"],
             "etcd": wire["etcd"],
+            "lifecycle": wire["lifecycle"],
+            "jitCache": wire["jitCache"],
+            "scheduling": wire["scheduling"],
         }
     )

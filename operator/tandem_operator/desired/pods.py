@@ -14,8 +14,9 @@ from typing import Any
 
 from tandem.registry import Role
 from tandem_operator.api.mooncake_ports import ports_needed
-from tandem_operator.api.pdcluster import DecodeSpec, PDClusterSpec, TransferProtocol
+from tandem_operator.api.pdcluster import PDClusterSpec, TransferProtocol
 from tandem_operator.desired.args import Placement, launch_command
+from tandem_operator.desired.drain_hook import EXIT_GRACE_S, prestop_command
 from tandem_operator.desired.naming import (
     ANNOTATION_BOOTSTRAP_PORT,
     COMMON_LABELS,
@@ -31,8 +32,23 @@ from tandem_operator.desired.naming import (
     pod_name,
     template_hash,
 )
+from tandem_operator.desired.recipe import (
+    cache_volumes,
+    collective_env,
+    gang_pod_fields,
+    group_objects,
+    prefetch_containers,
+    store_env,
+    store_of,
+)
 
 GPU_RESOURCE = "nvidia.com/gpu"
+# SGLang's own /health timeout (SGLANG_HEALTH_CHECK_TIMEOUT in sglang/srt/environ.py): past it /health answers 503.
+HEALTH_CHECK_TIMEOUT_ENV = "SGLANG_HEALTH_CHECK_TIMEOUT"
+HEALTH_CHECK_TIMEOUT_S = 20
+STARTUP_PERIOD_S = 10
+LIVENESS_PERIOD_S = 30
+LIVENESS_FAILURES = 5  # a worker that cannot generate one token for ~2.5 min is restarted (its group recreated)
 CONTAINER = "sglang"
 HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
 
@@ -57,10 +73,24 @@ def leader_address(ctx: RoleContext, group: int) -> str:
     return f"{group_name(ctx.cluster.name, ctx.role, group)}.{ctx.cluster.namespace}.svc"
 
 
+def _leader_metrics_url(ctx: RoleContext, group: int) -> str:
+    """The group leader's /metrics by its Service name (every rank's preStop reads the leader's gauges)."""
+    return f"http://{leader_address(ctx, group)}:{ctx.spec.role(ctx.role).ports.http}/metrics"
+
+
 def group_manifests(ctx: RoleContext, group: int, epoch: int = 0) -> list[dict[str, Any]]:
-    """The group's Service, then its pods by rank (of incarnation ``epoch``)."""
+    """The group's Service, its PodDisruptionBudget (and PodGroup), then its pods by rank (of incarnation
+    ``epoch``)."""
     nodes = ctx.spec.role(ctx.role).nodes_per_group
-    return [group_service(ctx, group), *(group_pod(ctx, group, rank, epoch) for rank in range(nodes))]
+    pods = [group_pod(ctx, group, rank, epoch) for rank in range(nodes)]
+    return [group_service(ctx, group), *group_extras(ctx, group), *pods]
+
+
+def group_extras(ctx: RoleContext, group: int) -> list[dict[str, Any]]:
+    """Objects that live and go with the group besides its Service: PodDisruptionBudget, PodGroup."""
+    labels = group_labels(ctx.cluster.name, ctx.role, group)
+    metadata = _metadata(ctx, group_name(ctx.cluster.name, ctx.role, group), labels)
+    return group_objects(ctx.spec, ctx.role, metadata, labels)
 
 
 def _metadata(ctx: RoleContext, name: str, labels: dict[str, str]) -> dict[str, Any]:
@@ -149,15 +179,9 @@ def _env(ctx: RoleContext, epoch: int) -> list[dict[str, Any]]:
         env["MC_FORCE_TCP"] = {"value": "true"}
         # Mooncake binds all interfaces unless told; peers must reach the pod's own address.
         env["MC_TCP_BIND_ADDRESS"] = {"valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
-    if isinstance(role, DecodeSpec) and role.kv_offload.enabled and role.kv_offload.mooncake_store is not None:
-        store = role.kv_offload.mooncake_store
-        etcd_hosts = ";".join(e.split("://", 1)[1] for e in spec.etcd.endpoints)
-        master = f"etcd://{etcd_hosts}" if store.master_ha else str(store.master_address)
-        env["MOONCAKE_MASTER"] = {"value": master}
-        env["MOONCAKE_TE_META_DATA_SERVER"] = {"value": f"etcd://{etcd_hosts}"}
-        env["MOONCAKE_PROTOCOL"] = {"value": transfer.protocol.value}
-        env["MOONCAKE_DEVICE"] = {"value": ",".join(transfer.ib_devices)}
-        env["MOONCAKE_GLOBAL_SEGMENT_SIZE"] = {"value": str(store.global_segment_size)}
+    store = store_of(spec, ctx.role)
+    recipe = {**(store_env(spec, store) if store is not None else {}), **collective_env(spec)}
+    env.update({name: {"value": value} for name, value in recipe.items()})
     for var in role.env:  # the user's values win
         env[var.name] = {"value": var.value}
     return [{"name": name, **value} for name, value in env.items()]
@@ -200,7 +224,8 @@ def _volumes(ctx: RoleContext) -> tuple[list[dict[str, Any]], list[dict[str, Any
     if model.pvc is not None:
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": model.pvc, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": model.mount_path, "readOnly": True})
-    return volumes, mounts
+    cache_vols, cache_mounts = cache_volumes(ctx.spec)
+    return volumes + cache_vols, mounts + cache_mounts
 
 
 def _uses_host_infiniband(ctx: RoleContext) -> bool:
@@ -227,9 +252,49 @@ def _affinity(ctx: RoleContext, group: int, rank: int) -> dict[str, Any]:
     return affinity
 
 
+def health_check_timeout(ctx: RoleContext) -> int:
+    """SGLang's /health timeout for this role: the user's SGLANG_HEALTH_CHECK_TIMEOUT, else SGLang's default."""
+    value = next((v.value for v in ctx.spec.role(ctx.role).env if v.name == HEALTH_CHECK_TIMEOUT_ENV), "")
+    return int(value) if value.isdigit() and int(value) > 0 else HEALTH_CHECK_TIMEOUT_S
+
+
+def _health_get() -> dict[str, Any]:
+    return {"httpGet": {"path": "/health", "port": "http"}}
+
+
+def probes(ctx: RoleContext) -> dict[str, dict[str, Any]]:
+    """Startup, readiness and liveness on ``/health`` (every rank: the leader's HTTP server, the other ranks'
+    dummy health server).
+
+    * startupProbe: the model-load budget (``lifecycle.modelLoadTimeoutSeconds``); the other probes wait for it.
+    * readinessProbe: only gates routing (the operator unregisters a NotReady group and registers it again, same
+      epoch, once Ready); its timeout is SGLang's own health timeout, past which /health answers 503 anyway.
+    * livenessProbe: a failure restarts the container, which recreates the group, so it needs
+      ``LIVENESS_FAILURES`` failures in a row, each allowed SGLang's health timeout plus 10 s.
+    """
+    timeout = health_check_timeout(ctx)
+    load_budget = ctx.spec.lifecycle.model_load_timeout_seconds
+    return {
+        "startupProbe": {
+            **_health_get(),
+            "periodSeconds": STARTUP_PERIOD_S,
+            "timeoutSeconds": timeout,
+            "failureThreshold": -(-load_budget // STARTUP_PERIOD_S),
+        },
+        "readinessProbe": {**_health_get(), "periodSeconds": 10, "timeoutSeconds": timeout, "failureThreshold": 2},
+        "livenessProbe": {
+            **_health_get(),
+            "periodSeconds": LIVENESS_PERIOD_S,
+            "timeoutSeconds": timeout + 10,
+            "failureThreshold": LIVENESS_FAILURES,
+        },
+    }
+
+
 def group_pod(ctx: RoleContext, group: int, rank: int, epoch: int = 0) -> dict[str, Any]:
     """Pod ``rank`` of the group's incarnation ``epoch`` (its Mooncake port window depends on the epoch)."""
     spec, role = ctx.spec, ctx.spec.role(ctx.role)
+    drain_s = spec.lifecycle.drain_timeout_seconds
     labels = {
         **group_labels(ctx.cluster.name, ctx.role, group),
         LABEL_RANK: str(rank),
@@ -244,28 +309,26 @@ def group_pod(ctx: RoleContext, group: int, rank: int, epoch: int = 0) -> dict[s
     security: dict[str, Any] = {"capabilities": {"add": ["IPC_LOCK"]}}
     if _uses_host_infiniband(ctx):
         security["privileged"] = True  # a hostPath /dev/infiniband is unusable without device access
+    env = _env(ctx, epoch)
     container = {
         "name": CONTAINER,
         "image": spec.images.worker,
         "imagePullPolicy": spec.images.pull_policy,
         "command": launch_command(spec, placement),
-        "env": _env(ctx, epoch),
+        "env": env,
         "ports": _container_ports(ctx, epoch),
         "resources": _resources(ctx),
         "securityContext": security,
         "volumeMounts": mounts,
-        # /health on every rank: the leader runs SGLang's HTTP server, the other ranks its dummy health server.
-        "readinessProbe": {
-            "httpGet": {"path": "/health", "port": "http"},
-            "periodSeconds": 5,
-            "timeoutSeconds": 4,
-            "failureThreshold": 3,
-        },
+        **probes(ctx),
+        # Pods deleted by others (eviction, kubectl delete) wait for the group's in-flight work, as the operator's
+        # own drain does; the grace period leaves SGLang EXIT_GRACE_S after the hook.
+        "lifecycle": {"preStop": {"exec": {"command": prestop_command(_leader_metrics_url(ctx, group), drain_s)}}},
     }
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": drain_s + EXIT_GRACE_S,
         "containers": [container],
         "volumes": volumes,
         "affinity": _affinity(ctx, group, rank),
@@ -279,4 +342,13 @@ def group_pod(ctx: RoleContext, group: int, rank: int, epoch: int = 0) -> dict[s
         pod_spec["tolerations"] = [t.to_wire() for t in role.tolerations]
     if spec.images.pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": name} for name in spec.images.pull_secrets]
+    init = prefetch_containers(spec, env)
+    if init:
+        pod_spec["initContainers"] = init
+    gang = gang_pod_fields(spec, ctx.role, group_name(ctx.cluster.name, ctx.role, group))
+    metadata["labels"].update(gang["labels"])
+    if gang["annotations"]:
+        metadata["annotations"] = {**metadata.get("annotations", {}), **gang["annotations"]}
+    if gang["schedulerName"]:
+        pod_spec["schedulerName"] = gang["schedulerName"]
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}

@@ -1,9 +1,9 @@
 """Server-side apply with the ``tandem-operator`` field manager, and plain creates.
 
-``apply_request`` / ``create_request`` are pure (tested without a cluster); ``server_side_apply`` and ``create``
-only send them with a ``kubernetes_asyncio`` ApiClient. Apply always forces: the operator is the only writer of
-the fields it applies (pool replicas excepted: they are never in an apply, see ``desired.pools``), so a conflict
-means a human edited a managed field and the spec must win.
+``apply_request`` / ``create_request`` are pure (tested without a cluster); ``send`` only sends a request with a
+``kubernetes_asyncio`` ApiClient (``kube.Kube`` maps its errors and retries). Apply always forces: the operator is
+the only writer of the fields it applies (pool replicas excepted: they are never in an apply, see
+``desired.pools``), so a conflict means a human edited a managed field and the spec must win.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ PLURALS: dict[tuple[str, str], str] = {
     ("v1", "Event"): "events",
     ("events.k8s.io/v1", "Event"): "events",
     ("coordination.k8s.io/v1", "Lease"): "leases",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("scheduling.volcano.sh/v1beta1", "PodGroup"): "podgroups",
+    ("scheduling.x-k8s.io/v1alpha1", "PodGroup"): "podgroups",
     (API_VERSION, "PDCluster"): "pdclusters",
     (API_VERSION, "PDPool"): "pdpools",
 }
@@ -82,11 +85,3 @@ async def send(api: Any, request: Request) -> dict[str, Any]:
         _return_http_data_only=True,
     )
     return result
-
-
-async def server_side_apply(api: Any, manifest: dict[str, Any], *, subresource: str | None = None) -> dict[str, Any]:
-    return await send(api, apply_request(manifest, subresource=subresource))
-
-
-async def create(api: Any, manifest: dict[str, Any], *, field_manager: str = FIELD_MANAGER) -> dict[str, Any]:
-    return await send(api, create_request(manifest, field_manager=field_manager))

@@ -16,9 +16,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 
-from kubernetes_asyncio.client.exceptions import ApiException
-
-from tandem_operator.k8s.kube import Kube
+from tandem_operator.k8s.kube import ConflictError, Kube, PermanentError
 from tandem_operator.leader import LeaseAction, Observed, decide, lease_body, lease_state, observe
 
 log = logging.getLogger("tandem.operator.leader")
@@ -70,10 +68,12 @@ class LeaderElector:
                 await self.kube.post(f"/apis/coordination.k8s.io/v1/namespaces/{self.namespace}/leases", body)
             else:
                 await self.kube.put(self.path, body)
-        except ApiException as err:
-            if err.status in (409, 422):  # another replica wrote first
-                return False
-            raise
+        except ConflictError:  # another replica wrote first
+            return False
+        except PermanentError as err:
+            if err.status != 422:  # 422: another replica created it first
+                raise
+            return False
         if action is not LeaseAction.RENEW:
             log.info("leadership acquired", extra={"lease": self.name, "identity": self.identity})
         return True
@@ -96,9 +96,7 @@ class LeaderElector:
         lease["spec"] = {key: value for key, value in spec.items() if key not in {"holderIdentity", "renewTime"}}
         try:
             await self.kube.put(self.path, lease)
-        except ApiException as err:
-            if err.status != 409:  # 409: someone else already wrote it; nothing left to give up
-                raise
+        except ConflictError:  # someone else already wrote it; nothing left to give up
             return
         log.info("leadership released", extra={"lease": self.name, "identity": self.identity})
 

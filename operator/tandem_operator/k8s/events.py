@@ -4,31 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from enum import StrEnum
 from typing import Any
+
+from tandem_operator.reasons import EventType, Reason
 
 REPORTING_CONTROLLER = "tandem.dev/operator"
 MAX_NOTE = 1024  # the API server rejects longer notes
-
-
-class EventType(StrEnum):
-    NORMAL = "Normal"
-    WARNING = "Warning"
-
-
-class Reason(StrEnum):
-    FENCED = "Fenced"
-    STALE_METADATA_REMOVED = "StaleMetadataRemoved"
-    GROUP_RECREATING = "GroupRecreating"
-    GROUP_READY = "GroupReady"
-    REGISTERED = "Registered"
-    SCALED_UP = "ScaledUp"
-    SCALED_DOWN = "ScaledDown"
-    ROLLOUT_STEP = "RolloutStep"
-    INVALID_SPEC = "InvalidSpec"
-    PAIR_QUARANTINED = "PairQuarantined"
-    PAIR_RELEASED = "PairReleased"
-    INTEGRITY_RECREATE = "IntegrityRecreate"
 
 
 @dataclass(frozen=True)

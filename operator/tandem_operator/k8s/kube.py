@@ -1,32 +1,93 @@
 """A thin Kubernetes REST adapter over one ``kubernetes_asyncio`` ApiClient: list, get, delete, apply, create.
 
-Errors are the client's ``ApiException``; ``get`` and ``delete`` treat 404 as "already gone". Paths come from
+API errors are mapped to the adapter's own exceptions, so callers never see the client library's:
+``NotFoundError`` (404; ``get``, ``delete`` and ``merge_patch`` treat it as "already gone"), ``ConflictError`` (409),
+``TemporaryError`` (429, 5xx, a lost connection or a timeout: retried ``RETRIES`` times with exponential backoff
+before it is raised) and ``PermanentError`` (any other status: a bad request is not retried). Paths come from
 ``tandem_operator.k8s.apply`` so requests are built (and tested) without a cluster.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Mapping
 from typing import Any
 
+import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from tandem_operator.k8s.apply import Request, collection_path, create, send, server_side_apply
+from tandem_operator.k8s.apply import Request, apply_request, collection_path, create_request, send
 
 JSON = "application/json"
 MERGE_PATCH = "application/merge-patch+json"
+RETRIES = 4
+BACKOFF_S = 0.2  # doubled after each try: 0.2, 0.4, 0.8 s
+TEMPORARY_STATUSES = frozenset({429, 500, 502, 503, 504})
+
+log = logging.getLogger("tandem.operator.kube")
+
+
+class KubeError(Exception):
+    def __init__(self, status: int, reason: str, request: str) -> None:
+        super().__init__(f"{request}: {status} {reason}")
+        self.status, self.reason = status, reason
+
+
+class NotFoundError(KubeError):
+    pass
+
+
+class ConflictError(KubeError):
+    pass
+
+
+class TemporaryError(KubeError):
+    pass
+
+
+class PermanentError(KubeError):
+    pass
+
+
+def api_error(err: ApiException | aiohttp.ClientError | TimeoutError, request: str) -> KubeError:
+    """The adapter's exception for a client error (a lost connection is status 0, temporary)."""
+    if not isinstance(err, ApiException):
+        return TemporaryError(0, repr(err), request)
+    status, reason = int(err.status or 0), str(err.reason or "")
+    if status == 404:
+        return NotFoundError(status, reason, request)
+    if status == 409:
+        return ConflictError(status, reason, request)
+    if status in TEMPORARY_STATUSES or status == 0:
+        return TemporaryError(status, reason, request)
+    return PermanentError(status, reason, request)
 
 
 class Kube:
-    def __init__(self, api: Any) -> None:
-        self.api = api
+    def __init__(self, api: Any, *, backoff_s: float = BACKOFF_S) -> None:
+        self.api, self.backoff_s = api, backoff_s
+
+    async def send(self, request: Request) -> Any:
+        """Send, retrying temporary errors with exponential backoff; raises a ``KubeError``."""
+        delay = self.backoff_s
+        for attempt in range(1, RETRIES + 1):
+            try:
+                return await send(self.api, request)
+            except (ApiException, aiohttp.ClientError, TimeoutError) as err:
+                error = api_error(err, f"{request.method} {request.path}")
+            if not isinstance(error, TemporaryError) or attempt == RETRIES:
+                raise error
+            log.info("kube request retried", extra={"request": str(error), "attempt": attempt})
+            await asyncio.sleep(delay)
+            delay *= 2
+        raise AssertionError("unreachable")
 
     async def _call(
         self, method: str, path: str, query: Mapping[str, str] | None = None, body: Any = None, content: str = JSON
     ) -> Any:
         headers = {"Content-Type": content} if body is not None else {}
-        request = Request(method, path, tuple((query or {}).items()), headers, body)
-        return await send(self.api, request)
+        return await self.send(Request(method, path, tuple((query or {}).items()), headers, body))
 
     async def list(self, api_version: str, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
         result = await self._call("GET", collection_path(api_version, kind, namespace), {"labelSelector": selector})
@@ -36,10 +97,8 @@ class Kube:
     async def get(self, path: str) -> dict[str, Any] | None:
         try:
             result: dict[str, Any] = await self._call("GET", path)
-        except ApiException as err:
-            if err.status == 404:
-                return None
-            raise
+        except NotFoundError:
+            return None
         return result
 
     async def delete(self, path: str, grace_seconds: int | None = None) -> bool:
@@ -49,10 +108,8 @@ class Kube:
             body["gracePeriodSeconds"] = grace_seconds
         try:
             await self._call("DELETE", path, body=body)
-        except ApiException as err:
-            if err.status == 404:
-                return False
-            raise
+        except NotFoundError:
+            return False
         return True
 
     async def put(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -67,14 +124,14 @@ class Kube:
         """A JSON merge patch (its fields belong to no apply manager, so later applies keep them); None on 404."""
         try:
             result: dict[str, Any] = await self._call("PATCH", path, body=body, content=MERGE_PATCH)
-        except ApiException as err:
-            if err.status == 404:
-                return None
-            raise
+        except NotFoundError:
+            return None
         return result
 
     async def apply(self, manifest: dict[str, Any], *, subresource: str | None = None) -> dict[str, Any]:
-        return await server_side_apply(self.api, manifest, subresource=subresource)
+        result: dict[str, Any] = await self.send(apply_request(manifest, subresource=subresource))
+        return result
 
     async def create(self, manifest: dict[str, Any], *, field_manager: str) -> dict[str, Any]:
-        return await create(self.api, manifest, field_manager=field_manager)
+        result: dict[str, Any] = await self.send(create_request(manifest, field_manager=field_manager))
+        return result

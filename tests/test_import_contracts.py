@@ -1,4 +1,5 @@
-"""The router's layering contracts (pyproject.toml [tool.importlinter]) hold: policies import no HTTP library."""
+"""The import contracts in pyproject.toml [tool.importlinter] hold (router and operator layers; pure layers import
+no HTTP, etcd or Kubernetes client)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_import_contracts_are_kept() -> None:

@@ -1,0 +1,128 @@
+"""Parts of the Kimi K2.6 recipe (SGLang's K2.6 deployment cookbook, Mooncake's SGLang HiCache guide for PD).
+
+* ``SpeculativeSpec``: EAGLE3 with the cookbook's draft model and step sizes (``--speculative-*``).
+* ``HiCacheSpec``: HiCache with the Mooncake Store on the **prefill** workers, as Mooncake's PD guide places it
+  (decode offload writes only the increment decode generated, which only a prefill reads back). Its host memory
+  per rank (``--hicache-size`` plus the store segment) times the ranks per node must fit ``nodeMemoryGib``.
+* ``JitCacheSpec``: a host directory for SGLang's JIT caches (``SGLANG_CACHE_DIR``: DeepGEMM, Triton, FlashInfer,
+  Inductor; ``sglang/srt/environ.py`` ``third_party_cache_defaults``), so a recreated group does not recompile.
+* ``WeightCacheSpec``: a node-local copy of the weights (hostPath), filled by a prefetch init container.
+* ``GangSchedulingSpec``: a scheduler name and a PodGroup per group (Volcano, scheduler-plugins coscheduling) or
+  Kueue's pod-group labels, so a group's pods are placed all together or not at all.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from tandem_operator.api.rules import CrdModel, Rule
+
+
+class MooncakeStoreSpec(CrdModel):
+    """The Mooncake Store behind HiCache's L3 (prefill HiCache; decode offload)."""
+
+    master_ha: bool = Field(
+        default=True,
+        description="Find the master through etcd (Mooncake master HA, leader elected on the cluster's etcd).",
+    )
+    master_address: str | None = Field(default=None, max_length=253, description="host:port of a single master.")
+    global_segment_gib: int = Field(
+        default=0,
+        ge=0,
+        le=4096,
+        description="GiB each rank contributes to the store (MOONCAKE_GLOBAL_SEGMENT_SIZE; 0: a pure client).",
+    )
+
+    cel_rules = (
+        Rule(
+            cel="self.masterHa || has(self.masterAddress)",
+            message="mooncakeStore needs masterHa: true or a masterAddress",
+            check=lambda s: s.master_ha or s.master_address is not None,
+            field_path=".masterAddress",
+        ),
+    )
+
+
+class HostKvCacheSpec(CrdModel):
+    """A host KV cache per rank (``--hicache-size``) with an optional L3 storage backend."""
+
+    enabled: bool = False
+    host_memory_gib: int = Field(default=64, ge=1, le=4096, description="Host KV cache per rank (--hicache-size).")
+    storage_backend: Literal["mooncake"] | None = Field(default=None, description="--hicache-storage-backend.")
+    mooncake_store: MooncakeStoreSpec | None = None
+
+    def host_gib_per_rank(self) -> int:
+        segment = self.mooncake_store.global_segment_gib if self.mooncake_store is not None else 0
+        return self.host_memory_gib + segment if self.enabled else 0
+
+
+def host_cache_rules(name: str) -> tuple[Rule, ...]:
+    """The rules of a ``HostKvCacheSpec`` field called ``name`` (messages name the field)."""
+    return (
+        Rule(
+            cel="!self.enabled || has(self.storageBackend)",
+            message=f"{name}.enabled needs a storageBackend (mooncake)",
+            check=lambda s: not s.enabled or s.storage_backend is not None,
+            field_path=".storageBackend",
+        ),
+        Rule(
+            cel="!has(self.storageBackend) || self.storageBackend != 'mooncake' || has(self.mooncakeStore)",
+            message="storageBackend mooncake needs mooncakeStore",
+            check=lambda s: s.storage_backend != "mooncake" or s.mooncake_store is not None,
+            field_path=".mooncakeStore",
+        ),
+    )
+
+
+class HiCacheSpec(HostKvCacheSpec):
+    """Prefill-side hierarchical KV cache (HiCache) with an L3 storage backend."""
+
+    cel_rules = host_cache_rules("hicache")
+
+
+class SpeculativeSpec(CrdModel):
+    """EAGLE3 speculative decoding, as SGLang's Kimi K2.6 cookbook runs it."""
+
+    enabled: bool = False
+    algorithm: Literal["EAGLE3"] = "EAGLE3"
+    draft_model_path: str = Field(default="lightseekorg/kimi-k2.6-eagle3.1-mla", min_length=1, max_length=1024)
+    num_steps: int = Field(default=3, ge=1, le=16, description="--speculative-num-steps.")
+    eagle_topk: int = Field(default=1, ge=1, le=16, description="--speculative-eagle-topk.")
+    num_draft_tokens: int = Field(default=4, ge=1, le=64, description="--speculative-num-draft-tokens.")
+
+
+class JitCacheSpec(CrdModel):
+    """Host directory kept across pod recreations for SGLang's compiled kernels."""
+
+    host_path: str | None = Field(
+        default="/var/cache/tandem/sglang",
+        pattern=r"^/",
+        max_length=1024,
+        description="hostPath mounted as SGLANG_CACHE_DIR (null: the container's own, lost on recreate).",
+    )
+
+
+class WeightCacheSpec(CrdModel):
+    """A node-local copy of the model (hostPath), filled before SGLang starts."""
+
+    host_path: str = Field(pattern=r"^/", max_length=1024, description="Node directory, mounted at model.mountPath.")
+    repo: str = Field(
+        min_length=1, max_length=253, description="Hugging Face repo to prefetch, e.g. moonshotai/Kimi-K2.6."
+    )
+    prefetch: bool = Field(
+        default=True,
+        description="An init container downloads repo into model.path (under mountPath) unless it is there already.",
+    )
+
+
+class GangSchedulingSpec(CrdModel):
+    """Place every pod of a group together or none (a partial group holds GPUs and serves nothing)."""
+
+    scheduler_name: str | None = Field(default=None, max_length=253, description="Pod schedulerName, e.g. volcano.")
+    pod_group: Literal["none", "volcano", "scheduler-plugins", "kueue"] = Field(
+        default="none",
+        description="volcano / scheduler-plugins: a PodGroup (minMember = nodesPerGroup) per group; kueue: the "
+        "pod-group labels and annotation on each pod.",
+    )

@@ -1,0 +1,142 @@
+"""Recipe parts of a worker pod and group: Mooncake Store env, collective-library env, JIT and weight caches,
+gang scheduling and the group's disruption budget. Pure.
+
+Sources: SGLang's LWS PD examples (NCCL_IB_HCA, NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, NVSHMEM_* ), SGLang 0.5.23
+``sglang/srt/environ.py`` (``SGLANG_CACHE_DIR`` and the caches it redirects), ``mooncake_store.py``
+(``_parse_global_segment_size``: an integer or ``<n>gb``), Volcano / scheduler-plugins PodGroups and Kueue's
+plain-pod groups.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.registry import Role
+from tandem_operator.api.pdcluster import DecodeSpec, PDClusterSpec, PrefillSpec, TransferProtocol
+from tandem_operator.api.recipe import MooncakeStoreSpec
+
+JIT_CACHE_DIR = "/var/cache/sglang"
+PODGROUP_API = {"volcano": "scheduling.volcano.sh/v1beta1", "scheduler-plugins": "scheduling.x-k8s.io/v1alpha1"}
+KUEUE_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
+KUEUE_COUNT_ANNOTATION = "kueue.x-k8s.io/pod-group-total-count"
+VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
+COSCHEDULING_LABEL = "scheduling.x-k8s.io/pod-group"
+
+
+def store_of(spec: PDClusterSpec, role: Role) -> MooncakeStoreSpec | None:
+    """The Mooncake Store this role's HiCache uses: prefill HiCache, or decode KV offload."""
+    role_spec = spec.role(role)
+    if isinstance(role_spec, PrefillSpec) and role_spec.hicache.enabled:
+        return role_spec.hicache.mooncake_store
+    if isinstance(role_spec, DecodeSpec) and role_spec.kv_offload.enabled:
+        return role_spec.kv_offload.mooncake_store
+    return None
+
+
+def store_env(spec: PDClusterSpec, store: MooncakeStoreSpec) -> dict[str, str]:
+    etcd_hosts = ";".join(e.split("://", 1)[1] for e in spec.etcd.endpoints)
+    return {
+        "MOONCAKE_MASTER": f"etcd://{etcd_hosts}" if store.master_ha else str(store.master_address),
+        "MOONCAKE_TE_META_DATA_SERVER": f"etcd://{etcd_hosts}",
+        "MOONCAKE_PROTOCOL": spec.transfer.protocol.value,
+        "MOONCAKE_DEVICE": ",".join(spec.transfer.ib_devices),
+        "MOONCAKE_GLOBAL_SEGMENT_SIZE": f"{store.global_segment_gib}gb",
+    }
+
+
+def collective_env(spec: PDClusterSpec) -> dict[str, str]:
+    """NCCL / NVSHMEM / Gloo: the HCAs of ``transfer.ibDevices``, the socket interface, the RoCE GID index."""
+    transfer, env = spec.transfer, {}
+    if transfer.protocol is TransferProtocol.RDMA and transfer.ib_devices:
+        devices = ",".join(transfer.ib_devices)
+        env["NCCL_IB_HCA"] = devices
+        env["NVSHMEM_HCA_LIST"] = devices  # DeepEP's NVSHMEM uses only these HCAs
+    if transfer.socket_interface:
+        env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = transfer.socket_interface
+    if transfer.ib_gid_index is not None:
+        env["NCCL_IB_GID_INDEX"] = env["NVSHMEM_IB_GID_INDEX"] = str(transfer.ib_gid_index)
+    if spec.jit_cache.host_path:
+        # SGLANG_CACHE_DIR redirects DeepGEMM, Triton, Inductor and FlashInfer; the two FlashInfer and Triton read
+        # before SGLang can redirect them are set explicitly.
+        env["SGLANG_CACHE_DIR"] = JIT_CACHE_DIR
+        env["TRITON_CACHE_DIR"] = f"{JIT_CACHE_DIR}/triton"
+        env["FLASHINFER_WORKSPACE_BASE"] = JIT_CACHE_DIR
+    return env
+
+
+def cache_volumes(spec: PDClusterSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Host directories for the JIT cache and the node-local weights: (volumes, mounts)."""
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    if spec.jit_cache.host_path:
+        volumes.append(
+            {"name": "jit-cache", "hostPath": {"path": spec.jit_cache.host_path, "type": "DirectoryOrCreate"}}
+        )
+        mounts.append({"name": "jit-cache", "mountPath": JIT_CACHE_DIR})
+    cache = spec.model.weight_cache
+    if cache is not None:
+        volumes.append({"name": "weights", "hostPath": {"path": cache.host_path, "type": "DirectoryOrCreate"}})
+        mounts.append({"name": "weights", "mountPath": spec.model.mount_path})
+    return volumes, mounts
+
+
+_PREFETCH = """
+import os, sys
+from huggingface_hub import snapshot_download
+repo, target = sys.argv[1], sys.argv[2]
+if not os.path.exists(os.path.join(target, "config.json")):
+    snapshot_download(repo, local_dir=target, revision=sys.argv[3] or None)
+"""
+
+
+def prefetch_containers(spec: PDClusterSpec, env: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An init container that downloads the weights into the node-local cache when they are not there yet."""
+    cache = spec.model.weight_cache
+    if cache is None or not cache.prefetch:
+        return []
+    command = ["python3", "-c", _PREFETCH.strip(), cache.repo, spec.model.path, spec.model.revision or ""]
+    return [
+        {
+            "name": "prefetch-weights",
+            "image": spec.images.worker,
+            "imagePullPolicy": spec.images.pull_policy,
+            "command": command,
+            "env": [e for e in env if e["name"].startswith(("HF_", "HUGGING"))],
+            "volumeMounts": [{"name": "weights", "mountPath": spec.model.mount_path}],
+        }
+    ]
+
+
+def gang_pod_fields(spec: PDClusterSpec, role: Role, group_name: str) -> dict[str, Any]:
+    """Labels, annotations and schedulerName that put a pod into its group's gang."""
+    gang, nodes = spec.scheduling, spec.role(role).nodes_per_group
+    labels: dict[str, str] = {}
+    annotations: dict[str, str] = {}
+    if gang.pod_group == "kueue":
+        labels[KUEUE_GROUP_LABEL] = group_name
+        annotations[KUEUE_COUNT_ANNOTATION] = str(nodes)
+    elif gang.pod_group == "volcano":
+        annotations[VOLCANO_GROUP_ANNOTATION] = group_name
+    elif gang.pod_group == "scheduler-plugins":
+        labels[COSCHEDULING_LABEL] = group_name
+    return {"labels": labels, "annotations": annotations, "schedulerName": gang.scheduler_name}
+
+
+def group_objects(
+    spec: PDClusterSpec, role: Role, metadata: dict[str, Any], selector: dict[str, str]
+) -> list[dict[str, Any]]:
+    """The group's PodDisruptionBudget (no voluntary eviction of any member: one lost rank breaks the whole
+    group) and, for Volcano or scheduler-plugins, its PodGroup (all ``nodesPerGroup`` pods or none)."""
+    objects: list[dict[str, Any]] = [
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": metadata,
+            "spec": {"maxUnavailable": 0, "selector": {"matchLabels": selector}},
+        }
+    ]
+    api = PODGROUP_API.get(spec.scheduling.pod_group)
+    if api is not None:
+        nodes = spec.role(role).nodes_per_group
+        objects.append({"apiVersion": api, "kind": "PodGroup", "metadata": metadata, "spec": {"minMember": nodes}})
+    return objects

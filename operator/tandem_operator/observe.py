@@ -1,0 +1,199 @@
+"""Pod observation: what one worker pod is (``PodFacts``), how healthy it is, and its group's state. Pure.
+
+A pod is DEAD when it is being deleted, has terminated (Failed/Succeeded), restarted a container (NCCL lost the
+rank even if the kubelet brought it back) or sits on a node the caller knows is lost. A group is:
+
+* READY when every rank is present and Ready;
+* BROKEN when any member is dead, or a rank is missing after some member had become Ready (the NCCL group had
+  formed and lost a rank): the whole group must be recreated, never left half-alive;
+* INCOMPLETE when ranks are missing but none had become Ready yet (still being created: create the rest);
+* STARTING otherwise (all present, not all Ready).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from tandem.registry import Role
+from tandem_operator.api.mooncake_ports import MAX_PORTS_PER_POD
+from tandem_operator.desired.naming import (
+    ANNOTATION_EPOCH,
+    LABEL_CLUSTER,
+    LABEL_GROUP,
+    LABEL_RANK,
+    LABEL_REVISION,
+    LABEL_ROLE,
+    LABEL_TEMPLATE_HASH,
+)
+
+Pod = Mapping[str, Any]
+MAX_NAMED_PORTS = MAX_PORTS_PER_POD  # a hostNetwork pod's Mooncake names are cleaned one port at a time
+
+
+@dataclass(frozen=True, order=True)
+class GroupKey:
+    role: Role
+    index: int
+
+    @property
+    def name(self) -> str:
+        """The group's name in the registry (``Endpoint.group``)."""
+        return f"{self.role.value}-{self.index}"
+
+
+@dataclass(frozen=True)
+class PodFacts:
+    """What the operator needs to know about one worker pod."""
+
+    name: str
+    namespace: str
+    cluster: str
+    group: GroupKey
+    rank: int
+    epoch: int
+    ip: str | None
+    node: str | None
+    env: Mapping[str, str]  # literal env values of the worker container
+    host_network: bool = False
+
+    @property
+    def mooncake_ports(self) -> tuple[int, ...]:
+        """Mooncake's port range (MC_MIN_RPC_PORT..MC_MAX_RPC_PORT) when it is small enough to name each port."""
+        low, high = self.env.get("MC_MIN_RPC_PORT", ""), self.env.get("MC_MAX_RPC_PORT", "")
+        if not (low.isdigit() and high.isdigit()) or not 0 <= int(high) - int(low) < MAX_NAMED_PORTS:
+            return ()
+        return tuple(range(int(low), int(high) + 1))
+
+    @property
+    def mooncake_rpc_port(self) -> int | None:
+        """The fixed Mooncake RPC port (MC_MIN_RPC_PORT == MC_MAX_RPC_PORT), if the pod has one."""
+        ports = self.mooncake_ports
+        return ports[0] if len(ports) == 1 else None
+
+
+def _int(value: object, default: int = 0) -> int:
+    return int(value) if isinstance(value, str) and value.isdigit() else default
+
+
+def pod_facts(pod: Pod) -> PodFacts | None:
+    """The facts of a Tandem worker pod, or None for any other pod (missing or malformed labels)."""
+    metadata = pod.get("metadata") or {}
+    labels = metadata.get("labels") or {}
+    try:
+        role = Role(labels.get(LABEL_ROLE, ""))
+    except ValueError:
+        return None
+    if not labels.get(LABEL_CLUSTER) or not str(labels.get(LABEL_GROUP, "")).isdigit():
+        return None
+    if not str(labels.get(LABEL_RANK, "")).isdigit():
+        return None
+    spec, status = pod.get("spec") or {}, pod.get("status") or {}
+    containers = spec.get("containers") or [{}]
+    env = {e["name"]: e["value"] for e in containers[0].get("env") or () if "name" in e and "value" in e}
+    return PodFacts(
+        name=metadata.get("name", ""),
+        namespace=metadata.get("namespace", ""),
+        cluster=labels[LABEL_CLUSTER],
+        group=GroupKey(role, int(labels[LABEL_GROUP])),
+        rank=int(labels[LABEL_RANK]),
+        epoch=_int((metadata.get("annotations") or {}).get(ANNOTATION_EPOCH)),
+        ip=status.get("podIP") or None,
+        node=spec.get("nodeName") or None,
+        env=env,
+        host_network=bool(spec.get("hostNetwork")),
+    )
+
+
+def group_of(pod: Pod) -> GroupKey | None:
+    facts = pod_facts(pod)
+    return None if facts is None else facts.group
+
+
+class PodHealth(StrEnum):
+    READY = "Ready"
+    STARTING = "Starting"
+    DEAD = "Dead"
+
+
+class GroupState(StrEnum):
+    READY = "Ready"
+    STARTING = "Starting"
+    INCOMPLETE = "Incomplete"
+    BROKEN = "Broken"
+
+
+@dataclass(frozen=True)
+class GroupView:
+    index: int
+    state: GroupState
+    template_hash: str  # "" when the ranks disagree (a half-rolled group counts as outdated)
+    pods: tuple[str, ...]
+    revision: str = ""  # compatibility revision of its pods ("" when the ranks disagree)
+
+
+def is_ready(pod: Pod) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or ()
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def started(pod: Pod) -> bool:
+    """Every container started (the kubelet sets ``started`` once the startupProbe passed: the model is loaded)."""
+    statuses = (pod.get("status") or {}).get("containerStatuses") or ()
+    return bool(statuses) and all(c.get("started") is True for c in statuses)
+
+
+def created_at(pod: Pod) -> datetime | None:
+    raw = (pod.get("metadata") or {}).get("creationTimestamp")
+    try:
+        return datetime.fromisoformat(str(raw)) if raw else None
+    except ValueError:
+        return None
+
+
+def pod_health(pod: Pod, lost_nodes: frozenset[str] = frozenset()) -> PodHealth:
+    metadata, status = pod.get("metadata") or {}, pod.get("status") or {}
+    phase = status.get("phase")
+    if metadata.get("deletionTimestamp") or phase in ("Failed", "Succeeded"):
+        return PodHealth.DEAD
+    for container in status.get("containerStatuses") or ():
+        if container.get("restartCount", 0) > 0 or "terminated" in (container.get("state") or {}):
+            return PodHealth.DEAD
+    if (pod.get("spec") or {}).get("nodeName") in lost_nodes:
+        return PodHealth.DEAD
+    return PodHealth.READY if phase == "Running" and is_ready(pod) else PodHealth.STARTING
+
+
+def group_views(
+    pods: Iterable[Pod], nodes_per_group: int, lost_nodes: frozenset[str] = frozenset()
+) -> dict[int, GroupView]:
+    """Pods of one role, grouped by their group label. Pods without tandem labels are ignored."""
+    by_group: dict[int, list[Pod]] = defaultdict(list)
+    for pod in pods:
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        if str(labels.get(LABEL_GROUP, "")).isdigit() and str(labels.get(LABEL_RANK, "")).isdigit():
+            by_group[int(labels[LABEL_GROUP])].append(pod)
+    return {index: _group_view(index, members, nodes_per_group, lost_nodes) for index, members in by_group.items()}
+
+
+def _group_view(index: int, pods: list[Pod], nodes_per_group: int, lost_nodes: frozenset[str]) -> GroupView:
+    health = [pod_health(pod, lost_nodes) for pod in pods]
+    ranks = {int(pod["metadata"]["labels"][LABEL_RANK]) for pod in pods}
+    hashes = {pod["metadata"]["labels"].get(LABEL_TEMPLATE_HASH, "") for pod in pods}
+    revisions = {pod["metadata"]["labels"].get(LABEL_REVISION, "") for pod in pods}
+    missing = set(range(nodes_per_group)) - ranks
+    if PodHealth.DEAD in health or (missing and PodHealth.READY in health):
+        state = GroupState.BROKEN
+    elif missing:
+        state = GroupState.INCOMPLETE
+    elif all(h is PodHealth.READY for h in health):
+        state = GroupState.READY
+    else:
+        state = GroupState.STARTING
+    names = tuple(sorted(pod["metadata"]["name"] for pod in pods))
+    revision = revisions.pop() if len(revisions) == 1 else ""
+    return GroupView(index, state, hashes.pop() if len(hashes) == 1 else "", names, revision)

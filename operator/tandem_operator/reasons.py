@@ -1,0 +1,28 @@
+"""Kubernetes Event types and reasons the operator reports (chosen by the pure planner, posted by ``k8s.events``)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class EventType(StrEnum):
+    NORMAL = "Normal"
+    WARNING = "Warning"
+
+
+class Reason(StrEnum):
+    FENCED = "Fenced"
+    STALE_METADATA_REMOVED = "StaleMetadataRemoved"
+    GROUP_RECREATING = "GroupRecreating"
+    GROUP_READY = "GroupReady"
+    REGISTERED = "Registered"
+    UNROUTED = "Unrouted"  # a member NotReady: the group left rotation, keeps its pods and epoch
+    SCALED_UP = "ScaledUp"
+    SCALED_DOWN = "ScaledDown"
+    ROLLOUT_STEP = "RolloutStep"
+    DRAINING = "Draining"
+    DRAIN_TIMED_OUT = "DrainTimedOut"
+    INVALID_SPEC = "InvalidSpec"
+    PAIR_QUARANTINED = "PairQuarantined"
+    PAIR_RELEASED = "PairReleased"
+    INTEGRITY_RECREATE = "IntegrityRecreate"

@@ -1,0 +1,84 @@
+"""Timing profiles of the simulated GPU (``--sim-profile``): the constants of the step-time model in ``stepper.py``.
+
+A profile's times are per attention-DP group (one SGLang scheduler, i.e. one GPU with ``--enable-dp-attention``,
+or the whole TP group without it), the unit the simulator runs one batch loop for.
+
+``kimi-k2.6-h200`` is derived from published SGLang PD + large-scale EP numbers for DeepSeek-V3-class MoE models
+(MLA, 37B / 32B activated parameters; Kimi K2.x has DeepSeek-V3's architecture with 384 experts):
+
+- LMSYS, "Deploying DeepSeek with PD Disaggregation and Large-scale Expert Parallelism on 96 H100 GPUs"
+  (2025-05-05, https://lmsys.org/blog/2025-05-05-large-scale-ep/): **52.3k input tokens/s and 22.3k output
+  tokens/s per node** (8 GPUs, DP attention, so 8 DP groups per node) for 2000-token inputs; the blog's stated
+  limitations: **TTFT 2-5 s and ITL ~100 ms** at that throughput.
+- The Mooncake team, "Deploying Kimi K2 with PD Disaggregation and Large-Scale Expert Parallelism on 128 H200
+  GPUs" (LMSYS, 2025-07-20, https://lmsys.org/blog/2025-07-20-k2-large-scale-ep/): the same SGLang PD + EP recipe
+  for Kimi K2 on H200; we take its setup (MLA, DP attention, EP over the decode nodes) and keep the DeepSeek
+  per-node numbers above, which H200 (same Hopper compute as H100, more HBM) matches or beats.
+
+Derivation (per DP group = per GPU):
+
+- prefill: 52.3k tok/s / 8 = 6.54k tok/s, so ``prefill_ms_per_token`` = 1000 / 6537 = 0.153 ms. A 16384-token
+  prefill batch (``--max-prefill-tokens`` default) then takes 2.5 s, inside the blog's 2-5 s TTFT.
+- decode: 22.3k tok/s / 8 = 2.79k tok/s per GPU at ITL ~100 ms means a running batch of ~279 sequences of ~2050
+  tokens of context per step. The step is ``base + per_seq * B + per_kv * sum(context)``; the split is ours
+  (an assumption, not published): ``base`` = 20 ms (weights read and expert all-to-all of a nearly empty batch),
+  the other 80 ms over 279 sequences = 0.287 ms per sequence of 2050 tokens, half of it attention over the KV:
+  ``per_seq`` = 0.143 ms, ``per_kv_token`` = 0.143 / 2050 = 7.0e-5 ms. Check: B = 279, 2050 tokens each:
+  20 + 39.9 + 40.0 = 99.9 ms per step, 2.79k tok/s.
+
+``time_factor`` multiplies every simulated time (a run at factor 4 is 4x slower, so Python's own work per token
+stays small next to the simulated GPU time on a 2-core machine); the bench divides measured times by it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class SimProfile:
+    name: str
+    prefill_base_ms: float  # per prefill batch (kernel launches, one forward)
+    prefill_ms_per_token: float  # per prompt token computed (cached tokens are skipped)
+    decode_base_ms: float  # per decode step, whatever the batch
+    decode_ms_per_seq: float  # per running sequence in the step
+    decode_ms_per_kv_token: float  # per KV token attended in the step (sum of the sequences' lengths)
+    time_factor: float = 1.0
+
+    def scaled(self, ms: float) -> float:
+        """Seconds of wall time for ``ms`` of simulated GPU time."""
+        return ms * self.time_factor / 1000.0
+
+    def prefill_s(self, tokens: int) -> float:
+        return self.scaled(self.prefill_base_ms + self.prefill_ms_per_token * tokens) if tokens else 0.0
+
+    def decode_s(self, seqs: int, kv_tokens: int) -> float:
+        return self.scaled(
+            self.decode_base_ms + self.decode_ms_per_seq * seqs + self.decode_ms_per_kv_token * kv_tokens
+        )
+
+    def with_overrides(self, **changes: float | None) -> SimProfile:
+        kept: dict[str, float] = {k: float(v) for k, v in changes.items() if v is not None}
+        return replace(self, **kept)  # type: ignore[arg-type]  # only float fields are ever passed
+
+
+@dataclass(frozen=True)
+class Published:
+    """The published numbers a profile was built from, per DP group (GPU), for the bench's comparison column."""
+
+    prefill_tok_s: float
+    decode_tok_s: float
+    itl_ms: float
+    ttft_s: tuple[float, float]
+
+
+KIMI_PUBLISHED = Published(prefill_tok_s=52_300 / 8, decode_tok_s=22_300 / 8, itl_ms=100.0, ttft_s=(2.0, 5.0))
+
+PROFILES = {
+    "instant": SimProfile("instant", 0.0, 0.0, 0.0, 0.0, 0.0),
+    # Today's defaults (0.02 ms per prompt token, 2 ms per decoded token) for one sequence; a small per-sequence
+    # cost so that latency grows with the batch.
+    "cpu-small": SimProfile("cpu-small", 0.0, 0.02, 2.0, 0.01, 0.0),
+    "kimi-k2.6-h200": SimProfile("kimi-k2.6-h200", 0.0, 1000 / 6537, 20.0, 0.143, 7.0e-5),
+}
+DEFAULT_PROFILE = "cpu-small"

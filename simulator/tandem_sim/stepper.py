@@ -1,0 +1,170 @@
+"""Continuous batching of one attention-DP group: the simulated GPU runs one batch at a time.
+
+Modelled on SGLang 0.5.23's scheduler loop (``managers/scheduler.py``: ``Scheduler.event_loop_normal``,
+``get_next_batch_to_run``; ``managers/schedule_policy.py``: ``PrefillAdder``):
+
+- a prefill batch is formed whenever prompts wait (prefill first, as ``get_next_batch_to_run`` does without
+  ``--enable-mixed-chunk``); it takes waiting prompts in arrival order up to ``--max-prefill-tokens`` uncached
+  tokens, and a prompt longer than what is left of ``--chunked-prefill-size`` is cut into chunks, one chunk per
+  batch (the ``chunked_req``), so a long prompt does not hold the GPU for its whole length;
+- otherwise one decode step runs for every sequence that asked for its next token; sequences that ask during a
+  step join the next one (requests join and leave the running batch between steps).
+
+A step's duration comes from the profile (``profiles.py``): prefill ``base + per_token * tokens``; decode
+``base + per_seq * B + per_kv_token * sum(context)``. Outputs never depend on batching: the stepper only decides
+*when* a request's work is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tandem_sim.profiles import SimProfile
+
+GATHER_TURNS = 64  # event-loop turns a step waits for running sequences to ask for their next token
+
+
+@dataclass(eq=False)
+class _Prefill:
+    remaining: int
+    done: asyncio.Future[None]
+    chunks: int = 0
+
+
+@dataclass
+class StepStats:
+    """What the loop did (tests and ``/get_internal_state``)."""
+
+    prefill_batches: int = 0
+    prefill_chunks: int = 0
+    decode_steps: int = 0
+    max_decode_batch: int = 0
+
+
+class Stepper:
+    def __init__(
+        self,
+        profile: SimProfile,
+        max_prefill_tokens: int,
+        chunked_prefill_size: int,
+        on_decode_step: Callable[[int], None] | None = None,
+    ) -> None:
+        self.profile = profile
+        self.max_prefill_tokens = max_prefill_tokens
+        # -1 (SGLang: chunking disabled) means a prompt is never cut: the prefill budget alone limits the batch.
+        self.chunk = chunked_prefill_size if chunked_prefill_size > 0 else 0
+        self.on_decode_step = on_decode_step
+        self._prefills: deque[_Prefill] = deque()
+        self._decoders: list[tuple[int, asyncio.Future[None]]] = []
+        self._loop_task: asyncio.Task[None] | None = None
+        self._members = 0  # sequences in their decode phase (the running batch)
+        self.stats = StepStats()
+
+    @property
+    def waiting_prefills(self) -> int:
+        return len(self._prefills)
+
+    async def prefill(self, tokens: int) -> None:
+        """Return once ``tokens`` prompt tokens (the uncached part) went through prefill batches."""
+        if tokens <= 0:
+            return
+        job = _Prefill(tokens, asyncio.get_running_loop().create_future())
+        self._prefills.append(job)
+        self._kick()
+        try:
+            await asyncio.shield(job.done)
+        except asyncio.CancelledError:
+            if job in self._prefills:
+                self._prefills.remove(job)  # an aborted request leaves the waiting queue
+            raise
+
+    async def decode_step(self, context_tokens: int) -> None:
+        """Return after the next decode step that includes this sequence (``context_tokens`` attended)."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._decoders.append((context_tokens, done))
+        self._kick()
+        await done
+
+    def _kick(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    def join(self) -> None:
+        """A sequence enters the running batch (its decode phase starts)."""
+        self._members += 1
+
+    def leave(self) -> None:
+        self._members -= 1
+
+    async def _run(self) -> None:
+        while True:
+            if self._prefills:
+                await self._prefill_batch()
+                continue
+            await self._gather_running_batch()
+            if self._prefills:
+                continue
+            if not self._decoders:
+                return
+            await self._decode_batch()
+
+    async def _gather_running_batch(self) -> None:
+        """Every running sequence takes part in each step: give the sequences that just got their token a few
+        loop turns to ask for the next one (a sequence stuck on a slow client is left for the next step, as
+        SGLang's scheduler never waits for clients)."""
+        for _ in range(GATHER_TURNS):
+            if len(self._decoders) >= self._members or self._prefills:
+                return
+            await asyncio.sleep(0)
+
+    def _form_prefill_batch(self) -> tuple[int, list[_Prefill]]:
+        """Take prompts in order up to the budgets; the first prompt that does not fit the chunk is chunked."""
+        budget = self.max_prefill_tokens
+        chunk_left = self.chunk or budget
+        taken, finished = 0, []
+        for job in list(self._prefills):
+            room = min(budget - taken, chunk_left - taken)
+            if room <= 0:
+                break
+            if job.remaining <= room:
+                taken += job.remaining
+                job.remaining = 0
+                finished.append(job)
+                continue
+            if self.chunk == 0 and taken > 0:
+                break  # without chunking a prompt that does not fit waits for the next batch
+            job.remaining -= room  # SGLang's chunked_req: one chunk now, the rest in later batches
+            job.chunks += 1
+            self.stats.prefill_chunks += 1
+            taken += room
+            break
+        return taken, finished
+
+    async def _prefill_batch(self) -> None:
+        taken, finished = self._form_prefill_batch()
+        self.stats.prefill_batches += 1
+        await asyncio.sleep(self.profile.prefill_s(taken))
+        for job in finished:
+            self._prefills.remove(job)
+            if not job.done.done():
+                job.done.set_result(None)
+
+    async def _decode_batch(self) -> None:
+        batch, self._decoders = self._decoders, []
+        size = len(batch)
+        self.stats.decode_steps += 1
+        self.stats.max_decode_batch = max(self.stats.max_decode_batch, size)
+        await asyncio.sleep(self.profile.decode_s(size, sum(tokens for tokens, _ in batch)))
+        for _, done in batch:
+            if not done.done():
+                done.set_result(None)
+        if self.on_decode_step is not None:
+            self.on_decode_step(size)
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)

@@ -1,0 +1,80 @@
+"""Health on the real control plane: a worker whose ``/health`` is slow under load leaves rotation and comes back
+with the same epoch and the same pods; a worker whose container exits has its group recreated.
+
+The pod runner runs ``tandem sim`` behind each pod IP and, as the dev cluster's kubelet, runs each pod's own
+readinessProbe against it and reports container exits. The decode role sets ``SGLANG_HEALTH_CHECK_TIMEOUT=3`` (the
+probe's timeout follows it) and ``--sim-slow-health-s=5`` so a probe fails under load within seconds instead of
+SGLang's default 20 s.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+from kubernetes_asyncio import client
+
+from tandem.devcluster.cluster import DevCluster
+from tandem.procs import ManagedProcess
+from tests.devcluster_fixtures import eventually
+from tests.operator.live import SIM_MODEL, load_result, pods, serves, sim_stack, start_load
+from tests.operator.readiness import ready_transitions
+
+pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(300)]
+ONE_NODE = {"groups": 1, "nodesPerGroup": 1, "gpusPerNode": 1, "tpSize": 1, "epSize": 1, "moeA2ABackend": "none"}
+
+
+async def test_slow_health_leaves_rotation_and_returns_without_recreation_an_exit_recreates(
+    k8s_cluster: DevCluster,
+    k8s_api: client.ApiClient,
+    k8s_namespace: str,
+    tandem_crds: None,
+    etcd_endpoint: str,
+    tmp_path: Path,
+    proc_factory: list[ManagedProcess],
+) -> None:
+    ns = k8s_namespace
+    decode = {
+        **ONE_NODE,
+        "env": [{"name": "SGLANG_HEALTH_CHECK_TIMEOUT", "value": "3"}],
+        "extraArgs": ["--sim-slow-health-s=5", "--sim-inter-token-ms=20"],  # 2 s streams: always busy under load
+    }
+    groups = ["decode-0", "prefill-0"]
+    async with sim_stack(k8s_cluster, k8s_api, ns, etcd_endpoint, tmp_path, proc_factory, groups, decode=decode) as sim:
+        reg, base_url = sim.reg, sim.base_url
+
+        async def registered() -> dict[str, int] | None:
+            entries = {g: e.epoch for g, e in (await reg.endpoints(ns, "sim")).items()}
+            return entries if sorted(entries) == groups else None
+
+        before = await eventually(registered, "prefill-0 and decode-0 registered", within=30)
+        uids = {p.metadata.name: p.metadata.uid for p in await pods(k8s_api, ns)}
+        async with ready_transitions(k8s_api, ns, "sim-decode-0-0") as transitions:
+            load = await start_load(base_url, SIM_MODEL, 16, 30, max_tokens=100)
+
+            async def unrouted() -> bool:
+                return "decode-0" not in await reg.endpoints(ns, "sim")
+
+            await eventually(unrouted, "decode-0 out of rotation while its /health is slow", within=60)
+            result = await load_result(load, within=90)
+            back = await eventually(registered, "decode-0 registered again once idle", within=60)
+        failed = len(result["failed_before_first_byte"])
+        print(f"\nreadiness transitions {transitions}; load {result['ok']} ok, {failed} failed (one decode only)")
+        assert back == before  # the same epochs: nothing was recreated
+        assert {p.metadata.name: p.metadata.uid for p in await pods(k8s_api, ns)} == uids
+        assert transitions[:2] == [False, True]
+        await eventually(lambda: serves(base_url, SIM_MODEL), "a completion after decode-0 came back", within=30)
+
+        # The container exits: the pod runner (restartPolicy Never) marks it terminated and the pod Failed.
+        (process,) = [p for launch, p in sim.runner.running.values() if launch.pod == f"{ns}/sim-decode-0-0"]
+        process.signal(signal.SIGKILL)
+
+        async def recreated() -> int | None:
+            endpoint = (await reg.endpoints(ns, "sim")).get("decode-0")
+            return endpoint.epoch if endpoint is not None and endpoint.epoch > before["decode-0"] else None
+
+        assert await eventually(recreated, "decode-0 recreated with a new epoch", within=90) == before["decode-0"] + 1
+        after = {p.metadata.name: p.metadata.uid for p in await pods(k8s_api, ns)}
+        assert after["sim-decode-0-0"] != uids["sim-decode-0-0"]
+        assert after["sim-prefill-0-0"] == uids["sim-prefill-0-0"]

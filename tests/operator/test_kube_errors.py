@@ -1,0 +1,53 @@
+"""``Kube`` maps API errors to its own: NotFound / Conflict / permanent at once, temporary after backoff retries."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import pytest
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from tandem_operator.k8s.kube import ConflictError, Kube, PermanentError, TemporaryError
+
+
+class ScriptedApi:
+    """Answers ``call_api`` with the next scripted outcome (an exception to raise, or a result)."""
+
+    def __init__(self, *outcomes: Any) -> None:
+        self.outcomes, self.calls = list(outcomes), 0
+
+    async def call_api(self, *_: Any, **__: Any) -> Any:
+        self.calls += 1
+        outcome = self.outcomes.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+
+async def test_temporary_errors_are_retried_then_succeed() -> None:
+    api = ScriptedApi(ApiException(status=503), aiohttp.ClientConnectionError("reset"), {"items": [{"a": 1}]})
+    assert await Kube(api, backoff_s=0.001).list("v1", "Pod", "ns", "x=y") == [{"a": 1}]
+    assert api.calls == 3
+
+
+async def test_temporary_errors_give_up_after_the_retries() -> None:
+    api = ScriptedApi(*[ApiException(status=429)] * 4)
+    with pytest.raises(TemporaryError) as err:
+        await Kube(api, backoff_s=0.001).post("/api/v1/namespaces/ns/events", {})
+    assert err.value.status == 429
+    assert api.calls == 4
+
+
+async def test_not_found_conflict_and_permanent_errors_are_not_retried() -> None:
+    api = ScriptedApi(ApiException(status=404), ApiException(status=404), ApiException(status=409))
+    kube = Kube(api, backoff_s=0.001)
+    assert await kube.get("/api/v1/namespaces/ns/pods/p") is None
+    assert await kube.delete("/api/v1/namespaces/ns/pods/p") is False
+    with pytest.raises(ConflictError):
+        await kube.put("/api/v1/namespaces/ns/pods/p", {})
+    api = ScriptedApi(ApiException(status=422, reason="Invalid"))
+    with pytest.raises(PermanentError) as err:
+        await Kube(api, backoff_s=0.001).post("/x", {})
+    assert err.value.status == 422
+    assert api.calls == 1
