@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: up test bootstrap setup peers k8s-binaries lint typecheck unit bench generate verify format clean
+.PHONY: up test bootstrap setup peers k8s-binaries images images-relock lint typecheck unit bench generate verify format clean
 
 bootstrap:
 	@scripts/bootstrap.sh
@@ -26,8 +26,18 @@ k8s-binaries:
 setup: bootstrap
 	@$(MAKE) --no-print-directory -j2 peers k8s-binaries
 
+## images: build the tandem image as an OCI archive in build/images/ (debootstrap + chroot, needs root); cached
+## in ~/.cache/tandem/images/<inputs>, so a rerun with the same inputs only copies it. images-relock: re-pin the
+## Debian packages (images/tandem/debian.lock) when the mirror has moved on; then `make generate` and commit.
+images: bootstrap
+	@scripts/bootstrap.sh --images
+	$(PY) -m tandem.images.build
+images-relock: bootstrap
+	@scripts/bootstrap.sh --images
+	$(PY) -m tandem.images.build --relock
+
 ## test: install everything, then lint, type-check and run every test (inside a loopback-only netns).
-test: setup lint typecheck
+test: setup images lint typecheck
 	scripts/in-netns.sh $(PY) -m pytest $(PYTEST_ARGS)
 
 ## unit: the pure tests only (no netns, k8s, slow or process-starting tests), in well under 30 s; no netns needed.
@@ -49,16 +59,17 @@ format: bootstrap
 ## bench: benchmarks that print tables (ratios measured side by side in one run) and save them as JSON + PNG under
 ## build/bench/<timestamp>/. BENCH_ARGS=--allow-missing-peers reports a peer that cannot run as "not measured".
 BENCH_ARGS ?=
-bench: setup
+bench: setup images
 	scripts/in-netns.sh $(VENV)/bin/tandem bench $(BENCH_ARGS)
 
 ## generate: rewrite every generated file from its source (one line per generator).
 GENERATED := charts/tandem/crds charts/tandem/values.yaml charts/tandem/values.schema.json charts/tandem/README.md \
-	charts/tandem/dashboards deploy/dashboards tandem/data
+	charts/tandem/dashboards deploy/dashboards tandem/data images/tandem/Dockerfile
 generate: bootstrap
 	$(PY) -m tandem_operator.crdgen
 	$(PY) -m tandem.chart.generate
 	$(PY) scripts/gen_sglang_flags.py
+	$(PY) -m tandem.images.dockerfile
 
 ## verify: regenerate, then fail if any generated file differs from what git has committed.
 verify: generate

@@ -10,17 +10,29 @@ cd "$(dirname "$0")/.."
 # openssl: certificates of the test Kubernetes control plane (tandem/devcluster/pki.py).
 # prometheus (+ promtool): the chart tests scrape the running stack and run every dashboard query and alert rule.
 DEB_PACKAGES=(libibverbs1 librdmacm1 libnuma1 etcd-server wrk iproute2 util-linux openssl prometheus)
+# debootstrap (pinned, the version bookworm ships): `make images` builds the tandem image's root filesystem with it.
+# `scripts/bootstrap.sh --images` installs only what the image build needs.
+IMAGE_PACKAGES=(debootstrap=1.0.128+nmu2+deb12u2 coreutils util-linux mount)
+if [ "${1:-}" = "--images" ]; then DEB_PACKAGES=("${IMAGE_PACKAGES[@]}"); else DEB_PACKAGES+=("${IMAGE_PACKAGES[@]}"); fi
 
 missing=()
-for pkg in "${DEB_PACKAGES[@]}"; do
-  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+for spec in "${DEB_PACKAGES[@]}"; do
+  pkg="${spec%%=*}"; want_version="${spec#*=}"
+  [ "$want_version" != "$spec" ] || want_version=""
+  have="$(dpkg-query -W -f='${Status} ${Version}' "$pkg" 2>/dev/null || true)"
+  case "$have" in
+    "install ok installed ${want_version}"*) ;;
+    *) missing+=("$spec") ;;
+  esac
 done
 if [ ${#missing[@]} -gt 0 ]; then
   echo "bootstrap: installing Debian packages: ${missing[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+    || { echo "bootstrap: could not install Debian packages: ${missing[*]}" >&2; exit 1; }
 fi
+[ "${1:-}" != "--images" ] || { echo "bootstrap: image tools ready"; exit 0; }
 
 PYTHON="${PYTHON:-python3.11}"
 stamp=.venv/.tandem-installed

@@ -27,6 +27,7 @@ SECTIONS: dict[str, str] = {
     "sim-load": "tandem_sim.bench_load",
     "router": "tandem_router.bench",
     "operator": "tandem_operator.bench",
+    "images": "tandem.images.bench",
 }
 NOT_MEASURED = "not measured"
 

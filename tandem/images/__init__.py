@@ -1,0 +1,1 @@
+"""Container images built here without a Docker engine: debootstrap + chroot + a deterministic OCI writer."""
