@@ -13,7 +13,7 @@ with old and new with new, never across.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -146,6 +146,13 @@ class WorkerPool:
     def all_pairs(self) -> list[Pair]:
         """Every (prefill, decode) pair the members can form, whatever their health or gates."""
         return [Pair(p.spec, d.spec) for p in self.of_role(Role.PREFILL) for d in self.of_role(Role.DECODE)]
+
+    def pairs_with(self, workers: Collection[str]) -> frozenset[tuple[str, str]]:
+        """The keys of every pair that has one of ``workers`` (worker keys) in it: what a request avoids after
+        those workers failed it."""
+        if not workers:
+            return frozenset()
+        return frozenset(p.key for p in self.all_pairs() if p.prefill.key in workers or p.decode.key in workers)
 
     def models(self) -> set[str]:
         names: set[str] = set()

@@ -127,12 +127,18 @@ class Proxy:
 
     async def _handle(self, req: ProxyRequest, http: web.Request) -> web.StreamResponse:
         tried: set[tuple[str, str]] = set()
+        failed_workers: set[str] = set()
         attempt = 0
         failure: _Failure | None = None
         while True:
             now = time.monotonic()
-            # Prefer a pair this request has not failed on; once all were tried, any pair still admitted.
-            pair = self.pool.choose_pair(req.prefix, now, frozenset(tried)) or self.pool.choose_pair(req.prefix, now)
+            # Prefer a pair without a worker that failed this request, then one this request has not failed on;
+            # once all were tried, any pair still admitted.
+            pair = (
+                self.pool.choose_pair(req.prefix, now, frozenset(tried) | self.pool.pairs_with(failed_workers))
+                or self.pool.choose_pair(req.prefix, now, frozenset(tried))
+                or self.pool.choose_pair(req.prefix, now)
+            )
             if pair is None:
                 break
             attempt += 1
@@ -144,6 +150,7 @@ class Proxy:
             if failure.client_error:
                 break
             self.metrics.pair_failure(pair, failure.reason)
+            failed_workers.add(pair.prefill.key if failure.reason.startswith("prefill") else pair.decode.key)
             if not failure.retryable:
                 break
             if not retry.should_retry(attempt, self.retry_cfg, first_byte_sent=False):

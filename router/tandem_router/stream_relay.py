@@ -133,11 +133,8 @@ class StreamRelay:
         while self.attempts < proxy.resume_cfg.max_attempts and time.monotonic() < deadline:
             now = time.monotonic()
             # Never a failed worker, and only the broken pair's revision: the relayed tokens came from that model.
-            exclude = frozenset(
-                p.key
-                for p in proxy.pool.all_pairs()
-                if {p.prefill.key, p.decode.key} & self.failed_workers or p.prefill.revision != failed.prefill.revision
-            )
+            other_revision = {p.key for p in proxy.pool.all_pairs() if p.prefill.revision != failed.prefill.revision}
+            exclude = proxy.pool.pairs_with(self.failed_workers) | other_revision
             pair = proxy.pool.choose_pair(req.prefix, now, exclude)
             if pair is None:
                 return None

@@ -39,7 +39,8 @@ class DevClusterConfig(BaseModel):
     kwok_marks_ready: bool = Field(
         default=False,
         description="kwok marks pods Ready without their readinessProbe: only where nothing runs behind pods "
-        "(the operator benchmark); otherwise the pod runner's probe decides",
+        "(the operator benchmark); otherwise the pod runner's probe decides. Such a cluster makes no pod network "
+        "(no bridge), so it can run beside another dev cluster in the same namespace",
     )
 
     @field_validator("pod_cidr")

@@ -15,6 +15,7 @@ from tandem.devcluster.cluster import DevCluster
 from tandem.devcluster.podrunner import Launch, PodRunner
 from tandem.procs import ManagedProcess, free_port
 from tandem_operator.api.pdcluster import PDClusterSpec
+from tandem_operator.desired.drain_hook import DRAIN_GAUGES
 from tests.operator.live import CRDS, run_tool
 
 KIMI_8XH200: dict[str, Any] = {
@@ -93,15 +94,20 @@ async def runner(k8s_api: client.ApiClient, k8s_namespace: str, tmp_path: Path) 
 # Serves 200 on every GET at the pod's --port: enough for the readinessProbe (GET /health on "http").
 HEALTH_ONLY = (
     "import http.server, sys\n"
+    "IDLE = ''.join(f'# TYPE {g} gauge\\n{g} 0\\n' for g in sys.argv[2].split(',')).encode()\n"
     "class H(http.server.BaseHTTPRequestHandler):\n"
-    "    def do_GET(self): self.send_response(200); self.end_headers()\n"
+    "    def do_GET(self):\n"
+    "        body = IDLE if self.path == '/metrics' else b''\n"
+    "        self.send_response(200); self.end_headers(); self.wfile.write(body)\n"
     "    def log_message(self, *args): pass\n"
     "http.server.HTTPServer(('0.0.0.0', int(sys.argv[1])), H).serve_forever()\n"
 )
 
 
 def health_only(launch: Launch) -> list[str]:
-    return [sys.executable, "-c", HEALTH_ONLY, str(launch.port)]
+    """An idle worker as the operator sees it: /health answers, /metrics reports nothing in flight (so a drain
+    finishes as on an idle SGLang worker instead of waiting out its timeout for gauges it cannot read)."""
+    return [sys.executable, "-c", HEALTH_ONLY, str(launch.port), ",".join(DRAIN_GAUGES)]
 
 
 @pytest.fixture

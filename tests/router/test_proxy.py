@@ -133,7 +133,11 @@ async def test_a_broken_stream_resumes_on_a_fresh_decode_at_most_max_attempts_ti
         chunks = [orjson.loads(e) for e in events[:-1]]
         assert len({c["id"] for c in chunks}) == 1
         assert len(chunks) == 9  # three from each decode, nothing repeated
-        bodies = sorted([r["body"] for d in s.decodes for r in await s.received(d)], key=lambda b: len(b["messages"]))
+        # In the order they were sent: each continuation carries more relayed text than the one before.
+        bodies = sorted(
+            [r["body"] for d in s.decodes for r in await s.received(d)],
+            key=lambda b: (len(b["messages"]), len(str(b["messages"][-1]["content"]))),
+        )
         assert bodies[0]["messages"] == CHAT["messages"]
         relayed = "".join(c["choices"][0]["delta"]["content"] for c in chunks[:3])
         assert bodies[1]["messages"][-1] == {"role": "assistant", "content": relayed}
