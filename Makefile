@@ -22,9 +22,10 @@ peers: bootstrap
 k8s-binaries:
 	@scripts/build-k8s.sh
 
-## setup: the two slow installs side by side: the peers (network and disk) next to the control-plane build (CPU).
+## setup: the slow installs side by side: the peers and the image (network and disk) next to the control-plane
+## build (CPU).
 setup: bootstrap
-	@$(MAKE) --no-print-directory -j2 peers k8s-binaries
+	@$(MAKE) --no-print-directory -j3 peers k8s-binaries images
 
 ## images: build the tandem image as an OCI archive in build/images/ (debootstrap + chroot, needs root); cached
 ## in ~/.cache/tandem/images/<inputs>, so a rerun with the same inputs only copies it. images-relock: re-pin the
@@ -37,7 +38,7 @@ images-relock: bootstrap
 	$(PY) -m tandem.images.build --relock
 
 ## test: install everything, then lint, type-check and run every test (inside a loopback-only netns).
-test: setup images lint typecheck
+test: setup lint typecheck
 	scripts/in-netns.sh $(PY) -m pytest $(PYTEST_ARGS)
 
 ## unit: the pure tests only (no netns, k8s, slow or process-starting tests), in well under 30 s; no netns needed.
@@ -59,7 +60,7 @@ format: bootstrap
 ## bench: benchmarks that print tables (ratios measured side by side in one run) and save them as JSON + PNG under
 ## build/bench/<timestamp>/. BENCH_ARGS=--allow-missing-peers reports a peer that cannot run as "not measured".
 BENCH_ARGS ?=
-bench: setup images
+bench: setup
 	scripts/in-netns.sh $(VENV)/bin/tandem bench $(BENCH_ARGS)
 
 ## generate: rewrite every generated file from its source (one line per generator).
