@@ -107,15 +107,25 @@ async def exercise_and_query(
     await _traffic(router_url, model, 10)
 
     async def every_panel_has_data() -> dict[str, list[dict[str, Any]]] | None:
+        """Every panel answers, and those that must be positive are (a scrape after the recovery has landed)."""
         results = {panel.expr: await prom.query(panel.expr) for panel in PANELS}
-        return None if any(not r for r in results.values()) else results
+        if any(not r for r in results.values()):
+            return None
+        positive = [max(float(sample["value"][1]) for sample in results[expr]) for expr in POSITIVE]
+        return results if all(value > 0 for value in positive) else None
 
     began = time.monotonic()
     try:
         results = await eventually(every_panel_has_data, "every panel query to return data", within=30)
     except AssertionError:
-        empty = [panel.title for panel in PANELS if not await prom.query(panel.expr)]
-        raise AssertionError(f"panels without data: {empty}") from None
+        answers = {panel.title: (panel.expr, await prom.query(panel.expr)) for panel in PANELS}
+        empty = [title for title, (_, answer) in answers.items() if not answer]
+        zero = [
+            t
+            for t, (expr, a) in answers.items()
+            if a and expr in POSITIVE and not any(float(x["value"][1]) > 0 for x in a)
+        ]
+        raise AssertionError(f"panels without data: {empty}; panels that must be positive but are 0: {zero}") from None
     times["last scrape to every panel with data"] = time.monotonic() - began
     for panel in PANELS:
         values = [float(sample["value"][1]) for sample in results[panel.expr]]
