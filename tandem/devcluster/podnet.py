@@ -164,6 +164,9 @@ class PodNetwork:
             f"link set {POD_INTERFACE} up\n"
             f"route replace {net} dev {POD_INTERFACE} table local src {sandbox.ip}\n"
         )
+        # kwok hands a deleted pod's IP to the next pod at once: forget the dead pod's MAC on this side (where
+        # the probes, the router and the operator are), as a CNI's gratuitous ARP on IP assignment would.
+        _run(["ip", "neigh", "flush", "to", sandbox.ip, "dev", self.bridge])
 
 
 @dataclass
