@@ -83,6 +83,7 @@ def require_private_namespace() -> None:
 
 
 ROUTE_LOCALNET = "/proc/sys/net/ipv4/conf/all/route_localnet"  # "all" ORs into every interface's setting
+ARP_NOTIFY = "/proc/sys/net/ipv4/conf/all/arp_notify"  # likewise the larger of "all" and the interface's
 
 
 def _short_hash(text: str, length: int) -> str:
@@ -200,8 +201,11 @@ class Sandbox:
         return ["nsenter", *spaces, f"--wd={os.getcwd()}", "--", *argv]
 
     def configure(self, ip_commands: str) -> None:
-        """Turn on ``route_localnet`` inside the namespace (sysctls are per namespace), then run ``ip -batch``."""
-        _run(self.exec_argv(["sh", "-c", f"echo 1 > {ROUTE_LOCALNET} && exec ip -batch -"]), ip_commands)
+        """Turn on ``route_localnet`` and ``arp_notify`` inside the namespace (sysctls are per namespace), then run
+        ``ip -batch``. ``arp_notify``: the pod announces its IP (gratuitous ARP) when its ``eth0`` comes up, so peers
+        that still map a reused pod IP to a dead pod's MAC update at once, as after a CNI's IP assignment."""
+        setup = f"echo 1 > {ROUTE_LOCALNET} && echo 1 > {ARP_NOTIFY} && exec ip -batch -"
+        _run(self.exec_argv(["sh", "-c", setup]), ip_commands)
 
     def alive(self) -> bool:
         return self.holder.alive()
