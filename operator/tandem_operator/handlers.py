@@ -16,6 +16,8 @@ from typing import Any
 import kopf
 import pydantic
 
+from tandem.registry import EtcdTLS
+from tandem.registry_signing import EndpointSigner
 from tandem_operator.api.common import GROUP, VERSION
 from tandem_operator.api.pdcluster import PDClusterSpec
 from tandem_operator.desired.naming import LABEL_CLUSTER, ClusterRef
@@ -33,6 +35,8 @@ class OperatorState:
     options: RuntimeOptions
     etcd_override: Sequence[str] = ()  # the operator's own route to etcd, if it differs from the spec's
     lease_ttl: int = 10
+    etcd_tls: EtcdTLS | None = None  # client certificate of the operator's etcd user (tandem.etcd_auth)
+    signer: EndpointSigner | None = None  # signs every registry value (routers verify: tandem.registry_signing)
     runtimes: dict[tuple[str, str], ClusterRuntime] = field(default_factory=dict)
     registrars: dict[tuple[str, ...], Registrar] = field(default_factory=dict)
     lost_nodes: set[str] = field(default_factory=set)
@@ -40,7 +44,7 @@ class OperatorState:
     async def registrar(self, endpoints: Sequence[str]) -> Registrar:
         key = tuple(self.etcd_override or endpoints)
         if key not in self.registrars:
-            registrar = Registrar(key, ttl=self.lease_ttl)
+            registrar = Registrar(key, ttl=self.lease_ttl, tls=self.etcd_tls, signer=self.signer)
             await registrar.start()
             self.registrars[key] = registrar
         return self.registrars[key]

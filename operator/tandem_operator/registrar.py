@@ -18,8 +18,9 @@ from typing import Any
 import pydantic
 
 from tandem import registry
-from tandem.registry import Endpoint
+from tandem.registry import Endpoint, EtcdTLS
 from tandem.registry_etcd import client as etcd_client
+from tandem.registry_signing import EndpointSigner
 from tandem_operator.fencing import StaleKeys
 from tandem_operator.observe import GroupKey
 from tandem_operator.registration import parse_group
@@ -30,9 +31,15 @@ OnLeaseLost = Callable[[], Awaitable[None]]
 
 
 class Registrar:
-    def __init__(self, endpoints: Sequence[str], ttl: int = 10) -> None:
-        self.endpoints, self.ttl = tuple(endpoints), ttl
-        self._client = etcd_client(endpoints)
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        ttl: int = 10,
+        tls: EtcdTLS | None = None,
+        signer: EndpointSigner | None = None,
+    ) -> None:
+        self.endpoints, self.ttl, self.tls, self.signer = tuple(endpoints), ttl, tls, signer
+        self._client = etcd_client(endpoints, tls=tls)
         self._lease: Any = None
         self._keepalive: asyncio.Task[None] | None = None
         self._listeners: list[OnLeaseLost] = []
@@ -56,6 +63,8 @@ class Registrar:
 
     async def put(self, namespace: str, cluster: str, endpoint: Endpoint) -> str:
         key = registry.endpoint_key(namespace, cluster, endpoint)
+        if self.signer is not None:
+            endpoint = self.signer.sign(key, endpoint)
         await self._client.put(key.encode(), registry.encode(endpoint), lease=self._lease)
         return key
 
@@ -68,14 +77,21 @@ class Registrar:
         await self._client.delete_prefix(registry.cluster_prefix(namespace, cluster).encode())
 
     async def list_endpoints(self, namespace: str, cluster: str) -> dict[GroupKey, Endpoint]:
-        """The cluster's entries now in etcd (a previous operator's included); malformed ones are skipped."""
+        """The cluster's entries now in etcd (a previous operator's included), without their signatures (as the
+        deciders build them); malformed ones, and with a signing key unsigned or forged ones, are skipped, so the
+        next sync overwrites them."""
         found: dict[GroupKey, Endpoint] = {}
         for kv in await self._client.get_prefix(registry.cluster_prefix(namespace, cluster).encode()):
+            key = kv.key.decode(errors="replace")
             try:
                 endpoint = registry.decode(kv.value)
             except pydantic.ValidationError:
-                log.warning("malformed registry entry ignored", extra={"key": kv.key.decode(errors="replace")})
+                log.warning("malformed registry entry ignored", extra={"key": key})
                 continue
+            if self.signer is not None and not self.signer.verifier.verify(key, endpoint):
+                log.error("registry entry without a valid operator signature ignored", extra={"key": key})
+                continue
+            endpoint = endpoint.model_copy(update={"signature": ""})
             group = parse_group(endpoint)
             if group is not None:
                 found[group] = endpoint
