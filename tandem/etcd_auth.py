@@ -21,7 +21,11 @@ revokes permissions a role should no longer have, then turns auth on.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import logging
+import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -29,7 +33,7 @@ from typing import Any
 
 from aetcd import rpc
 
-from tandem import registry, registry_etcd
+from tandem import logs, registry, registry_etcd
 from tandem.registry import EtcdTLS
 
 log = logging.getLogger("tandem.etcd_auth")
@@ -116,3 +120,41 @@ async def apply_auth(etcd: Any, plan: Mapping[str, frozenset[Grant]]) -> None:
         await stub.UserGrantRole(rpc.AuthUserGrantRoleRequest(user=name, role=name))
     await stub.AuthEnable(rpc.AuthEnableRequest())
     log.info("etcd auth applied", extra={"roles": {n: sorted(g.prefix for g in gs) for n, gs in plan.items()}})
+
+
+def _cluster(value: str) -> tuple[str, str]:
+    namespace, _, name = value.partition("/")
+    if not namespace or not name:
+        raise argparse.ArgumentTypeError(f"--cluster takes NAMESPACE/NAME, got {value!r}")
+    return namespace, name
+
+
+def main(argv: Sequence[str]) -> int:
+    """``tandem etcd-auth``: create the registry's users and roles and turn etcd's auth on (idempotent)."""
+    p = argparse.ArgumentParser(prog="tandem etcd-auth", description=__doc__.split("\n\n")[0])
+    p.add_argument("--etcd-endpoint", dest="endpoints", action="append", required=True, metavar="HOST:PORT")
+    p.add_argument("--ca-file", required=True, help="CA of etcd's server certificates")
+    p.add_argument("--cert-file", required=True, help="client certificate with CN 'root'")
+    p.add_argument("--key-file", required=True)
+    p.add_argument("--server-name", help="name etcd's certificate is checked against (default: the endpoint's host)")
+    p.add_argument("--cluster", action="append", type=_cluster, default=[], metavar="NAMESPACE/NAME",
+                   help="a PD cluster whose routers get a role (repeatable)")  # fmt: skip
+    p.add_argument("--wait-s", type=float, default=300.0, help="keep trying this long while etcd is not up")
+    args = p.parse_args(list(argv))
+    logs.setup("info", "tandem.etcd_auth")
+    tls = EtcdTLS(ca_file=args.ca_file, cert_file=args.cert_file, key_file=args.key_file, server_name=args.server_name)
+
+    async def run() -> int:
+        deadline = time.monotonic() + args.wait_s
+        while True:
+            try:
+                await setup_auth(args.endpoints, tls, args.cluster)
+                return 0
+            except Exception as err:  # etcd not up yet (a fresh StatefulSet): retry until the deadline
+                if time.monotonic() > deadline:
+                    print(f"tandem etcd-auth: giving up after {args.wait_s:.0f}s: {err!r}", file=sys.stderr)
+                    return 1
+                log.warning("etcd not ready for auth set-up; retrying", extra={"error": repr(err)})
+                await asyncio.sleep(2)
+
+    return asyncio.run(run())

@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
+from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -51,9 +52,15 @@ class EndpointVerifier:
 
     @classmethod
     def from_file(cls, path: str | Path) -> EndpointVerifier:
-        key = serialization.load_pem_public_key(Path(path).read_bytes())
+        """A PEM public key, or a PEM certificate of one (the chart's signing key comes as a certificate, the only
+        form in which Helm's template functions and cert-manager hand out a public key)."""
+        data = Path(path).read_bytes()
+        if b"BEGIN CERTIFICATE" in data:
+            key: object = x509.load_pem_x509_certificate(data).public_key()
+        else:
+            key = serialization.load_pem_public_key(data)
         if not isinstance(key, Ed25519PublicKey):
-            raise ValueError(f"{path}: not an Ed25519 public key")
+            raise ValueError(f"{path}: not an Ed25519 public key or certificate")
         return cls(key)
 
     def verify(self, key: str, endpoint: Endpoint) -> bool:
