@@ -1,6 +1,10 @@
 """``tandem up``: the embedded local stack. etcd, 2 prefill + 2 decode simulated workers registered in etcd the
 way the operator registers pods (``tandem.registry_etcd``, one lease), and the router on 127.0.0.1:8000.
 
+etcd is secured as the chart secures it (``secure=True``, the default): a CA and certificates of its own under
+``workdir/pki`` (``tandem.etcd_pki``), TLS, one etcd user per component (``tandem.etcd_auth``), endpoints signed
+with the operator's key and verified by the router (``tandem.registry_signing``).
+
 A supervisor restarts a worker that dies: its registry key is deleted at once (the router stops sending to it),
 and it is registered again, with a new epoch, once its ``/health`` answers. With ``deregister_dead=False`` the key
 stays, as when nobody has noticed the death yet (a partitioned node): only the router's breakers keep traffic off.
