@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pydantic
 import pytest
 from aetcd.exceptions import ClientError, ConnectionFailedError
 
@@ -25,8 +26,10 @@ from tandem.registry import Endpoint, EtcdTLS, Role
 from tandem.registry_etcd import client
 from tandem.registry_signing import EndpointSigner, EndpointVerifier, write_keypair
 from tandem.stack_fixture import running_stack
+from tandem_operator.main import parse_args as operator_args
 from tandem_operator.observe import GroupKey
 from tandem_operator.registrar import Registrar
+from tandem_router.config import RouterSettings
 from tests.devcluster_fixtures import eventually
 from tests.routermetrics import scrape
 
@@ -69,6 +72,20 @@ def test_signature_binds_the_value_to_its_key(signer: tuple[EndpointSigner, Endp
     assert not verifier.verify(registry.endpoint_key(NS, "other", _ep()), signed)  # replayed under another key
     assert not verifier.verify(key, signed.model_copy(update={"signature": "bm90IGEgc2lnbmF0dXJl"}))
     assert not verifier.verify(key, signed.model_copy(update={"signature": "%%%"}))  # not base64
+
+
+def test_bad_tls_settings_name_the_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(pydantic.ValidationError, match="etcd_ca_file"):
+        RouterSettings(etcd_ca_file=tmp_path / "missing.crt")
+    cert = tmp_path / "c.pem"
+    cert.write_text("not a key")
+    with pytest.raises(pydantic.ValidationError, match="cert_file and key_file go together"):
+        RouterSettings(etcd_ca_file=cert, etcd_cert_file=cert)
+    with pytest.raises(pydantic.ValidationError, match="registry_verify_key"):
+        RouterSettings(registry_verify_key=cert)
+    with pytest.raises(SystemExit):
+        operator_args(["--etcd-ca-file", str(tmp_path / "missing.crt"), "--no-leader-election"])
+    assert "--etcd-ca-file: no such file" in capsys.readouterr().err
 
 
 # -- a real etcd with TLS and roles ------------------------------------------------------------------------------

@@ -96,6 +96,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             "expire during a failover)"
         )
     args.etcd = [e.strip() for e in args.etcd_endpoints.split(",") if e.strip()]
+    for flag in ("etcd_ca_file", "etcd_cert_file", "etcd_key_file", "registry_signing_key"):
+        path = getattr(args, flag)
+        if path is not None and not Path(path).is_file():
+            parser.error(f"--{flag.replace('_', '-')}: no such file: {path}")
     try:
         args.etcd_tls = EtcdTLS(
             ca_file=args.etcd_ca_file,

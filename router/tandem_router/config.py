@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, FilePath, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tandem.registry import EtcdTLS
+from tandem.registry_signing import EndpointVerifier
 from tandem_router.policy.selection import Policy
 
 
@@ -42,11 +43,11 @@ class RouterSettings(BaseSettings):
 
     discovery: DiscoveryMode = DiscoveryMode.STATIC
     etcd_endpoints: list[str] = Field(default_factory=lambda: ["127.0.0.1:2379"])
-    etcd_ca_file: str | None = Field(default=None, description="CA of etcd's server certificates (turns TLS on).")
-    etcd_cert_file: str | None = Field(default=None, description="Client certificate of the router's etcd user.")
-    etcd_key_file: str | None = Field(default=None, description="Private key of etcd_cert_file.")
+    etcd_ca_file: FilePath | None = Field(default=None, description="CA of etcd's server certificates (turns TLS on).")
+    etcd_cert_file: FilePath | None = Field(default=None, description="Client certificate of the router's etcd user.")
+    etcd_key_file: FilePath | None = Field(default=None, description="Private key of etcd_cert_file.")
     etcd_server_name: str | None = Field(default=None, description="Name etcd's certificate is checked against.")
-    registry_verify_key: str | None = Field(
+    registry_verify_key: FilePath | None = Field(
         default=None,
         description="The operator's Ed25519 public key (PEM): registry endpoints without its valid signature are "
         "ignored, logged and counted (tandem_router_registry_forged_endpoints). Unset: every endpoint is trusted.",
@@ -108,16 +109,14 @@ class RouterSettings(BaseSettings):
 
     @property
     def etcd_tls(self) -> EtcdTLS:
-        return EtcdTLS(
-            ca_file=self.etcd_ca_file,
-            cert_file=self.etcd_cert_file,
-            key_file=self.etcd_key_file,
-            server_name=self.etcd_server_name,
-        )
+        files = {"ca_file": self.etcd_ca_file, "cert_file": self.etcd_cert_file, "key_file": self.etcd_key_file}
+        return EtcdTLS(**{k: str(v) for k, v in files.items() if v is not None}, server_name=self.etcd_server_name)
 
     @model_validator(mode="after")
     def _tls_files(self) -> RouterSettings:
         self.etcd_tls  # noqa: B018 -- raises on a certificate without its key, or without a CA
+        if self.registry_verify_key is not None:
+            EndpointVerifier.from_file(self.registry_verify_key)  # raises ValueError naming a wrong key
         return self
 
     @field_validator("decode")
