@@ -26,6 +26,7 @@ from tandem.registry import Endpoint, EtcdTLS, Role
 from tandem.registry_etcd import client
 from tandem.registry_signing import EndpointSigner, EndpointVerifier, write_keypair
 from tandem.stack_fixture import running_stack
+from tandem_operator.fencing import StaleKeys
 from tandem_operator.main import parse_args as operator_args
 from tandem_operator.observe import GroupKey
 from tandem_operator.registrar import Registrar
@@ -176,6 +177,33 @@ async def test_operator_registrar_signs_and_adopts_only_signed_entries(
     finally:
         await registrar.remove_cluster(NS, CL)
         await registrar.close()
+
+
+@pytest.mark.procs
+async def test_operator_cleans_mooncake_keys_in_mooncakes_own_etcd(
+    secure_etcd: tuple[str, EtcdPki], tmp_path: Path
+) -> None:
+    """A secured registry next to a plaintext etcd for Mooncake (spec.etcd.mooncakeEndpoints): the operator's
+    stale-metadata cleanup after a fence goes to Mooncake's etcd."""
+    endpoint, pki = secure_etcd
+    mooncake_proc, mooncake = await asyncio.to_thread(start_etcd, tmp_path, "mooncake")
+    registrar = Registrar([endpoint], tls=pki.client_tls(OPERATOR_USER), mooncake_endpoints=[mooncake])
+    plain = client([mooncake])
+    try:
+        await registrar.start()
+        await plain.connect()
+        stale = ["mooncake/llm.kimi/rpc_meta/10.0.0.5", "mooncake/llm.kimi/ram/10.0.0.5:15100"]
+        for key in stale:
+            await plain.put(key.encode(), b"{}")
+        removed = await registrar.delete_stale(
+            StaleKeys(keys=(stale[0],), prefixes=("mooncake/llm.kimi/ram/10.0.0.5:",))
+        )
+        assert removed == 2
+        assert list(await plain.get_prefix(b"mooncake/")) == []
+    finally:
+        await plain.close()
+        await registrar.close()
+        mooncake_proc.stop()
 
 
 # -- the local stack (`tandem up`): routers ignore forged endpoints ----------------------------------------------

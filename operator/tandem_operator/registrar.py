@@ -37,9 +37,12 @@ class Registrar:
         ttl: int = 10,
         tls: EtcdTLS | None = None,
         signer: EndpointSigner | None = None,
+        mooncake_endpoints: Sequence[str] = (),
     ) -> None:
         self.endpoints, self.ttl, self.tls, self.signer = tuple(endpoints), ttl, tls, signer
         self._client = etcd_client(endpoints, tls=tls)
+        # Mooncake's keys, when they live in an etcd of their own (spec.etcd.mooncakeEndpoints: plaintext, no user)
+        self._mooncake = etcd_client(mooncake_endpoints) if mooncake_endpoints else None
         self._lease: Any = None
         self._keepalive: asyncio.Task[None] | None = None
         self._listeners: list[OnLeaseLost] = []
@@ -50,6 +53,8 @@ class Registrar:
 
     async def start(self) -> None:
         await self._client.connect()
+        if self._mooncake is not None:
+            await self._mooncake.connect()
         self._lease = await self._client.lease(self.ttl)
         self._keepalive = asyncio.create_task(self._keep_alive(), name=f"etcd-lease-{self.endpoints[0]}")
 
@@ -60,6 +65,8 @@ class Registrar:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._keepalive
         await self._client.close()
+        if self._mooncake is not None:
+            await self._mooncake.close()
 
     async def put(self, namespace: str, cluster: str, endpoint: Endpoint) -> str:
         key = registry.endpoint_key(namespace, cluster, endpoint)
@@ -98,12 +105,12 @@ class Registrar:
         return found
 
     async def delete_stale(self, stale: StaleKeys) -> int:
-        """Delete stale Mooncake metadata; returns how many keys went."""
-        deleted = 0
+        """Delete stale Mooncake metadata (in Mooncake's own etcd, if it has one); returns how many keys went."""
+        etcd, deleted = self._mooncake or self._client, 0
         for key in stale.keys:
-            deleted += await self._client.delete(key.encode()) is not None
+            deleted += await etcd.delete(key.encode()) is not None
         for prefix in stale.prefixes:
-            result = await self._client.delete_prefix(prefix.encode())
+            result = await etcd.delete_prefix(prefix.encode())
             deleted += int(getattr(result, "deleted", 0))
         return deleted
 

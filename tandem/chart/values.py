@@ -152,6 +152,12 @@ class MooncakeMaster(Values):
         default="lmsysorg/sglang:v0.5.23", min_length=1, description="Image that has the mooncake_master binary."
     )
     cluster_id: str = Field(default="tandem", min_length=1, description="Mooncake Store cluster id (etcd key scope).")
+    etcd_endpoints: list[str] = Field(
+        default_factory=list,
+        description="A plaintext etcd 'host:port' list for the master's HA (and the PDCluster's "
+        "spec.etcd.mooncakeEndpoints): needed when etcd.tls is on, since Mooncake's etcd client has no TLS; "
+        "empty: the registry etcd.",
+    )
     rpc_port: int = Field(default=50051, ge=1, le=65535, description="Master RPC port.")
     metrics_port: int = Field(default=9003, ge=1, le=65535, description="Master metrics port.")
 

@@ -87,7 +87,11 @@ def test_tls_off_or_external_etcd_render_as_before() -> None:
 def test_mooncake_master_needs_an_etcd_without_tls() -> None:
     result = helm("template", "t", str(CHART), "--set", "mooncakeMaster.enabled=true")
     assert result.returncode != 0
-    assert "mooncakeMaster.enabled: Mooncake's etcd client cannot use TLS" in result.stderr
+    assert "mooncakeMaster.etcdEndpoints: Mooncake's etcd client cannot use TLS" in result.stderr
+    docs = _render("mooncakeMaster.enabled=true", "mooncakeMaster.etcdEndpoints={mc-0.mc:2379,mc-1.mc:2379}")
+    assert "--etcd_endpoints=mc-0.mc:2379;mc-1.mc:2379" in _args(docs, "-mooncake-master")
+    plain = _render("etcd.tls.enabled=false", "mooncakeMaster.enabled=true")  # the registry etcd, as before
+    assert "--etcd_endpoints=t-tandem-etcd.serving.svc:2379" in _args(plain, "-mooncake-master")
 
 
 @pytest.mark.procs

@@ -61,8 +61,8 @@ Rules values.schema.json cannot express. Each failure names the values key to ch
 {{- if and .Values.router.enabled .Values.router.pdb.enabled (not .Values.router.hpa.enabled) (ge (int .Values.router.pdb.minAvailable) (int .Values.router.replicas)) -}}
 {{- $errors = append $errors (printf "router.pdb.minAvailable: %d would block every voluntary eviction of %d router replicas; lower it or add replicas" (int .Values.router.pdb.minAvailable) (int .Values.router.replicas)) -}}
 {{- end -}}
-{{- if and .Values.mooncakeMaster.enabled (include "tandem.etcdSecure" .) -}}
-{{- $errors = append $errors "mooncakeMaster.enabled: Mooncake's etcd client cannot use TLS or etcd users (mooncake-common/etcd/etcd_wrapper.go); set etcd.tls.enabled=false, or run the Mooncake Store's etcd apart (charts/tandem/README.md)" -}}
+{{- if and .Values.mooncakeMaster.enabled (include "tandem.etcdSecure" .) (empty .Values.mooncakeMaster.etcdEndpoints) -}}
+{{- $errors = append $errors "mooncakeMaster.etcdEndpoints: Mooncake's etcd client cannot use TLS or etcd users (mooncake-common/etcd/etcd_wrapper.go), so with etcd.tls.enabled the master needs a plaintext etcd of its own; or set etcd.tls.enabled=false (charts/tandem/README.md)" -}}
 {{- end -}}
 {{- if and .Values.mooncakeMaster.enabled (eq .Values.etcd.mode "external") (empty .Values.etcd.endpoints) -}}
 {{- $errors = append $errors "mooncakeMaster.enabled: the master's HA needs etcd endpoints" -}}
