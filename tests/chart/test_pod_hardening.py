@@ -65,7 +65,8 @@ def test_the_check_covers_every_component_and_finds_faults() -> None:
 
 
 def test_read_only_pods_have_a_writable_tmp_where_they_write() -> None:
-    """The Mooncake master (glog) writes log files under /tmp: an emptyDir there, bounded."""
+    """The Mooncake master's glog writes log files under /tmp if it logs to files: an emptyDir there, bounded.
+    (Measured with the 0.3.13 wheel run as uid 65532: it logged to stderr and opened no file for writing.)"""
     [master] = [p for k, p in rendered_pods(None).items() if k.endswith("-mooncake-master")]
     mounts = {m["mountPath"]: m["name"] for m in master["spec"]["containers"][0]["volumeMounts"]}
     volumes = {v["name"]: v for v in master["spec"]["volumes"]}
