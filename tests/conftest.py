@@ -7,7 +7,7 @@ the host.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -38,6 +38,18 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             f"{', '.join(interfaces())}, not only lo: {HOW}.\n  {listed}",
             returncode=pytest.ExitCode.USAGE_ERROR,
         )
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> Generator[None]:
+    """The failing tests' ids, one short line each, after the short summary and just before pytest's totals: CI
+    keeps only the tail of the output, and under ``CI`` pytest prints each failure's whole message there."""
+    yield
+    failed = [r.nodeid for kind in ("failed", "error") for r in terminalreporter.stats.get(kind, ())]
+    if failed:
+        terminalreporter.write_sep("=", f"{len(failed)} failing test(s)")
+        for nodeid in dict.fromkeys(failed):
+            terminalreporter.write_line(f"FAILING {nodeid}")
 
 
 pytest_plugins = ["tests.devcluster_fixtures", "pytester", "tests.ci_skips"]

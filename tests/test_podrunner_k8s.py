@@ -18,6 +18,7 @@ import pytest
 from kubernetes_asyncio import client
 
 from tandem.devcluster.podrunner import PodRunner
+from tandem.devcluster.podstatus import ContainerView, Terminated, status_patch
 from tandem_sim.transfer import INIT_FAILED
 from tests.devcluster_fixtures import create, eventually
 
@@ -222,3 +223,38 @@ async def test_pods_fail_and_serve_as_their_spec_would_on_gpus(
 
 def _logs(directory: Path, pattern: str) -> list[Path]:
     return list(directory.glob(pattern))
+
+
+async def test_a_deleted_pods_last_status_report_never_lands_on_its_same_name_successor(
+    k8s_api: client.ApiClient, k8s_namespace: str
+) -> None:
+    """The operator recreates a group's pods under the same names at once; the old container's exit (its group
+    lost a rank) is reported moments later. The report names the old pod's UID, so the real API server refuses it
+    instead of marking the new pod Failed (which made the operator recreate a healthy group a second time)."""
+    core = client.CoreV1Api(k8s_api)
+    await create(k8s_api, k8s_namespace, sglang_pod("rank-0", SGLANG_IMAGE))
+    old = await eventually(lambda: _running(k8s_api, k8s_namespace, "rank-0"), "the first rank-0 Running")
+    await core.delete_namespaced_pod("rank-0", k8s_namespace, grace_period_seconds=0)
+    await create(k8s_api, k8s_namespace, sglang_pod("rank-0", SGLANG_IMAGE))
+    new = await eventually(
+        lambda: _running(k8s_api, k8s_namespace, "rank-0", not_uid=old["metadata"]["uid"]), "a new rank-0"
+    )
+
+    t1, t2 = "2026-12-01T00:00:01Z", "2026-12-01T00:00:02Z"
+    exited = ContainerView("sglang", SGLANG_IMAGE, t1, terminated=Terminated(1, t1, t2))
+    with pytest.raises(client.ApiException) as refused:
+        await core.patch_namespaced_pod_status("rank-0", k8s_namespace, status_patch(old, exited, "Never", t2))
+    assert refused.value.status == 422, refused.value.body
+    assert "metadata.uid" in str(refused.value.body)
+    now = await _pod(k8s_api, k8s_namespace, "rank-0")
+    assert (now["metadata"]["uid"], now["status"]["phase"]) == (new["metadata"]["uid"], "Running")
+    await core.patch_namespaced_pod_status("rank-0", k8s_namespace, status_patch(new, exited, "Never", t2))
+    assert (await _pod(k8s_api, k8s_namespace, "rank-0"))["status"]["phase"] == "Failed"  # its own report lands
+
+
+async def _running(api: client.ApiClient, namespace: str, name: str, not_uid: str = "") -> dict[str, Any] | None:
+    try:
+        pod = await _pod(api, namespace, name)
+    except client.ApiException:
+        return None
+    return pod if pod["status"].get("phase") == "Running" and pod["metadata"]["uid"] != not_uid else None

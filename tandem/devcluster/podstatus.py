@@ -103,7 +103,10 @@ def _condition(previous: Mapping[str, Any] | None, kind: str, ok: bool, now: str
 def status_patch(pod: Mapping[str, Any], view: ContainerView, restart_policy: str, now: str) -> dict[str, Any]:
     """A merge patch of ``pod``'s status: this container's status, Ready/ContainersReady, and the phase.
 
-    Other containers' statuses are kept; the pod is Ready only when every container is.
+    Other containers' statuses are kept; the pod is Ready only when every container is. The patch carries the
+    pod's ``metadata.uid``, as the kubelet's does (``statusutil.PatchPodStatus``): the API server then refuses it
+    (422, "metadata.uid: field is immutable") when the pod was deleted and another one of the same name created, so
+    a dead pod's last report can never mark its successor Failed.
     """
     status = pod.get("status") or {}
     uid = pod["metadata"]["uid"]
@@ -122,4 +125,7 @@ def status_patch(pod: Mapping[str, Any], view: ContainerView, restart_policy: st
     }
     conditions = [updated.pop(str(c.get("type")), c) for c in status.get("conditions") or ()]
     conditions.extend(updated.values())
-    return {"status": {"phase": phase, "conditions": conditions, "containerStatuses": containers}}
+    return {
+        "metadata": {"uid": uid},
+        "status": {"phase": phase, "conditions": conditions, "containerStatuses": containers},
+    }

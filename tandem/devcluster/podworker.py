@@ -155,7 +155,8 @@ class PodWorker:
 
     async def _report(self) -> None:
         """Patch the pod's status; retried, as the kubelet's status manager retries (a busy API server times
-        out requests). A deleted pod needs no status."""
+        out requests). A deleted pod needs no status, nor does one replaced by a pod of the same name (the patch
+        names this pod's UID, which the API server refuses to change: 422 on ``metadata.uid``)."""
         meta = self.pod["metadata"]
         for attempt in range(REPORT_ATTEMPTS):
             patch = status_patch(self.pod, self.view, self.restart_policy, _now())
@@ -163,7 +164,7 @@ class PodWorker:
                 await self.core.patch_namespaced_pod_status(meta["name"], meta.get("namespace", "default"), patch)
                 return
             except client.ApiException as err:
-                if err.status == 404:
+                if err.status == 404 or (err.status == 422 and "metadata.uid" in str(err.body)):
                     return
                 error = f"HTTP {err.status}: {err.reason}"
             except (aiohttp.ClientError, TimeoutError) as err:
