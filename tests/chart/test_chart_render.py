@@ -52,6 +52,7 @@ def test_lint_and_template(values: Path | None) -> None:
         (["router.replicas=abc"], "at '/router/replicas': got string, want integer"),
         (["router.bogus=1"], "additional properties 'bogus' not allowed"),
         (["router.policy=fastest"], "/router/policy"),
+        (["router.service.type=LoadBalancer"], "networkPolicy.routerCidrs: a LoadBalancer router Service"),
     ],
 )
 def test_invalid_values_fail_with_the_key_named(sets: list[str], message: str) -> None:

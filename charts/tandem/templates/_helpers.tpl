@@ -64,6 +64,9 @@ Rules values.schema.json cannot express. Each failure names the values key to ch
 {{- if and .Values.mooncakeMaster.enabled (eq .Values.etcd.mode "external") (empty .Values.etcd.endpoints) -}}
 {{- $errors = append $errors "mooncakeMaster.enabled: the master's HA needs etcd endpoints" -}}
 {{- end -}}
+{{- if and .Values.router.enabled .Values.networkPolicy.enabled (ne .Values.router.service.type "ClusterIP") (empty .Values.networkPolicy.routerCidrs) -}}
+{{- $errors = append $errors (printf "networkPolicy.routerCidrs: a %s router Service is reached from outside the cluster, which the router's NetworkPolicy denies unless its clients' CIDRs are listed (0.0.0.0/0: everyone)" .Values.router.service.type) -}}
+{{- end -}}
 {{- if $errors -}}
 {{- fail (printf "\n\ninvalid values:\n  - %s\n" (join "\n  - " $errors)) -}}
 {{- end -}}
