@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from aetcd.exceptions import ClientError
 
 from tandem import etcd_auth, registry
@@ -24,14 +23,11 @@ from tandem.procs import ManagedProcess, free_port
 from tandem.registry import Endpoint, EtcdTLS, Role
 from tandem.registry_etcd import client
 from tandem.registry_signing import EndpointSigner, EndpointVerifier
-from tests.chart.test_chart_render import CHART, helm
+from tests.chart.render import CHART, helm, render
 
 
 def _render(*sets: str, api_versions: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    args = [a for s in sets for a in ("--set", s)] + [a for v in api_versions for a in ("--api-versions", v)]
-    result = helm("template", "t", str(CHART), "--namespace", "serving", *args)
-    assert result.returncode == 0, result.stderr
-    return [d for d in yaml.safe_load_all(result.stdout) if d]
+    return render(*(a for s in sets for a in ("--set", s)), *(a for v in api_versions for a in ("--api-versions", v)))
 
 
 def _workload(docs: list[dict[str, Any]], suffix: str) -> dict[str, Any]:
