@@ -22,11 +22,11 @@ import openai
 import pytest
 from kubernetes_asyncio import client
 
-from tandem.devcluster.cluster import DevCluster
 from tandem.devcluster.podrunner import PodRunner
 from tandem.procs import ManagedProcess, free_port
 from tests.devcluster_fixtures import eventually
 from tests.operator.live import (
+    Live,
     Registry,
     create_pdcluster,
     operator_process,
@@ -69,32 +69,26 @@ async def stream_once(sdk: openai.AsyncOpenAI, load: Load, n: int) -> None:
 
 
 async def test_a_decode_pod_deleted_under_load_is_fenced_cleaned_recreated_and_registered_again(
-    k8s_cluster: DevCluster,
-    k8s_api: client.ApiClient,
-    k8s_namespace: str,
-    tandem_crds: None,
-    etcd_endpoint: str,
+    live: Live,
     runner: PodRunner,
-    tmp_path: Path,
-    proc_factory: list[ManagedProcess],
 ) -> None:
-    ns = k8s_namespace
-    operator = operator_process(k8s_cluster, ns, etcd_endpoint, tmp_path, "op-e2e").start()
-    proc_factory.append(operator)
-    await create_pdcluster(k8s_api, ns, pdcluster("sim", decode_groups=2))
+    ns = live.ns
+    operator = operator_process(live.cluster, ns, live.etcd, live.tmp, "op-e2e").start()
+    live.procs.append(operator)
+    await create_pdcluster(live.api, ns, pdcluster("sim", decode_groups=2))
 
-    async with Registry(etcd_endpoint) as reg:
+    async with Registry(live.etcd) as reg:
 
         async def all_registered() -> bool:
             return sorted(await reg.endpoints(ns, "sim")) == ["decode-0", "decode-1", "prefill-0"]
 
         await eventually(all_registered, "prefill-0, decode-0 and decode-1 registered", within=90)
         port = free_port()
-        router = router_process(etcd_endpoint, ns, "sim", port, tmp_path).start()
-        proc_factory.append(router)
+        router = router_process(live.etcd, ns, "sim", port, live.tmp).start()
+        live.procs.append(router)
         sdk = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
         try:
-            await _recover_under_load(k8s_api, ns, etcd_endpoint, reg, sdk, tmp_path, proc_factory)
+            await _recover_under_load(live.api, ns, live.etcd, reg, sdk, live.tmp, live.procs)
         finally:
             await sdk.close()
 
