@@ -10,6 +10,7 @@ and PDPools' uids) reads ``RENDER_UID``; every group is at epoch 0.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -28,6 +29,26 @@ from tandem_operator.desired.pools import pool_manifest
 from tandem_operator.recovery import stamp_epoch
 
 RENDER_UID = "assigned-by-the-api-server"
+# Strings YAML 1.2 (kubectl's reader) takes for numbers but PyYAML's YAML 1.1 emitter leaves unquoted, e.g. a hash
+# label "10363090e8" (a float to kubectl: "cannot unmarshal number into ... labels of type string").
+_YAML12_NUMBER = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?|0o[0-7]+|0x[0-9a-fA-F]+")
+
+
+class _KubectlDumper(yaml.SafeDumper):
+    """Quotes every string a YAML 1.2 reader would take for a number."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "'" if _YAML12_NUMBER.fullmatch(value) else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_KubectlDumper.add_representer(str, _represent_str)
+
+
+def to_yaml(docs: Sequence[Mapping[str, Any]]) -> str:
+    """``docs`` as a YAML stream kubectl reads back with every string still a string."""
+    return yaml.dump_all(docs, Dumper=_KubectlDumper, sort_keys=False, width=120)
 
 
 class InvalidClusterError(ValueError):
@@ -81,5 +102,5 @@ def main(argv: Sequence[str] | None = None) -> int:
             failed = True
     if failed:
         return 1
-    sys.stdout.write(yaml.safe_dump_all(out, sort_keys=False, width=120))
+    sys.stdout.write(to_yaml(out))
     return 0

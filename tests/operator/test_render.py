@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tandem_operator.render import InvalidClusterError, render
+from tandem_operator.render import InvalidClusterError, render, to_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 KIMI = ROOT / "deploy" / "kimi-k26-h200.yaml"
@@ -82,3 +82,13 @@ def test_cli_prints_yaml_and_fails_with_messages(tmp_path: Path) -> None:
     assert failed.returncode == 1
     assert 'spec.decode.attnDpSize: Invalid value: "object": attnDpSize must divide tpSize' in failed.stderr
     assert failed.stdout == ""
+
+
+def test_output_keeps_number_like_strings_strings_for_kubectl() -> None:
+    """A hex hash label such as "10363090e8" is a float to YAML 1.2 (kubectl) though PyYAML leaves it unquoted:
+    ``tandem render`` quotes every string YAML 1.2 reads as a number, so its output applies as printed."""
+    text = to_yaml([{"metadata": {"labels": {"tandem.dev/template-hash": "10363090e8", "x": "0x1f", "y": "abc"}}}])
+    assert "'10363090e8'" in text
+    assert "'0x1f'" in text
+    assert "y: abc" in text
+    assert yaml.safe_load(text)["metadata"]["labels"]["tandem.dev/template-hash"] == "10363090e8"
