@@ -155,15 +155,33 @@ class MooncakeMaster(Values):
     cluster_id: str = Field(default="tandem", min_length=1, description="Mooncake Store cluster id (etcd key scope).")
     etcd_endpoints: list[str] = Field(
         default_factory=list,
-        description="A plaintext etcd 'host:port' list for the master's HA (and the PDCluster's "
-        "spec.etcd.mooncakeEndpoints): needed when etcd.tls is on, since Mooncake's etcd client has no TLS; "
-        "empty: the registry etcd.",
+        description="A plaintext etcd 'host:port' list of your own for the master's HA (and the PDCluster's "
+        "spec.etcd.mooncakeEndpoints); empty: the chart's Mooncake etcd (mooncakeEtcd) if deployed, else the "
+        "registry etcd.",
     )
     rpc_port: int = Field(default=50051, ge=1, le=65535, description="Master RPC port.")
     metrics_port: int = Field(default=9003, ge=1, le=65535, description="Master metrics port.")
     resources: Resources = Field(
         default_factory=lambda: Resources(requests={"cpu": "500m", "memory": "1Gi"}, limits={"memory": "4Gi"}),
         description="Mooncake master container resources.",
+    )
+
+
+class MooncakeEtcd(Values):
+    deploy: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        description="A plaintext etcd for Mooncake's own keys (master HA, Transfer Engine metadata), since "
+        "Mooncake's etcd client has no TLS: 'auto' deploys it when the registry etcd has TLS (etcd.tls.enabled), "
+        "mooncakeMaster.enabled and mooncakeMaster.etcdEndpoints is empty; 'always' also for a Mooncake Store "
+        "without this chart's master; 'never'. NetworkPolicy: only workers, the Mooncake master and the operator.",
+    )
+    replicas: int = Field(default=3, ge=1, description="Members (odd: 1, 3 or 5); image: etcd.image.")
+    persistence: Persistence = Field(
+        default_factory=lambda: Persistence(size="2Gi"), description="Mooncake etcd storage."
+    )
+    resources: Resources = Field(
+        default_factory=lambda: Resources(requests={"cpu": "100m", "memory": "256Mi"}, limits={"memory": "1Gi"}),
+        description="Mooncake etcd container resources.",
     )
 
 
@@ -238,17 +256,18 @@ class NetworkPolicy(Values):
     worker_clusters: list[DnsLabel] = Field(
         default_factory=list,
         description="PDClusters in the release namespace whose workers may reach each other on every port (NCCL, "
-        "torch.distributed, Mooncake); []: router.clusterName only.",
+        "torch.distributed, Mooncake) and the Mooncake etcd; []: router.clusterName only.",
     )
     worker_cidrs: list[str] = Field(
         default_factory=list,
-        description="Addresses of hostNetwork workers (the GPU nodes' CIDRs) allowed to etcd and the Mooncake "
-        "master: a hostNetwork pod connects from its node's address, which no pod selector matches.",
+        description="Addresses of hostNetwork workers (the GPU nodes' CIDRs) allowed to the Mooncake etcd (the "
+        "registry etcd without TLS) and the Mooncake master: a hostNetwork pod connects from its node's address, "
+        "which no pod selector matches.",
     )
     worker_namespaces: list[DnsLabel] = Field(
         default_factory=list,
-        description="Other namespaces whose worker pods may reach etcd and the Mooncake master (PDClusters "
-        "outside the release namespace).",
+        description="Other namespaces whose worker pods may reach the Mooncake etcd (the registry etcd without "
+        "TLS) and the Mooncake master (PDClusters outside the release namespace).",
     )
 
 
@@ -259,6 +278,9 @@ class ChartValues(Values):
     router: Router = Field(default_factory=Router, description="The OpenAI-compatible router.")
     etcd: Etcd = Field(default_factory=Etcd, description="The etcd holding the endpoint registry.")
     mooncake_master: MooncakeMaster = Field(default_factory=MooncakeMaster, description="Mooncake Store master.")
+    mooncake_etcd: MooncakeEtcd = Field(
+        default_factory=MooncakeEtcd, description="The Mooncake etcd (beside a registry etcd with TLS)."
+    )
     metrics: Metrics = Field(default_factory=Metrics, description="Prometheus and Grafana integration.")
     network_policy: NetworkPolicy = Field(
         default_factory=NetworkPolicy, description="NetworkPolicies (ingress) of every Tandem pod."

@@ -23,7 +23,7 @@ from tandem.procs import ManagedProcess, free_port
 from tandem.registry import Endpoint, EtcdTLS, Role
 from tandem.registry_etcd import client
 from tandem.registry_signing import EndpointSigner, EndpointVerifier
-from tests.chart.render import CHART, helm, render
+from tests.chart.render import render
 
 
 def _render(*sets: str, api_versions: tuple[str, ...] = ()) -> list[dict[str, Any]]:
@@ -78,16 +78,6 @@ def test_tls_off_or_external_etcd_render_as_before() -> None:
         docs = _render(*sets)
         assert not [d for d in docs if d["kind"] in {"Secret", "Job", "Certificate"}]
         assert not [a for a in _args(docs, "-router") if a.startswith("--etcd-cert-file")]
-
-
-def test_mooncake_master_needs_an_etcd_without_tls() -> None:
-    result = helm("template", "t", str(CHART), "--set", "mooncakeMaster.enabled=true")
-    assert result.returncode != 0
-    assert "mooncakeMaster.etcdEndpoints: Mooncake's etcd client cannot use TLS" in result.stderr
-    docs = _render("mooncakeMaster.enabled=true", "mooncakeMaster.etcdEndpoints={mc-0.mc:2379,mc-1.mc:2379}")
-    assert "--etcd_endpoints=mc-0.mc:2379;mc-1.mc:2379" in _args(docs, "-mooncake-master")
-    plain = _render("etcd.tls.enabled=false", "mooncakeMaster.enabled=true")  # the registry etcd, as before
-    assert "--etcd_endpoints=t-tandem-etcd.serving.svc:2379" in _args(plain, "-mooncake-master")
 
 
 @pytest.mark.procs

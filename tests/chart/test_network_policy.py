@@ -55,7 +55,7 @@ def as_pod(manifest: dict[str, Any], namespace: str) -> Pod:
 
 
 def chart_pods(docs: list[dict[str, Any]]) -> dict[str, Pod]:
-    """The chart's pods by component (router, operator, etcd, mooncake-master, helm-test)."""
+    """The chart's pods by component (router, operator, etcd, mooncake-etcd, mooncake-master, helm-test)."""
     pods = [as_pod(t, NAMESPACE) for t in pod_templates(docs).values()]
     return {p.labels["app.kubernetes.io/component"]: p for p in pods}
 
@@ -69,7 +69,7 @@ class World:
     that are not Tandem's, by key."""
 
     def __init__(self, *sets: str, values: Path | None = None) -> None:
-        args = ["--set", "mooncakeMaster.enabled=true", "--set", "mooncakeMaster.etcdEndpoints={mooncake-etcd:2379}"]
+        args = ["--set", "mooncakeMaster.enabled=true"]  # with the registry's TLS: the chart's Mooncake etcd too
         args += [a for s in sets for a in ("--set", s)]
         args += ["-f", str(values)] if values else []
         docs = render(*args)
@@ -150,14 +150,15 @@ FLOWS: list[tuple[str, str, str, int | str, bool]] = [
     ("another namespace's worker -> decode mooncake", "team-b", "decode", "mooncake", False),
     ("router -> decode dist-init", "router", "decode", "dist-init", False),
     ("kimi-k26 worker -> another PDCluster's mooncake", "prefill", "stranger", "mooncake", False),
-    # etcd client port: operator, routers, workers (and the Mooncake master's HA); peer port: members only
+    # registry etcd (TLS) client port: operator, routers, the set-up Job (workers and the Mooncake master have no
+    # certificate: Mooncake's keys are in the Mooncake etcd); peer port: members only
     ("operator -> etcd", "operator", "etcd", "client", True),
     ("router -> etcd", "router", "etcd", "client", True),
-    ("prefill -> etcd", "prefill", "etcd", "client", True),
-    ("another PDCluster's worker -> etcd", "stranger", "etcd", "client", True),
-    ("mooncake master -> etcd (HA leader key)", "mooncake-master", "etcd", "client", True),
     ("etcd member -> etcd peer", "etcd", "etcd", "peer", True),
     ("etcd-auth set-up Job -> etcd (users and roles)", "etcd-auth", "etcd", "client", True),
+    ("prefill -> registry etcd (TLS: Mooncake's keys are elsewhere)", "prefill", "etcd", "client", False),
+    ("another PDCluster's worker -> etcd", "stranger", "etcd", "client", False),
+    ("mooncake master -> registry etcd (TLS)", "mooncake-master", "etcd", "client", False),
     ("pod in the release namespace -> etcd", "rogue", "etcd", "client", False),
     ("helm test -> etcd", "helm-test", "etcd", "client", False),
     ("ingress controller -> etcd", "ingress", "etcd", "client", False),
@@ -165,6 +166,24 @@ FLOWS: list[tuple[str, str, str, int | str, bool]] = [
     ("team-b worker -> etcd (namespace not listed)", "team-b", "etcd", "client", False),
     ("router -> etcd peer", "router", "etcd", "peer", False),
     ("worker -> etcd peer", "decode", "etcd", "peer", False),
+    # Mooncake etcd (plaintext): the release's workers (Transfer Engine metadata, master lookup), the master (HA
+    # leader key), the operator (stale Mooncake entries after a fence); peer port: members only
+    ("prefill -> mooncake etcd", "prefill", "mooncake-etcd", "client", True),
+    ("decode -> mooncake etcd", "decode", "mooncake-etcd", "client", True),
+    ("mooncake master -> mooncake etcd (HA leader key)", "mooncake-master", "mooncake-etcd", "client", True),
+    ("operator -> mooncake etcd (stale entries)", "operator", "mooncake-etcd", "client", True),
+    ("mooncake etcd member -> mooncake etcd peer", "mooncake-etcd", "mooncake-etcd", "peer", True),
+    ("another PDCluster's worker -> mooncake etcd", "stranger", "mooncake-etcd", "client", False),
+    ("team-b worker -> mooncake etcd (namespace not listed)", "team-b", "mooncake-etcd", "client", False),
+    ("router -> mooncake etcd", "router", "mooncake-etcd", "client", False),
+    ("pod in the release namespace -> mooncake etcd", "rogue", "mooncake-etcd", "client", False),
+    ("helm test -> mooncake etcd", "helm-test", "mooncake-etcd", "client", False),
+    ("prometheus -> mooncake etcd", "prometheus", "mooncake-etcd", "client", False),
+    ("ingress controller -> mooncake etcd", "ingress", "mooncake-etcd", "client", False),
+    ("registry etcd member -> mooncake etcd", "etcd", "mooncake-etcd", "client", False),
+    ("etcd-auth set-up Job -> mooncake etcd", "etcd-auth", "mooncake-etcd", "client", False),
+    ("worker -> mooncake etcd peer", "decode", "mooncake-etcd", "peer", False),
+    ("registry etcd member -> mooncake etcd peer", "etcd", "mooncake-etcd", "peer", False),
     # Mooncake master RPC: workers only; metrics: monitoring
     ("prefill -> mooncake master rpc", "prefill", "mooncake-master", "rpc", True),
     ("decode -> mooncake master rpc", "decode", "mooncake-master", "rpc", True),
@@ -201,7 +220,7 @@ def test_every_pod_is_isolated_and_every_named_port_resolves(world: World) -> No
     # The helm test pod listens on nothing; team-b's worker is outside the release namespace (workerNamespaces
     # only lets it reach etcd and the Mooncake master).
     pods = [p for p in tandem if p.ports and p.namespace == NAMESPACE]
-    assert len(pods) == 8  # router, operator, etcd, mooncake master; 4 workers
+    assert len(pods) == 9  # router, operator, etcd, Mooncake etcd, Mooncake master; 4 workers
     for pod in pods:
         assert world.cluster.ingress_policies(pod), f"{pod.name} is not isolated"
     for policy in world.policies:
@@ -232,9 +251,12 @@ def test_values_name_the_router_ingress_and_worker_peers() -> None:
     # workerClusters replaces router.clusterName: "other"'s workers reach each other, kimi-k26's no longer do
     assert w.allows("stranger-peer", "stranger", "mooncake", cluster)
     assert not w.allows("prefill", "decode", "mooncake", cluster)
-    assert w.allows("team-b", "etcd", "client", cluster)
+    assert w.allows("stranger-peer", "mooncake-etcd", "client", cluster)
+    assert not w.allows("prefill", "mooncake-etcd", "client", cluster)
+    assert w.allows("team-b", "mooncake-etcd", "client", cluster)
     assert w.allows("team-b", "mooncake-master", "rpc", cluster)
-    assert not w.allows("team-b-other", "etcd", "client", cluster)
+    assert not w.allows("team-b-other", "mooncake-etcd", "client", cluster)
+    assert not w.allows("team-b", "etcd", "client", cluster)  # the registry's TLS: no worker needs it
 
 
 def recipe_worker() -> Pod:
@@ -248,18 +270,19 @@ def recipe_worker() -> Pod:
 
 def test_host_network_workers_are_outside_network_policy(world: World) -> None:
     """What operator/README.md states: the K2.6 recipe's hostNetwork workers are not protected by any policy, and
-    reach etcd and the Mooncake master only through networkPolicy.workerCidrs (they connect from their node)."""
+    reach the Mooncake etcd and master only through networkPolicy.workerCidrs (they connect from their node)."""
     world.pods["hostnet"] = recipe_worker()
     assert world.pods["hostnet"].host_network
     assert world.cluster.ingress_policies(world.pods["hostnet"])  # selected, yet not enforced on the node's network
     assert world.allows("rogue", "hostnet", "mooncake")
-    assert not world.allows("hostnet", "etcd", "client")
+    assert not world.allows("hostnet", "mooncake-etcd", "client")
     assert not world.allows("hostnet", "mooncake-master", "rpc")
     opened = World("networkPolicy.workerCidrs[0]=10.20.0.0/16")
     opened.pods["hostnet"] = world.pods["hostnet"]
-    assert opened.allows("hostnet", "etcd", "client")
+    assert opened.allows("hostnet", "mooncake-etcd", "client")
     assert opened.allows("hostnet", "mooncake-master", "rpc")
-    assert not opened.allows("hostnet", "etcd", "peer")
+    assert not opened.allows("hostnet", "mooncake-etcd", "peer")
+    assert not opened.allows("hostnet", "etcd", "client")  # the registry (TLS) is not the workers' business
     assert not opened.allows("hostnet", "router", "http")
 
 
@@ -290,11 +313,27 @@ def test_invalid_worker_cluster_is_rejected_with_the_key_named() -> None:
 
 def test_production_values_serve_the_k26_recipe() -> None:
     """deploy/values-production.yaml with deploy/kimi-k26-h200.yaml: the LoadBalancer's clients reach the router,
-    the hostNetwork workers (nodes in 10.0.0.0/8) reach etcd and the Mooncake master, strangers still do not."""
+    the hostNetwork workers (nodes in 10.0.0.0/8) reach the Mooncake etcd and master but not the registry etcd
+    (TLS), strangers reach none of them."""
     w = World(values=ROOT / "deploy" / "values-production.yaml")
     w.pods["hostnet"] = recipe_worker()
     assert w.allows("external", "router", "http")
-    assert w.allows("hostnet", "etcd", "client")
+    assert w.allows("hostnet", "mooncake-etcd", "client")
     assert w.allows("hostnet", "mooncake-master", "rpc")
+    assert w.allows("mooncake-master", "mooncake-etcd", "client")
+    assert w.allows("router", "etcd", "client")
+    assert not w.allows("hostnet", "etcd", "client")
+    assert not w.allows("mooncake-master", "etcd", "client")
+    for dest, port in (("etcd", "client"), ("mooncake-etcd", "client"), ("mooncake-master", "rpc")):
+        assert not w.allows("rogue", dest, port)
+
+
+def test_without_tls_mooncake_keys_stay_in_the_registry_etcd() -> None:
+    """etcd.tls.enabled=false: no Mooncake etcd; the workers and the master reach the registry etcd as before."""
+    w = World("etcd.tls.enabled=false")
+    assert "mooncake-etcd" not in w.pods
+    assert all(p["metadata"]["name"] != "t-tandem-mooncake-etcd" for p in w.policies)
+    assert w.allows("prefill", "etcd", "client")
+    assert w.allows("stranger", "etcd", "client")
+    assert w.allows("mooncake-master", "etcd", "client")
     assert not w.allows("rogue", "etcd", "client")
-    assert not w.allows("rogue", "mooncake-master", "rpc")

@@ -35,6 +35,31 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 {{- end -}}
 
+{{/*
+Non-empty when the chart deploys the plaintext Mooncake etcd (mooncakeEtcd.deploy; 'auto': a master and a registry
+etcd with TLS, which Mooncake's etcd client cannot speak, and no etcd of the user's own named).
+*/}}
+{{- define "tandem.mooncakeEtcd" -}}
+{{- $mode := .Values.mooncakeEtcd.deploy -}}
+{{- $auto := and .Values.mooncakeMaster.enabled (include "tandem.etcdSecure" .) (empty .Values.mooncakeMaster.etcdEndpoints) -}}
+{{- if or (eq $mode "always") (and (eq $mode "auto") $auto) -}}true{{- end -}}
+{{- end -}}
+
+{{- define "tandem.mooncakeEtcdName" -}}
+{{- printf "%s-mooncake-etcd" (include "tandem.fullname" .) -}}
+{{- end -}}
+
+{{/* Where Mooncake's keys live, host:port comma-separated: the user's etcd, the chart's Mooncake etcd, or the registry's. */}}
+{{- define "tandem.mooncakeEtcdEndpoints" -}}
+{{- if .Values.mooncakeMaster.etcdEndpoints -}}
+{{- join "," .Values.mooncakeMaster.etcdEndpoints -}}
+{{- else if include "tandem.mooncakeEtcd" . -}}
+{{- printf "%s.%s.svc:2379" (include "tandem.mooncakeEtcdName" .) .Release.Namespace -}}
+{{- else -}}
+{{- include "tandem.etcdEndpoints" . -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "tandem.imagePullSecrets" -}}
 {{- with .Values.imagePullSecrets }}
 imagePullSecrets:
@@ -61,8 +86,14 @@ Rules values.schema.json cannot express. Each failure names the values key to ch
 {{- if and .Values.router.enabled .Values.router.pdb.enabled (not .Values.router.hpa.enabled) (ge (int .Values.router.pdb.minAvailable) (int .Values.router.replicas)) -}}
 {{- $errors = append $errors (printf "router.pdb.minAvailable: %d would block every voluntary eviction of %d router replicas; lower it or add replicas" (int .Values.router.pdb.minAvailable) (int .Values.router.replicas)) -}}
 {{- end -}}
-{{- if and .Values.mooncakeMaster.enabled (include "tandem.etcdSecure" .) (empty .Values.mooncakeMaster.etcdEndpoints) -}}
-{{- $errors = append $errors "mooncakeMaster.etcdEndpoints: Mooncake's etcd client cannot use TLS or etcd users (mooncake-common/etcd/etcd_wrapper.go), so with etcd.tls.enabled the master needs a plaintext etcd of its own; or set etcd.tls.enabled=false (charts/tandem/README.md)" -}}
+{{- if and .Values.mooncakeMaster.enabled (include "tandem.etcdSecure" .) (empty .Values.mooncakeMaster.etcdEndpoints) (not (include "tandem.mooncakeEtcd" .)) -}}
+{{- $errors = append $errors "mooncakeEtcd.deploy: Mooncake's etcd client cannot use TLS or etcd users (mooncake-common/etcd/etcd_wrapper.go), so with etcd.tls.enabled the master needs a plaintext etcd of its own: the chart's ('auto') or yours in mooncakeMaster.etcdEndpoints (charts/tandem/README.md)" -}}
+{{- end -}}
+{{- if and (eq .Values.mooncakeEtcd.deploy "always") .Values.mooncakeMaster.etcdEndpoints -}}
+{{- $errors = append $errors "mooncakeEtcd.deploy: 'always' deploys a Mooncake etcd, but mooncakeMaster.etcdEndpoints names another; drop one" -}}
+{{- end -}}
+{{- if and (include "tandem.mooncakeEtcd" .) (eq (mod (int .Values.mooncakeEtcd.replicas) 2) 0) -}}
+{{- $errors = append $errors (printf "mooncakeEtcd.replicas: %d members cannot keep quorum better than %d; use an odd number" (int .Values.mooncakeEtcd.replicas) (sub (int .Values.mooncakeEtcd.replicas) 1)) -}}
 {{- end -}}
 {{- if and .Values.mooncakeMaster.enabled (eq .Values.etcd.mode "external") (empty .Values.etcd.endpoints) -}}
 {{- $errors = append $errors "mooncakeMaster.enabled: the master's HA needs etcd endpoints" -}}

@@ -441,6 +441,20 @@ class PDClusterSpec(CrdModel):
             check=lambda s: not s.transfer.host_network or not s.role_ports(Role.PREFILL) & s.role_ports(Role.DECODE),
             field_path=".decode.ports",
         ),
+        Rule(
+            cel="!(self.prefill.hicache.enabled || self.decode.kvOffload.enabled) || "
+            "!self.etcd.endpoints.exists(e, e.startsWith('https://')) || "
+            "(has(self.etcd.mooncakeEndpoints) && size(self.etcd.mooncakeEndpoints) > 0)",
+            message="etcd.mooncakeEndpoints: a Mooncake Store (prefill.hicache, decode.kvOffload) cannot use an "
+            "https:// registry etcd (Mooncake's etcd client has no TLS); name a plaintext etcd for Mooncake, e.g. "
+            "the chart's <release>-mooncake-etcd (helm status prints it)",
+            check=lambda s: (
+                not (s.prefill.hicache.enabled or s.decode.kv_offload.enabled)
+                or not any(e.startswith("https://") for e in s.etcd.endpoints)
+                or bool(s.etcd.mooncake_endpoints)
+            ),
+            field_path=".etcd.mooncakeEndpoints",
+        ),
     )
 
     def mooncake_range(self, role: Role) -> range:
