@@ -7,12 +7,18 @@ NetworkPolicy flows are checked with the others in test_network_policy.py."""
 
 from __future__ import annotations
 
+import asyncio
+import shutil
+import sys
+from pathlib import Path
 from typing import Any
 
 import pydantic
 import pytest
 import yaml
 
+from tandem.procs import ManagedProcess, free_port
+from tandem.registry_etcd import client
 from tandem_operator.api.pdcluster import PDClusterSpec
 from tests.chart.render import CHART, NAMESPACE, ROOT, helm, render
 
@@ -150,3 +156,79 @@ def test_a_store_on_a_tls_registry_etcd_needs_mooncake_endpoints() -> None:
     assert PDClusterSpec.model_validate(no_store).etcd.mooncake == ["https://tandem-etcd.serving.svc:2379"]
     plain = {**spec, "etcd": {"endpoints": ["http://tandem-etcd.serving.svc:2379"]}}
     assert PDClusterSpec.model_validate(plain).etcd.mooncake == ["http://tandem-etcd.serving.svc:2379"]
+
+
+def _command(docs: list[dict[str, Any]], kind: str, name: str) -> list[str]:
+    workload = _named(docs, kind, name)
+    assert workload is not None
+    return [str(a) for a in workload["spec"]["template"]["spec"]["containers"][0]["command"]]
+
+
+def _on_loopback(argv: list[str], names: dict[str, str]) -> list[str]:
+    """A rendered command with the pod's names and ports replaced (``names``: rendered text -> loopback text)."""
+    out = []
+    for arg in argv:
+        for rendered, local in names.items():
+            arg = arg.replace(rendered, local)
+        out.append(arg)
+    return out
+
+
+async def _keys(endpoint: str, prefix: bytes) -> list[bytes]:
+    etcd = client([endpoint])
+    await etcd.connect()
+    try:
+        return [kv.key for kv in await etcd.get_prefix(prefix)]
+    finally:
+        await etcd.close()
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(120)
+async def test_rendered_mooncake_etcd_serves_the_rendered_master(tmp_path: Path) -> None:
+    """The chart's own commands, run on loopback: the Mooncake etcd member starts plaintext, and the Mooncake
+    master (the mooncake 0.3.13 wheel's ``mooncake_master``) with the chart's flags wins its HA leader key there."""
+    master_bin = Path(sys.executable).with_name("mooncake_master")
+    assert master_bin.exists(), "the mooncake wheel (pyproject) ships mooncake_master"
+    assert shutil.which("etcd"), "etcd-server (scripts/bootstrap.sh) is missing"
+    docs = _render("mooncakeMaster.enabled=true", "mooncakeEtcd.replicas=1")
+    member, cport, pport, rpc, metrics = f"{MOONCAKE_ETCD}-0", free_port(), free_port(), free_port(), free_port()
+    etcd_argv = _on_loopback(
+        _command(docs, "StatefulSet", MOONCAKE_ETCD),
+        {
+            "$(POD_NAME)": member,
+            f"{member}.{MOONCAKE_ETCD}-peers.{NAMESPACE}.svc": "127.0.0.1",
+            "0.0.0.0": "127.0.0.1",
+            ":2379": f":{cport}",
+            ":2380": f":{pport}",
+            "=/var/lib/etcd": f"={tmp_path / 'etcd'}",
+        },
+    )
+    master_argv = _on_loopback(
+        _command(docs, "Deployment", "t-tandem-mooncake-master"),
+        {
+            f"{MOONCAKE_ETCD}.{NAMESPACE}.svc:2379": f"127.0.0.1:{cport}",
+            "$(POD_IP)": "127.0.0.1",
+            "--rpc_port=50051": f"--rpc_port={rpc}",
+            "--metrics_port=9003": f"--metrics_port={metrics}",
+        },
+    )
+    assert master_argv[0] == "mooncake_master"
+    etcd = ManagedProcess("mooncake-etcd", etcd_argv, tmp_path / "etcd.log").start()
+    master = ManagedProcess(
+        "mooncake-master", [str(master_bin), *master_argv[1:]], tmp_path / "master.log", cwd=tmp_path
+    )
+    try:
+        etcd.wait_http(f"http://127.0.0.1:{cport}/health", timeout=30)  # the readiness probe's URL, plaintext
+        master.start()
+        endpoint = f"127.0.0.1:{cport}"
+        keys: list[bytes] = []
+        async with asyncio.timeout(60):
+            while not keys:
+                assert master.alive(), master.log_tail()
+                keys = await _keys(endpoint, b"mooncake-store/tandem/")
+                await asyncio.sleep(0.5)
+        assert b"mooncake-store/tandem/master_view" in keys, keys
+    finally:
+        master.stop()
+        etcd.stop()
