@@ -24,9 +24,10 @@ def plot_timeline(report: ChaosReport, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(10, 4.5), dpi=100)
     ax.plot([t for t, _, _ in points], [ok for _, ok, _ in points], label="streams completed OK / s")
     ax.plot([t for t, _, _ in points], [bad for _, _, bad in points], color="red", label="streams not OK / s")
-    for fault in report.faults:
+    top = ax.get_ylim()[1]
+    for n, fault in enumerate(report.faults):  # labels at staggered heights: faults can be a second apart
         ax.axvline(fault.at, color="grey", linestyle="--", linewidth=0.8)
-        ax.text(fault.at, ax.get_ylim()[1] * 0.95, f" {fault.kind}\n {fault.victim}", fontsize=7, va="top")
+        ax.text(fault.at, top * (0.97 - 0.1 * (n % 4)), f" {fault.kind}\n {fault.victim}", fontsize=7, va="top")
     ax.set_xlabel("seconds since the load started")
     ax.set_ylabel("streams ended per second")
     ax.set_title(f"chaos ({report.setting}): throughput and errors, faults marked", fontsize=9)
