@@ -24,7 +24,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.chaos_report import FaultRecord
-from tandem.local_stack import LocalStack
+from tandem.local_stack import LocalStack, etcd_pki_of
 from tandem.procs import ManagedProcess
 from tandem.registry import Role
 
@@ -187,10 +187,13 @@ class ChaosTarget:
         await asyncio.to_thread(member.stop)
         member.start()
 
+        # etcd's /health asks for a client certificate too when the stack secures etcd (its default).
+        tls = etcd_pki_of(self.stack.workdir).ssl_context() if self.stack.secure else None
+        url = f"{'https' if tls else 'http'}://{self.stack.etcd_endpoints[index]}/health"
+
         async def healthy() -> bool:
-            url = f"http://{self.stack.etcd_endpoints[index]}/health"
             try:
-                async with self.http.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                async with self.http.get(url, timeout=aiohttp.ClientTimeout(total=2), ssl=tls or True) as resp:
                     return resp.status == 200
             except (aiohttp.ClientError, TimeoutError):
                 return False
