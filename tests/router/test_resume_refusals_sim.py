@@ -31,8 +31,9 @@ from tests.routermetrics import scrape
 pytestmark = pytest.mark.netns
 
 PER_KIND = 6
-MAX_TOKENS = 150
-STREAMING = 8  # streams past their first byte (router-wide) when the victim decode is killed
+MAX_TOKENS = 300  # 4.5 s per stream at 15 ms per token: all of them stream at once
+# The kill waits for most streams to be past their first byte (so about half of each kind is cut on the victim).
+STREAMING = 4 * PER_KIND
 TOOL = {"type": "function", "function": {"name": "tell", "parameters": {"type": "object"}}}
 
 
@@ -76,7 +77,9 @@ async def _kill_under_load(stack: LocalStack, client: openai.AsyncOpenAI, http: 
 
     before = await scrape(stack.router_url)
     tasks = [asyncio.create_task(one(n, route, body)) for n, (route, body, _) in enumerate(requests)]
-    while (metrics := await scrape(stack.router_url)).streaming < STREAMING or metrics.in_flight[victim.url] < 4:
+    while (metrics := await scrape(stack.router_url)).streaming < STREAMING or metrics.in_flight[
+        victim.url
+    ] < STREAMING // 3:
         if all(t.done() for t in tasks):
             errors = [o.error for o in await asyncio.gather(*tasks) if o.error]
             raise AssertionError(f"all requests ended before the router showed streams on the victim: {errors}")
