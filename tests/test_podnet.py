@@ -89,6 +89,29 @@ def test_two_pods_bind_the_same_wildcard_port_and_everyone_reaches_each_by_its_i
     assert not {a.veth, b.veth} & interfaces()  # the veths went with the namespaces
 
 
+def test_a_stopped_pod_leaves_the_bridge_at_once_even_while_its_namespace_lives_on(
+    network: PodNetwork, tmp_path: Path
+) -> None:
+    """The kernel tears a namespace down when it likes (here: a process still inside it); the pod's link must not
+    wait for that, or the next pod given the same IP (kwok reuses them at once) shares it with the dead one."""
+    procs: list[ManagedProcess] = []
+    old = network.start_sandbox("ns/old", "uid-old", "127.11.0.1", tmp_path)
+    try:
+        _serve(old, "old", tmp_path, procs)  # not stopped with the sandbox: it keeps the old namespace alive
+        old.stop()
+        assert old.veth not in interfaces()
+        new = network.start_sandbox("ns/new", "uid-new", "127.11.0.1", tmp_path)
+        try:
+            _serve(new, "new", tmp_path, procs)
+            assert {_ask("127.11.0.1") for _ in range(20)} == {"new"}
+        finally:
+            new.stop()
+    finally:
+        for proc in procs:
+            proc.stop()
+        old.stop()
+
+
 def test_a_cut_link_isolates_one_pod_until_restored(network: PodNetwork, tmp_path: Path) -> None:
     procs: list[ManagedProcess] = []
     a = network.start_sandbox("ns/a", "uid-a", "127.11.0.1", tmp_path)

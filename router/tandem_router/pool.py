@@ -47,6 +47,7 @@ class WorkerState:
     load: WorkerLoad = field(default_factory=WorkerLoad)
     breaker: br.Breaker = field(default_factory=br.Breaker)
     models: frozenset[str] = frozenset()
+    unreachable: bool = False  # its last failure was a refused connection: the process was gone
 
     def candidate(self) -> sel.Candidate:
         return sel.Candidate(self.spec.key, self.in_flight, self.load.kv_usage, int(self.load.queued))
@@ -225,13 +226,21 @@ class WorkerPool:
                 w.in_flight = max(0, w.in_flight - 1)
 
     def record_worker(self, spec: WorkerSpec, ok: bool, now: float, *, hard: bool = False) -> None:
-        """A worker's outcome. ``hard`` failures (connection refused, failed health probe) open it at once."""
+        """A worker's outcome. ``hard`` failures (connection refused, failed health probe) open it at once.
+
+        A worker that answers again after a refused connection was restarted at its address (statically listed
+        workers have no epoch to say so): the failures of its pairs belonged to the dead process, so their
+        breakers start afresh instead of waiting out a cooldown doubled up to ``max_cooldown`` while it was down."""
         w = self.workers.get(spec.key)
         if w is None:
             return
         if ok:
             w.breaker = br.on_success(w.breaker)
+            if w.unreachable:  # back at the same address: a new process, so its pairs' failures are history
+                w.unreachable = False
+                self.pair_breakers.forget(spec.key)
         elif hard:
+            w.unreachable = True
             w.breaker = br.force_open(w.breaker, now, self.breaker_cfg)
         else:
             w.breaker = br.on_failure(w.breaker, now, self.breaker_cfg)

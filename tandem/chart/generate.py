@@ -28,8 +28,15 @@ HEADER = (
 )
 
 
+def _plain(value: Any) -> Any:
+    """A field's value as plain data (lists of models, e.g. NetworkPolicy peers, by their aliases)."""
+    if isinstance(value, list):
+        return [v.model_dump(by_alias=True) if isinstance(v, BaseModel) else v for v in value]
+    return value
+
+
 def _scalar(value: Any) -> str:
-    text = yaml.safe_dump(value, default_flow_style=True, width=1_000).strip()
+    text = yaml.safe_dump(_plain(value), default_flow_style=True, width=1_000).strip()
     return text.removesuffix("\n...").removesuffix("...").strip()
 
 

@@ -7,12 +7,13 @@ Cross-field rules a JSON schema cannot say live in ``templates/_helpers.tpl`` (`
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.alias_generators import to_camel
 
 Quantity = str
+DnsLabel = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)]
 
 
 class Values(BaseModel):
@@ -129,6 +130,10 @@ class MooncakeMaster(Values):
     cluster_id: str = Field(default="tandem", min_length=1, description="Mooncake Store cluster id (etcd key scope).")
     rpc_port: int = Field(default=50051, ge=1, le=65535, description="Master RPC port.")
     metrics_port: int = Field(default=9003, ge=1, le=65535, description="Master metrics port.")
+    resources: Resources = Field(
+        default_factory=lambda: Resources(requests={"cpu": "500m", "memory": "1Gi"}, limits={"memory": "4Gi"}),
+        description="Mooncake master container resources.",
+    )
 
 
 class ServiceMonitor(Values):
@@ -165,6 +170,57 @@ class Metrics(Values):
     dashboards: Dashboards = Field(default_factory=Dashboards, description="Grafana dashboard ConfigMap.")
 
 
+class Peer(Values):
+    """Pods allowed in: those matching ``podLabels`` in the namespaces matching ``namespaceLabels``."""
+
+    namespace_labels: dict[str, str] = Field(
+        default_factory=dict, description="Labels of the namespaces allowed in ({}: every namespace)."
+    )
+    pod_labels: dict[str, str] = Field(
+        default_factory=dict, description="Labels of the pods allowed in ({}: every pod)."
+    )
+
+
+NAMESPACE_NAME = "kubernetes.io/metadata.name"
+
+
+class NetworkPolicy(Values):
+    enabled: bool = Field(
+        default=True,
+        description="Create ingress NetworkPolicies: only Tandem's own pods and the peers below reach Tandem's ports.",
+    )
+    router_from: list[Peer] = Field(
+        default_factory=lambda: [Peer(namespace_labels={NAMESPACE_NAME: "ingress-nginx"})],
+        description="Who may call the router's OpenAI endpoint (besides monitoring and this release's helm test); "
+        "a list, so a values file replaces it whole.",
+    )
+    router_cidrs: list[str] = Field(
+        default_factory=list,
+        description="Addresses outside the cluster allowed to the router (CIDRs: a LoadBalancer's clients).",
+    )
+    monitoring_from: list[Peer] = Field(
+        default_factory=lambda: [
+            Peer(namespace_labels={NAMESPACE_NAME: "monitoring"}, pod_labels={"app.kubernetes.io/name": "prometheus"})
+        ],
+        description="Who may scrape metrics: router, operator, worker HTTP (leaders' /metrics), Mooncake master.",
+    )
+    worker_clusters: list[DnsLabel] = Field(
+        default_factory=list,
+        description="PDClusters in the release namespace whose workers may reach each other on every port (NCCL, "
+        "torch.distributed, Mooncake); []: router.clusterName only.",
+    )
+    worker_cidrs: list[str] = Field(
+        default_factory=list,
+        description="Addresses of hostNetwork workers (the GPU nodes' CIDRs) allowed to etcd and the Mooncake "
+        "master: a hostNetwork pod connects from its node's address, which no pod selector matches.",
+    )
+    worker_namespaces: list[DnsLabel] = Field(
+        default_factory=list,
+        description="Other namespaces whose worker pods may reach etcd and the Mooncake master (PDClusters "
+        "outside the release namespace).",
+    )
+
+
 class ChartValues(Values):
     image: Image = Field(default_factory=Image, description="The Tandem image (operator and router).")
     image_pull_secrets: list[str] = Field(default_factory=list, description="Pull secrets for every pod.")
@@ -173,3 +229,6 @@ class ChartValues(Values):
     etcd: Etcd = Field(default_factory=Etcd, description="The etcd holding the endpoint registry.")
     mooncake_master: MooncakeMaster = Field(default_factory=MooncakeMaster, description="Mooncake Store master.")
     metrics: Metrics = Field(default_factory=Metrics, description="Prometheus and Grafana integration.")
+    network_policy: NetworkPolicy = Field(
+        default_factory=NetworkPolicy, description="NetworkPolicies (ingress) of every Tandem pod."
+    )

@@ -239,8 +239,12 @@ class Sandbox:
         _run(self.exec_argv(["tc", "qdisc", "replace", "dev", POD_INTERFACE, "root", *spec]))
 
     def stop(self) -> None:
-        """End the namespace; the kernel then deletes both ends of the veth."""
+        """Take the pod off the bridge, then end its namespace (a CNI's DEL, then the runtime's teardown).
+
+        The link goes first, and synchronously: the kernel tears a network namespace down asynchronously
+        (``cleanup_net``), which under load took minutes here, and until then the dead pod's veth stayed on the
+        bridge with its IP and answered ARP for it, so a new pod given that IP by kwok lost its traffic to the
+        dead one (peers' neighbour entries flipped back to the old MAC)."""
+        if self.veth in interfaces():
+            subprocess.run(["ip", "link", "del", self.veth], capture_output=True, check=False)  # gone already: fine
         self.holder.stop(timeout=5)
-        deadline = time.monotonic() + 5
-        while self.veth in interfaces() and time.monotonic() < deadline:
-            time.sleep(0.01)

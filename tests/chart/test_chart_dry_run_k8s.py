@@ -16,6 +16,7 @@ import pytest_asyncio
 import yaml
 
 from tandem.devcluster.cluster import DevCluster
+from tandem_operator.render import render
 from tests.chart.stack import CHART, DEPLOY, tool
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(180)]
@@ -87,4 +88,14 @@ async def test_rendered_chart_is_accepted(
     docs = await _render(k8s_cluster, k8s_namespace, *(["-f", str(values)] if values else []))
     kinds = {doc["kind"] for doc in docs}
     assert {"Deployment", "ClusterRole", "Service"} <= kinds
+    await _dry_run(k8s_cluster, docs)
+
+
+@pytest.mark.parametrize("example", ["kimi-k26-h200.yaml", "sim-small.yaml"])
+async def test_operator_worker_pods_are_accepted(k8s_cluster: DevCluster, k8s_namespace: str, example: str) -> None:
+    """The pods, Services and disruption budgets the operator makes for each deploy/ example (``tandem render``),
+    with their security contexts (privileged host InfiniBand, IPC_LOCK, seccomp) and requests."""
+    doc = yaml.safe_load((DEPLOY / example).read_text())
+    docs = [m for m in render(doc, k8s_namespace) if m["kind"] in ("Pod", "Service", "PodDisruptionBudget")]
+    assert {d["kind"] for d in docs} == {"Pod", "Service", "PodDisruptionBudget"}
     await _dry_run(k8s_cluster, docs)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -10,18 +9,7 @@ import yaml
 
 from tandem.chart import generate
 from tandem.chart.dashboard import PANELS
-from tandem.devcluster.config import default_bin_dir, require_binaries
-
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "tandem"
-VALUES_FILES = sorted((ROOT / "deploy").glob("values-*.yaml"))
-
-
-def helm(*args: str) -> subprocess.CompletedProcess[str]:
-    """Run the helm of the configured control-plane binaries ($TANDEM_K8S_BIN, else the build cache); a missing
-    helm fails the test with the command that builds it (``make k8s-binaries``), never skips it."""
-    binary = require_binaries(default_bin_dir())["helm"]
-    return subprocess.run([str(binary), *args], capture_output=True, text=True, check=False, timeout=60)
+from tests.chart.render import CHART, ROOT, VALUES_FILES, helm
 
 
 def test_generated_files_are_current() -> None:
@@ -64,6 +52,7 @@ def test_lint_and_template(values: Path | None) -> None:
         (["router.replicas=abc"], "at '/router/replicas': got string, want integer"),
         (["router.bogus=1"], "additional properties 'bogus' not allowed"),
         (["router.policy=fastest"], "/router/policy"),
+        (["router.service.type=LoadBalancer"], "networkPolicy.routerCidrs: a LoadBalancer router Service"),
     ],
 )
 def test_invalid_values_fail_with_the_key_named(sets: list[str], message: str) -> None:

@@ -105,7 +105,11 @@ def test_rdma_device_plugin_replaces_host_infiniband() -> None:
     c = container(pod)
     assert c["resources"]["limits"] == {"nvidia.com/gpu": "8", "rdma/ib": "1"}
     assert "infiniband" not in [v["name"] for v in pod["spec"]["volumes"]]
-    assert c["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+    assert c["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
+    }
+    assert pod["spec"]["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
 
 
 def test_host_network_declares_host_ports_that_differ_between_roles() -> None:
@@ -192,6 +196,8 @@ def test_recipe_env_volumes_and_gang_objects() -> None:
     assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "kimi-decode-0"
     (init,) = pod["spec"]["initContainers"]
     assert init["command"][3:5] == ["moonshotai/Kimi-K2.6", "/models/Kimi-K2.6"]
+    assert init["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    assert init["resources"] == {"requests": {"cpu": "96", "memory": "1500Gi"}}  # the worker's, without GPUs
     mounts = {m["name"]: m["mountPath"] for m in container(pod)["volumeMounts"]}
     assert mounts["weights"] == "/models"
     assert mounts["jit-cache"] == "/var/cache/sglang"
@@ -222,3 +228,19 @@ def test_prefill_hicache_with_mooncake_store_and_host_memory_check() -> None:
     assert env["MOONCAKE_GLOBAL_SEGMENT_SIZE"] == "32gb"
     with pytest.raises(ValueError, match="must fit nodeMemoryGib"):
         kimi_spec(prefill={"hicache": hicache, "nodeMemoryGib": 1000})  # (96 + 32) x 8 = 1024 GiB
+
+
+@pytest.mark.parametrize(
+    ("resources", "requests"),
+    [
+        ({}, {"cpu": "1", "memory": "4Gi"}),  # never BestEffort
+        ({"requests": {"cpu": 96, "memory": "1500Gi"}}, {"cpu": "96", "memory": "1500Gi"}),
+        ({"requests": {"cpu": 8}}, {"cpu": "8", "memory": "4Gi"}),
+        # A limit alone: the API server defaults the request to it, so no floor may exceed it.
+        ({"limits": {"memory": "2Gi"}}, {"cpu": "1"}),
+    ],
+)
+def test_worker_requests_have_a_cpu_and_memory_floor(resources: dict[str, Any], requests: dict[str, str]) -> None:
+    spec = kimi_spec(prefill={**kimi_spec().to_wire()["prefill"], "resources": resources})
+    c = container(pods_of(group_manifests(ctx(spec, Role.PREFILL), 0))[0])
+    assert c["resources"]["requests"] == {**requests, "nvidia.com/gpu": "8"}

@@ -256,6 +256,21 @@ def test_pool_excludes_tried_pairs_open_pairs_and_gated_pairs() -> None:
     assert {pool.choose_pair("", 1.0, exclude).key for _ in range(10)} == {(p1.key, d0.key)}  # type: ignore[union-attr]
 
 
+def test_a_worker_back_after_refusing_connections_starts_its_pairs_afresh() -> None:
+    pool = _pool(1, 1)
+    prefill, decode = pool.of_role(Role.PREFILL)[0].spec, pool.of_role(Role.DECODE)[0].spec
+    pair = Pair(prefill, decode)
+    for t in range(6):  # failed trials while the decode was down: the pair's cooldown doubled each time
+        pool.record_pair(pair, False, float(t))
+    assert not pool.pair_breakers.allows(pair, 6.0)
+    pool.record_worker(decode, True, 6.0)  # answering, but never refused: same process, history kept
+    assert not pool.pair_breakers.allows(pair, 6.0)
+    pool.record_worker(decode, False, 7.0, hard=True)  # connection refused: the process is gone
+    pool.record_worker(decode, True, 8.0)  # and answers again: a new process at the same address
+    assert pool.pair_breakers.allows(pair, 8.0)
+    assert pool.choose_pair("", 8.0) == pair
+
+
 def test_pool_membership_changes() -> None:
     pool = _pool(1, 1)
     spec = pool.of_role(Role.DECODE)[0].spec

@@ -64,7 +64,41 @@ Rules values.schema.json cannot express. Each failure names the values key to ch
 {{- if and .Values.mooncakeMaster.enabled (eq .Values.etcd.mode "external") (empty .Values.etcd.endpoints) -}}
 {{- $errors = append $errors "mooncakeMaster.enabled: the master's HA needs etcd endpoints" -}}
 {{- end -}}
+{{- if and .Values.router.enabled .Values.networkPolicy.enabled (ne .Values.router.service.type "ClusterIP") (empty .Values.networkPolicy.routerCidrs) -}}
+{{- $errors = append $errors (printf "networkPolicy.routerCidrs: a %s router Service is reached from outside the cluster, which the router's NetworkPolicy denies unless its clients' CIDRs are listed (0.0.0.0/0: everyone)" .Values.router.service.type) -}}
+{{- end -}}
 {{- if $errors -}}
 {{- fail (printf "\n\ninvalid values:\n  - %s\n" (join "\n  - " $errors)) -}}
 {{- end -}}
+{{- end -}}
+
+{{/*
+Hardened security contexts shared by every pod the chart makes (the operator's worker pods get theirs from
+tandem_operator/desired/pods.py): a fixed non-root user, the runtime's default seccomp profile, no privilege
+escalation, a read-only root filesystem and no capabilities at all.
+*/}}
+{{- define "tandem.podSecurityContext" -}}
+securityContext:
+  runAsNonRoot: true
+  runAsUser: 65532
+  runAsGroup: 65532
+  fsGroup: 65532
+  seccompProfile: {type: RuntimeDefault}
+{{- end -}}
+
+{{- define "tandem.containerSecurityContext" -}}
+securityContext:
+  allowPrivilegeEscalation: false
+  readOnlyRootFilesystem: true
+  capabilities: {drop: [ALL]}
+{{- end -}}
+
+{{/* NetworkPolicy peers from a list of values entries with namespaceLabels and podLabels ({} matches all). */}}
+{{- define "tandem.peers" -}}
+{{- range . }}
+- namespaceSelector:
+    matchLabels: {{- toYaml (.namespaceLabels | default dict) | nindent 6 }}
+  podSelector:
+    matchLabels: {{- toYaml (.podLabels | default dict) | nindent 6 }}
+{{- end }}
 {{- end -}}

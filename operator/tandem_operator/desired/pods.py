@@ -41,6 +41,11 @@ from tandem_operator.desired.recipe import (
     store_env,
     store_of,
 )
+from tandem_operator.desired.security import (
+    pod_security_context,
+    with_min_requests,
+    worker_security_context,
+)
 
 GPU_RESOURCE = "nvidia.com/gpu"
 # SGLang's own /health timeout (SGLANG_HEALTH_CHECK_TIMEOUT in sglang/srt/environ.py): past it /health answers 503.
@@ -192,8 +197,8 @@ def _resources(ctx: RoleContext) -> dict[str, Any]:
     devices = {GPU_RESOURCE: str(role.gpus_per_node)}
     if transfer.protocol is TransferProtocol.RDMA and transfer.rdma_resource is not None:
         devices[transfer.rdma_resource] = "1"
-    requests = {name: str(value) for name, value in role.resources.requests.items()}
     limits = {name: str(value) for name, value in role.resources.limits.items()}
+    requests = with_min_requests({name: str(value) for name, value in role.resources.requests.items()}, limits)
     return {"requests": {**requests, **devices}, "limits": {**limits, **devices}}
 
 
@@ -306,10 +311,8 @@ def group_pod(ctx: RoleContext, group: int, rank: int, epoch: int = 0) -> dict[s
         metadata["annotations"] = {ANNOTATION_BOOTSTRAP_PORT: str(role.ports.bootstrap)}
     volumes, mounts = _volumes(ctx)
     placement = Placement(role=ctx.role, node_rank=rank, leader_address=leader_address(ctx, group))
-    security: dict[str, Any] = {"capabilities": {"add": ["IPC_LOCK"]}}
-    if _uses_host_infiniband(ctx):
-        security["privileged"] = True  # a hostPath /dev/infiniband is unusable without device access
     env = _env(ctx, epoch)
+    resources = _resources(ctx)
     container = {
         "name": CONTAINER,
         "image": spec.images.worker,
@@ -317,8 +320,9 @@ def group_pod(ctx: RoleContext, group: int, rank: int, epoch: int = 0) -> dict[s
         "command": launch_command(spec, placement),
         "env": env,
         "ports": _container_ports(ctx, epoch),
-        "resources": _resources(ctx),
-        "securityContext": security,
+        "resources": resources,
+        # A hostPath /dev/infiniband is unusable without device access (desired/security.py).
+        "securityContext": worker_security_context(privileged=_uses_host_infiniband(ctx)),
         "volumeMounts": mounts,
         **probes(ctx),
         # Pods deleted by others (eviction, kubectl delete) wait for the group's in-flight work, as the operator's
@@ -328,6 +332,7 @@ def group_pod(ctx: RoleContext, group: int, rank: int, epoch: int = 0) -> dict[s
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "enableServiceLinks": False,
+        "securityContext": pod_security_context(),
         "terminationGracePeriodSeconds": drain_s + EXIT_GRACE_S,
         "containers": [container],
         "volumes": volumes,
@@ -342,7 +347,7 @@ def group_pod(ctx: RoleContext, group: int, rank: int, epoch: int = 0) -> dict[s
         pod_spec["tolerations"] = [t.to_wire() for t in role.tolerations]
     if spec.images.pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": name} for name in spec.images.pull_secrets]
-    init = prefetch_containers(spec, env)
+    init = prefetch_containers(spec, env, resources["requests"])
     if init:
         pod_spec["initContainers"] = init
     gang = gang_pod_fields(spec, ctx.role, group_name(ctx.cluster.name, ctx.role, group))

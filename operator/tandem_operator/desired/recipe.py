@@ -14,6 +14,7 @@ from typing import Any
 from tandem.registry import Role
 from tandem_operator.api.pdcluster import DecodeSpec, PDClusterSpec, PrefillSpec, TransferProtocol
 from tandem_operator.api.recipe import MooncakeStoreSpec
+from tandem_operator.desired.security import init_security_context
 
 JIT_CACHE_DIR = "/var/cache/sglang"
 PODGROUP_API = {"volcano": "scheduling.volcano.sh/v1beta1", "scheduler-plugins": "scheduling.x-k8s.io/v1alpha1"}
@@ -89,8 +90,11 @@ if not os.path.exists(os.path.join(target, "config.json")):
 """
 
 
-def prefetch_containers(spec: PDClusterSpec, env: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """An init container that downloads the weights into the node-local cache when they are not there yet."""
+def prefetch_containers(
+    spec: PDClusterSpec, env: list[dict[str, Any]], requests: dict[str, str]
+) -> list[dict[str, Any]]:
+    """An init container that downloads the weights into the node-local cache when they are not there yet, with
+    the worker's CPU and memory requests (a pod's request is the larger of its init and its main containers')."""
     cache = spec.model.weight_cache
     if cache is None or not cache.prefetch:
         return []
@@ -103,6 +107,8 @@ def prefetch_containers(spec: PDClusterSpec, env: list[dict[str, Any]]) -> list[
             "command": command,
             "env": [e for e in env if e["name"].startswith(("HF_", "HUGGING"))],
             "volumeMounts": [{"name": "weights", "mountPath": spec.model.mount_path}],
+            "resources": {"requests": {k: v for k, v in requests.items() if k in ("cpu", "memory")}},
+            "securityContext": init_security_context(),
         }
     ]
 
