@@ -33,7 +33,7 @@ from tandem.local_stack import LocalStack, Worker, sim_worker_argv
 from tandem.registry import Role
 from tandem.stack_fixture import running_stack
 from tandem_router.schema import Route
-from tandem_sim.model import FIRST_WORD_ID, tokenize, vocabulary
+from tandem_sim.model import COMMON_WORDS_END, VOCAB_SIZE, tokenize, vocabulary
 from tests.router.streams import Outcome, reference, stream
 from tests.routermetrics import RouterMetrics, scrape
 
@@ -50,6 +50,7 @@ TOTAL = 192
 MAX_TOKENS = 200  # 3 s per stream at 15 ms per token
 STAGGER_S = 0.03  # between request starts: some are always in their prefill, some streaming
 STREAMING_BEFORE_KILL = 8  # streams past their first byte (router-wide) when the victim is killed ...
+STREAMING_BEFORE_DECODE_KILL = 24  # ... a decode: enough that streams of every route are cut on it
 WAITING_BEFORE_KILL = 4  # ... and requests still waiting for theirs (these must be retried)
 WAVE = 64  # requests after the kill, CONCURRENCY / 8 at a time: round robin alone would send half to the dead one
 # Trials the breakers may let through to the dead worker during the wave (half-open after each cooldown, which
@@ -64,9 +65,9 @@ def slow_sim(role: Role, port: int, bootstrap_port: int | None) -> list[str]:
     return [*sim_worker_argv(role, port, bootstrap_port), *slow]
 
 
-def time_to_kill(metrics: RouterMetrics, victim: str) -> bool:
+def time_to_kill(metrics: RouterMetrics, victim: str, streaming: int = STREAMING_BEFORE_KILL) -> bool:
     return (
-        metrics.streaming >= STREAMING_BEFORE_KILL
+        metrics.streaming >= streaming
         and metrics.before_first_byte >= WAITING_BEFORE_KILL
         and metrics.in_flight[victim] >= WAITING_BEFORE_KILL
     )
@@ -85,7 +86,8 @@ def _request(i: int) -> tuple[Route, dict[str, Any]]:
                        "max_tokens": MAX_TOKENS, "temperature": 0}  # fmt: skip
     if route is Route.COMPLETIONS:
         return route, {"prompt": f"request {i}: once upon a time", "max_tokens": MAX_TOKENS, "temperature": 0}
-    words = [vocabulary()[FIRST_WORD_ID + (i * 37 + k * 11) % 3000] for k in range(12)]
+    # Rare words: the simulated model ends an answer only after a common word; these answers run as long as others.
+    words = [vocabulary()[COMMON_WORDS_END + (i * 37 + k * 11) % (VOCAB_SIZE - COMMON_WORDS_END)] for k in range(12)]
     prompt: dict[str, Any] = {"text": " ".join(words)} if i % 2 else {"input_ids": tokenize(" ".join(words)).ids}
     return route, {**prompt, "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0}}
 
@@ -132,7 +134,8 @@ async def _kill_under_load(
     tasks = await _run(client, http, 0, TOTAL, CONCURRENCY)
     # Kill only once the router itself shows streams past their first byte, requests still waiting for it, and
     # requests on the victim, however loaded the machine.
-    while not time_to_kill(await scrape(stack.router_url), victim.url):
+    streaming = STREAMING_BEFORE_DECODE_KILL if victim.role is Role.DECODE else STREAMING_BEFORE_KILL
+    while not time_to_kill(await scrape(stack.router_url), victim.url, streaming):
         assert not all(t.done() for t in tasks), "all requests ended before the router showed streams on the victim"
         await asyncio.sleep(0.05)
     victim.proc.signal(signal.SIGKILL)
