@@ -48,10 +48,12 @@ FAST_PD_ENV = {
 CONCURRENCY = 64
 TOTAL = 192
 MAX_TOKENS = 200  # 3 s per stream at 15 ms per token
-STAGGER_S = 0.03  # between request starts: some are always in their prefill, some streaming
+STAGGER_S = 0.03  # between request starts, on average: some are always in their prefill, some streaming ...
+BURST = 8  # ... arriving BURST at a time, so that a queue waits for the prefills after each burst
 STREAMING_BEFORE_KILL = 8  # streams past their first byte (router-wide) when the victim is killed ...
-STREAMING_BEFORE_DECODE_KILL = 24  # ... a decode: enough that streams of every route are cut on it
 WAITING_BEFORE_KILL = 4  # ... and requests still waiting for theirs (these must be retried)
+# A decode is killed later (right after a burst): streams of every route are cut on it, and some still wait on it.
+BEFORE_DECODE_KILL = (24, 6)
 WAVE = 64  # requests after the kill, CONCURRENCY / 8 at a time: round robin alone would send half to the dead one
 # Trials the breakers may let through to the dead worker during the wave (half-open after each cooldown, which
 # doubles on every failed trial or probe): far fewer than the WAVE / 2 a pool without breakers would send it.
@@ -65,12 +67,10 @@ def slow_sim(role: Role, port: int, bootstrap_port: int | None) -> list[str]:
     return [*sim_worker_argv(role, port, bootstrap_port), *slow]
 
 
-def time_to_kill(metrics: RouterMetrics, victim: str, streaming: int = STREAMING_BEFORE_KILL) -> bool:
-    return (
-        metrics.streaming >= streaming
-        and metrics.before_first_byte >= WAITING_BEFORE_KILL
-        and metrics.in_flight[victim] >= WAITING_BEFORE_KILL
-    )
+def time_to_kill(
+    metrics: RouterMetrics, victim: str, streaming: int = STREAMING_BEFORE_KILL, waiting: int = WAITING_BEFORE_KILL
+) -> bool:
+    return metrics.streaming >= streaming and metrics.before_first_byte >= waiting and metrics.in_flight[victim] >= 4
 
 
 ROUTES = (Route.CHAT, Route.COMPLETIONS, Route.GENERATE)
@@ -98,7 +98,7 @@ async def _run(
     sem = asyncio.Semaphore(concurrency)
 
     async def bounded(i: int) -> Outcome:
-        await asyncio.sleep((i - first) * STAGGER_S)
+        await asyncio.sleep((i - first) // BURST * BURST * STAGGER_S)
         async with sem:
             return await asyncio.wait_for(stream(*_request(i), client, http), 90)  # a hang fails the test here
 
@@ -134,8 +134,10 @@ async def _kill_under_load(
     tasks = await _run(client, http, 0, TOTAL, CONCURRENCY)
     # Kill only once the router itself shows streams past their first byte, requests still waiting for it, and
     # requests on the victim, however loaded the machine.
-    streaming = STREAMING_BEFORE_DECODE_KILL if victim.role is Role.DECODE else STREAMING_BEFORE_KILL
-    while not time_to_kill(await scrape(stack.router_url), victim.url, streaming):
+    streaming, waiting = (
+        BEFORE_DECODE_KILL if victim.role is Role.DECODE else (STREAMING_BEFORE_KILL, WAITING_BEFORE_KILL)
+    )
+    while not time_to_kill(await scrape(stack.router_url), victim.url, streaming, waiting):
         assert not all(t.done() for t in tasks), "all requests ended before the router showed streams on the victim"
         await asyncio.sleep(0.05)
     victim.proc.signal(signal.SIGKILL)
