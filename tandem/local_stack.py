@@ -1,6 +1,10 @@
 """``tandem up``: the embedded local stack. etcd, 2 prefill + 2 decode simulated workers registered in etcd the
 way the operator registers pods (``tandem.registry_etcd``, one lease), and the router on 127.0.0.1:8000.
 
+etcd is secured as the chart secures it (``secure=True``, the default): a CA and certificates of its own under
+``workdir/pki`` (``tandem.etcd_pki``), TLS, one etcd user per component (``tandem.etcd_auth``), endpoints signed
+with the operator's key and verified by the router (``tandem.registry_signing``).
+
 A supervisor restarts a worker that dies: its registry key is deleted at once (the router stops sending to it),
 and it is registered again, with a new epoch, once its ``/health`` answers. With ``deregister_dead=False`` the key
 stays, as when nobody has noticed the death yet (a partitioned node): only the router's breakers keep traffic off.
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import shutil
 import signal
 import sys
@@ -22,9 +27,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.devcluster.pki import CertPair
+from tandem.etcd_auth import OPERATOR_USER, ROOT_USER, setup_auth
+from tandem.etcd_pki import EtcdPki, create_etcd_pki
 from tandem.procs import ManagedProcess, ProcessFailedError, free_port
 from tandem.registry import Endpoint, Role
 from tandem.registry_etcd import EndpointWriter
+from tandem.registry_signing import EndpointSigner
 
 HOST = "127.0.0.1"
 NAMESPACE = "local"
@@ -40,34 +49,51 @@ RECOVERY_ENV = {
 }
 
 
-def start_etcd(workdir: Path, name: str = "etcd") -> tuple[ManagedProcess, str]:
+def start_etcd(workdir: Path, name: str = "etcd", secure: bool = False) -> tuple[ManagedProcess, str]:
     """A single-member etcd on loopback with its data under ``workdir``; returns it and its ``host:port``."""
-    ((proc, endpoint),) = start_etcd_cluster(workdir, 1, name)
+    ((proc, endpoint),) = start_etcd_cluster(workdir, 1, name, secure=secure)
     return proc, endpoint
 
 
-def start_etcd_cluster(workdir: Path, members: int, name: str = "etcd") -> list[tuple[ManagedProcess, str]]:
+def start_etcd_cluster(
+    workdir: Path, members: int, name: str = "etcd", secure: bool = False
+) -> list[tuple[ManagedProcess, str]]:
     """``members`` etcd processes on loopback forming one cluster (``name``, or ``name-0`` ... when several), data
     under ``workdir``; returns each member and its client ``host:port``. A member's ``stop()`` then ``start()``
-    restarts it on the same ports and data."""
+    restarts it on the same ports and data. ``secure``: server and peer TLS with client certificates required, the
+    PKI under ``workdir/pki`` (``etcd_pki_of``); auth is turned on separately (``tandem.etcd_auth``)."""
     etcd = shutil.which("etcd")
     if etcd is None:
         raise ProcessFailedError("etcd is not installed (Debian package etcd-server; scripts/bootstrap.sh installs it)")
     names = [name] if members == 1 else [f"{name}-{i}" for i in range(members)]
     ports = [(free_port(), free_port()) for _ in names]
-    cluster = ",".join(f"{member}=http://{HOST}:{peer}" for member, (_, peer) in zip(names, ports, strict=True))
+    pki = create_etcd_pki(workdir / "pki", names, HOST) if secure else None
+    scheme = "https" if secure else "http"
+    cluster = ",".join(f"{member}={scheme}://{HOST}:{peer}" for member, (_, peer) in zip(names, ports, strict=True))
     started: list[tuple[ManagedProcess, str]] = []
     for member, (client, peer) in zip(names, ports, strict=True):
+        client_url, peer_url = f"{scheme}://{HOST}:{client}", f"{scheme}://{HOST}:{peer}"
         argv = [
             etcd, "--name", member, "--data-dir", str(workdir / f"{member}.data"),
-            "--listen-client-urls", f"http://{HOST}:{client}", "--advertise-client-urls", f"http://{HOST}:{client}",
-            "--listen-peer-urls", f"http://{HOST}:{peer}", "--initial-advertise-peer-urls", f"http://{HOST}:{peer}",
+            "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
             "--initial-cluster", cluster, "--log-level", "warn",
         ]  # fmt: skip
+        if pki is not None:
+            cert, key, ca = str(pki.member(member).cert), str(pki.member(member).key), str(pki.ca.cert)
+            argv += ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca, "--client-cert-auth"]
+            argv += ["--peer-cert-file", cert, "--peer-key-file", key, "--peer-trusted-ca-file", ca]
+            argv += ["--peer-client-cert-auth"]
         started.append((ManagedProcess(member, argv, workdir / f"{member}.log").start(), f"{HOST}:{client}"))
+    context = pki.ssl_context() if pki is not None else None
     for proc, endpoint in started:  # healthy once the members have elected a leader
-        proc.wait_http(f"http://{endpoint}/health", timeout=30)
+        proc.wait_http(f"{scheme}://{endpoint}/health", timeout=30, context=context)
     return started
+
+
+def etcd_pki_of(workdir: Path) -> EtcdPki:
+    """The PKI ``start_etcd_cluster(..., secure=True)`` made under ``workdir``."""
+    return EtcdPki(workdir / "pki", CertPair(workdir / "pki" / "ca.crt", workdir / "pki" / "ca.key"))
 
 
 WorkerArgv = Callable[[Role, int, int | None], list[str]]
@@ -151,6 +177,7 @@ class LocalStack:
     deregister_dead: bool = True  # False: a dead worker's registry key stays (tests of the router's own breakers)
     worker_env: dict[str, str] = field(default_factory=dict)
     etcd_members: int = 1
+    secure: bool = True  # etcd with TLS, client certificates and roles; signed endpoints (tandem.etcd_auth)
     etcds: list[ManagedProcess] = field(default_factory=list)
     etcd_endpoints: list[str] = field(default_factory=list)
     workers: list[Worker] = field(default_factory=list)
@@ -166,10 +193,24 @@ class LocalStack:
         if self.router_port == 0:
             self.router_port = free_port()
         self.say("starting etcd ...")
-        members = await asyncio.to_thread(start_etcd_cluster, self.workdir, self.etcd_members)
+        members = await asyncio.to_thread(start_etcd_cluster, self.workdir, self.etcd_members, "etcd", self.secure)
         self.etcds = [proc for proc, _ in members]
         self.etcd_endpoints = [endpoint for _, endpoint in members]
-        self.writer = EndpointWriter(self.etcd_endpoints, NAMESPACE, CLUSTER, ttl=5)
+        router_security: list[str] = []
+        if self.secure:
+            pki = etcd_pki_of(self.workdir)
+            await setup_auth(self.etcd_endpoints, pki.client_tls(ROOT_USER), [(NAMESPACE, CLUSTER)])
+            self.writer = EndpointWriter(
+                self.etcd_endpoints,
+                NAMESPACE,
+                CLUSTER,
+                ttl=5,
+                tls=pki.client_tls(OPERATOR_USER),
+                signer=EndpointSigner.from_file(pki.signing_key),
+            )
+            router_security = pki.router_flags()
+        else:
+            self.writer = EndpointWriter(self.etcd_endpoints, NAMESPACE, CLUSTER, ttl=5)
         await self.writer.start()
         for role, count in ((Role.PREFILL, self.prefills), (Role.DECODE, self.decodes)):
             for i in range(count):
@@ -203,6 +244,7 @@ class LocalStack:
             CLUSTER,
             "--health-interval-s",
             "1",
+            *router_security,
             *self.router_args,
         ]
         self.router = ManagedProcess("router", argv, self.workdir / "router.log").start()
@@ -236,6 +278,8 @@ class LocalStack:
                         continue
                     w.epoch += 1
                     self.restarts += 1
+                    if w.role is Role.PREFILL:
+                        self._new_bootstrap_port(w)
                     w.proc.start()
                     task = asyncio.create_task(self._register_when_healthy(w))
                     pending.add(task)
@@ -247,6 +291,16 @@ class LocalStack:
                 await asyncio.wait_for(stop.wait(), interval)
         for task in pending:
             task.cancel()
+
+    def _new_bootstrap_port(self, w: Worker) -> None:
+        """A restarted prefill gets another bootstrap port (registered with its new epoch), so decodes meet it as a
+        new peer. SGLang's decode caches each bootstrap address's rank ports (``CommonKVReceiver``,
+        ``connection_pool`` in ``sglang/srt/disaggregation/common/conn.py``) and drops them only after two missed
+        5 s heartbeats (``_handle_node_failure``): a prefill back on the same address within seconds (here, unlike a
+        GPU worker reloading its weights for minutes) would get every request stuck waiting for KV that its new,
+        randomly bound rank ports never hear about, until ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` (300 s)."""
+        w.bootstrap_port = free_port()
+        w.proc = dataclasses.replace(w.proc, argv=self.worker_argv(w.role, w.port, w.bootstrap_port))
 
     async def stop(self) -> None:
         if self.router is not None:

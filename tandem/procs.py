@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -74,15 +75,17 @@ class ManagedProcess:
         except FileNotFoundError:
             return "(no log)"
 
-    def wait_http(self, url: str, timeout: float = 30.0, expect: int = 200) -> None:
-        """Wait until ``GET url`` answers ``expect``; fail early if the process exits."""
+    def wait_http(
+        self, url: str, timeout: float = 30.0, expect: int = 200, context: ssl.SSLContext | None = None
+    ) -> None:
+        """Wait until ``GET url`` answers ``expect`` (over TLS with ``context``); fail early if the process exits."""
         deadline = time.monotonic() + timeout
         last = "no answer"
         while time.monotonic() < deadline:
             if not self.alive():
                 raise ProcessFailedError(f"{self.name} exited ({self.returncode()}):\n{self.log_tail()}")
             try:
-                with urllib.request.urlopen(url, timeout=2) as resp:
+                with urllib.request.urlopen(url, timeout=2, context=context) as resp:
                     if resp.status == expect:
                         return
                     last = f"HTTP {resp.status}"

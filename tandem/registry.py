@@ -14,7 +14,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 ROOT = "/tandem/v1/clusters"
 
@@ -51,6 +51,12 @@ class Endpoint(BaseModel):
     model: str = Field(min_length=1, description="Served model name.")
     revision: str = Field(default="", description="Spec revision: routers pair only equal revisions.")
     epoch: int = Field(default=0, ge=0, description="Incremented each time the group is recreated.")
+    signature: str = Field(
+        default="",
+        max_length=128,
+        description="The operator's Ed25519 signature (base64) of this key and value (``signed_payload``): routers "
+        "given the operator's public key ignore an endpoint without a valid one (tandem.registry_signing).",
+    )
 
 
 def reused_sessions(earlier: Endpoint, later: Endpoint) -> frozenset[str]:
@@ -68,6 +74,12 @@ def cluster_prefix(namespace: str, cluster: str) -> str:
 
 def endpoint_key(namespace: str, cluster: str, endpoint: Endpoint) -> str:
     return f"{cluster_prefix(namespace, cluster)}{endpoint.role.value}/{endpoint.group}"
+
+
+def signed_payload(key: str, endpoint: Endpoint) -> bytes:
+    """What the operator signs: the registry key and the value without its signature, so a signed value cannot be
+    replayed under another cluster's or group's key."""
+    return key.encode() + b"\n" + endpoint.model_dump_json(exclude={"signature"}).encode()
 
 
 def encode(endpoint: Endpoint) -> bytes:
@@ -116,6 +128,34 @@ class IntegrityReport(BaseModel):
     repeat_offenders: tuple[RepeatOffender, ...] = Field(
         default=(), description="Workers whose pairs were quarantined again and again: recreate their groups."
     )
+
+
+class EtcdTLS(BaseModel):
+    """How a client reaches an etcd that serves TLS and asks for client certificates (paths of PEM files).
+
+    The client certificate's CN is the etcd user whose roles limit what the client may read and write
+    (``tandem.etcd_auth``). No ``ca_file``: plaintext, as before."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    ca_file: str | None = Field(default=None, description="CA bundle that signed the etcd server certificates.")
+    cert_file: str | None = Field(default=None, description="Client certificate (its CN is the etcd user).")
+    key_file: str | None = Field(default=None, description="Private key of the client certificate.")
+    server_name: str | None = Field(
+        default=None, description="Name to check the server certificate against (default: the endpoint's host)."
+    )
+
+    @model_validator(mode="after")
+    def _pair(self) -> EtcdTLS:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("etcd TLS: cert_file and key_file go together")
+        if self.cert_file is not None and self.ca_file is None:
+            raise ValueError("etcd TLS: a client certificate needs ca_file (the etcd server's CA)")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.ca_file is not None
 
 
 def integrity_prefix(namespace: str, cluster: str) -> str:

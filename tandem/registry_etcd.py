@@ -16,13 +16,17 @@ import ipaddress
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import aetcd
+import grpc
 import pydantic
+from aetcd import rpc, watcher
 
 from tandem import registry
-from tandem.registry import Endpoint
+from tandem.registry import Endpoint, EtcdTLS
+from tandem.registry_signing import EndpointSigner
 
 log = logging.getLogger("tandem.registry")
 
@@ -85,17 +89,61 @@ def _ipv4_addresses(host: str) -> list[str]:
     return sorted({str(info[4][0]) for info in infos})
 
 
-def client(endpoints: Sequence[str], timeout: int = 5) -> Any:
-    """An aetcd client over every endpoint (``grpc_target``); any live member serves (etcd forwards to the leader)."""
+class TlsClient(aetcd.Client):  # type: ignore[misc]
+    """aetcd's client over a TLS channel with a client certificate (aetcd 1.0.0 dials only ``insecure_channel``).
+
+    ``connect`` is aetcd's ``Client.connect`` with ``grpc.aio.secure_channel`` in place of ``insecure_channel``;
+    etcd takes the certificate's CN as the user, so no token is needed (``--client-cert-auth``)."""
+
+    def __init__(self, host: str, port: int, timeout: int, tls: EtcdTLS, server_name: str) -> None:
+        super().__init__(host=host, port=port, timeout=timeout)
+        self._tls, self._server_name = tls, server_name
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        credentials = grpc.ssl_channel_credentials(
+            _read(self._tls.ca_file), _read(self._tls.key_file), _read(self._tls.cert_file)
+        )
+        options = [("grpc.ssl_target_name_override", self._server_name), ("grpc.default_authority", self._server_name)]
+        self.channel = rpc.secure_channel(f"{self._host}:{self._port}", credentials, options=options)
+        self.kvstub = rpc.KVStub(self.channel)
+        self.clusterstub = rpc.ClusterStub(self.channel)
+        self.leasestub = rpc.LeaseStub(self.channel)
+        self.maintenancestub = rpc.MaintenanceStub(self.channel)
+        self.auth_stub = rpc.AuthStub(self.channel)
+        self._watcher = watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout, metadata=None)
+        self._connected.set()
+
+
+def _read(path: str | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
+
+def client(endpoints: Sequence[str], timeout: int = 5, tls: EtcdTLS | None = None) -> Any:
+    """An aetcd client over every endpoint (``grpc_target``); any live member serves (etcd forwards to the leader).
+    With ``tls``: over TLS, the server certificate checked against ``tls.server_name`` or the first endpoint's host
+    (one name for every member: the chart's certificate names all of them)."""
     # aetcd dials f"{host}:{port}": splitting the target at its last colon hands it over unchanged.
     host, _, port = grpc_target(endpoints).rpartition(":")
-    return aetcd.Client(host=host, port=int(port), timeout=timeout)
+    if tls is None or not tls.enabled:
+        return aetcd.Client(host=host, port=int(port), timeout=timeout)
+    server_name = tls.server_name or parse_endpoint_url(endpoints[0])[0].strip("[]")
+    return TlsClient(host, int(port), timeout, tls, server_name)
 
 
 class EndpointWriter:
-    def __init__(self, endpoints: Sequence[str], namespace: str, cluster: str, ttl: int = 5) -> None:
-        self.namespace, self.cluster, self.ttl = namespace, cluster, ttl
-        self._client = client(endpoints)
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        namespace: str,
+        cluster: str,
+        ttl: int = 5,
+        tls: EtcdTLS | None = None,
+        signer: EndpointSigner | None = None,
+    ) -> None:
+        self.namespace, self.cluster, self.ttl, self.signer = namespace, cluster, ttl, signer
+        self._client = client(endpoints, tls=tls)
         self._lease: Any = None
         self._keepalive: asyncio.Task[None] | None = None
 
@@ -106,6 +154,8 @@ class EndpointWriter:
 
     async def put(self, endpoint: Endpoint) -> str:
         key = registry.endpoint_key(self.namespace, self.cluster, endpoint)
+        if self.signer is not None:
+            endpoint = self.signer.sign(key, endpoint)
         await self._client.put(key.encode(), registry.encode(endpoint), lease=self._lease)
         return key
 
@@ -144,8 +194,9 @@ class PrefixWatcher(Generic[T]):
         parse: Callable[[bytes, bytes], T | None],
         on_change: Callable[[dict[str, T]], Awaitable[None]],
         retry_s: float = 1.0,
+        tls: EtcdTLS | None = None,
     ) -> None:
-        self.endpoints = list(endpoints)
+        self.endpoints, self.tls = list(endpoints), tls
         self.prefix = prefix.encode()
         self.parse, self.on_change, self.retry_s = parse, on_change, retry_s
         self.synced = asyncio.Event()
@@ -164,7 +215,7 @@ class PrefixWatcher(Generic[T]):
         while True:
             etcd: Any = None
             try:
-                etcd = client(self.endpoints)
+                etcd = client(self.endpoints, tls=self.tls)
                 await etcd.connect()
                 await self._list_and_watch(etcd)
             except asyncio.CancelledError:
@@ -210,8 +261,10 @@ class EndpointWatcher(PrefixWatcher[Endpoint]):
         on_put: OnPut,
         on_delete: OnDelete,
         retry_s: float = 1.0,
+        tls: EtcdTLS | None = None,
     ) -> None:
-        super().__init__(endpoints, registry.cluster_prefix(namespace, cluster), _parse, self._changed, retry_s)
+        prefix = registry.cluster_prefix(namespace, cluster)
+        super().__init__(endpoints, prefix, _parse, self._changed, retry_s, tls)
         self.on_snapshot, self.on_put, self.on_delete = on_snapshot, on_put, on_delete
         self._known: dict[str, Endpoint] | None = None
 

@@ -24,6 +24,7 @@ class RouterMetrics:
     refused: Counter[tuple[str, str]] = field(default_factory=Counter)  # (route, reason) -> broken, not resumed
     resume_gaps: float = 0  # resume gaps observed (one per resume)
     detections: float = 0  # integrity detector findings
+    forged_endpoints: float = 0  # registry values ignored for lack of a valid operator signature
 
     @property
     def streaming(self) -> float:
@@ -64,4 +65,6 @@ async def scrape(router_url: str) -> RouterMetrics:
                 out.resume_gaps += sample.value
             elif sample.name == "tandem_integrity_detections_total":
                 out.detections += sample.value
+            elif sample.name == "tandem_router_registry_forged_endpoints_total":
+                out.forged_endpoints += sample.value
     return out

@@ -16,8 +16,10 @@ from typing import Any
 import kopf
 import pydantic
 
+from tandem.registry import EtcdTLS
+from tandem.registry_signing import EndpointSigner
 from tandem_operator.api.common import GROUP, VERSION
-from tandem_operator.api.pdcluster import PDClusterSpec
+from tandem_operator.api.pdcluster import EtcdSpec, PDClusterSpec
 from tandem_operator.desired.naming import LABEL_CLUSTER, ClusterRef
 from tandem_operator.fencing import node_lost
 from tandem_operator.k8s.kube import Kube
@@ -33,14 +35,19 @@ class OperatorState:
     options: RuntimeOptions
     etcd_override: Sequence[str] = ()  # the operator's own route to etcd, if it differs from the spec's
     lease_ttl: int = 10
+    etcd_tls: EtcdTLS | None = None  # client certificate of the operator's etcd user (tandem.etcd_auth)
+    signer: EndpointSigner | None = None  # signs every registry value (routers verify: tandem.registry_signing)
     runtimes: dict[tuple[str, str], ClusterRuntime] = field(default_factory=dict)
     registrars: dict[tuple[str, ...], Registrar] = field(default_factory=dict)
     lost_nodes: set[str] = field(default_factory=set)
 
-    async def registrar(self, endpoints: Sequence[str]) -> Registrar:
-        key = tuple(self.etcd_override or endpoints)
+    async def registrar(self, etcd: EtcdSpec) -> Registrar:
+        endpoints, mooncake = tuple(self.etcd_override or etcd.endpoints), tuple(etcd.mooncake_endpoints)
+        key = (*endpoints, "|", *mooncake)
         if key not in self.registrars:
-            registrar = Registrar(key, ttl=self.lease_ttl)
+            registrar = Registrar(
+                endpoints, ttl=self.lease_ttl, tls=self.etcd_tls, signer=self.signer, mooncake_endpoints=mooncake
+            )
             await registrar.start()
             self.registrars[key] = registrar
         return self.registrars[key]
@@ -52,7 +59,7 @@ class OperatorState:
             await runtime.stop(unregister=False)
             runtime = None
         if runtime is None:
-            registrar = await self.registrar(spec.etcd.endpoints)
+            registrar = await self.registrar(spec.etcd)
             runtime = ClusterRuntime(ref, spec, self.kube, registrar, self.options, lambda: self.lost_nodes)
             self.runtimes[key] = runtime
             await runtime.start()

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import pydantic
 
 from tandem import registry
-from tandem.registry import IntegrityReport
+from tandem.registry import EtcdTLS, IntegrityReport
 from tandem.registry_etcd import PrefixWatcher
 
 log = logging.getLogger("tandem.operator.integrity")
@@ -24,9 +24,15 @@ OnChange = Callable[[dict[str, IntegrityReport]], Awaitable[None]]
 
 class IntegrityWatcher(PrefixWatcher[IntegrityReport]):
     def __init__(
-        self, endpoints: Sequence[str], namespace: str, cluster: str, on_change: OnChange, retry_s: float = 1.0
+        self,
+        endpoints: Sequence[str],
+        namespace: str,
+        cluster: str,
+        on_change: OnChange,
+        retry_s: float = 1.0,
+        tls: EtcdTLS | None = None,
     ) -> None:
-        super().__init__(endpoints, registry.integrity_prefix(namespace, cluster), _parse, on_change, retry_s)
+        super().__init__(endpoints, registry.integrity_prefix(namespace, cluster), _parse, on_change, retry_s, tls)
 
 
 def _parse(key: bytes, value: bytes) -> IntegrityReport | None:

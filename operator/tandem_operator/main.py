@@ -21,10 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import kopf
+import pydantic
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
 
 from tandem import logs
+from tandem.registry import EtcdTLS
+from tandem.registry_signing import EndpointSigner
 from tandem_operator.handlers import OperatorState, build_registry
 from tandem_operator.k8s.election import LeaderElector
 from tandem_operator.k8s.kube import Kube
@@ -50,6 +53,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     scope.add_argument("--all-namespaces", action="store_true", help="serve every namespace (the default)")
     parser.add_argument(
         "--etcd-endpoints", default="", help="comma-separated etcd endpoints overriding spec.etcd.endpoints"
+    )
+    parser.add_argument("--etcd-ca-file", help="CA of the etcd server certificates (turns TLS on)")
+    parser.add_argument("--etcd-cert-file", help="client certificate of the operator's etcd user (its CN)")
+    parser.add_argument("--etcd-key-file", help="private key of --etcd-cert-file")
+    parser.add_argument("--etcd-server-name", help="name to check etcd's certificate against (default: its host)")
+    parser.add_argument(
+        "--registry-signing-key",
+        help="Ed25519 private key (PEM) that signs every registry value; routers verify with its public key",
     )
     parser.add_argument(
         "--lease-ttl",
@@ -85,6 +96,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             "expire during a failover)"
         )
     args.etcd = [e.strip() for e in args.etcd_endpoints.split(",") if e.strip()]
+    for flag in ("etcd_ca_file", "etcd_cert_file", "etcd_key_file", "registry_signing_key"):
+        path = getattr(args, flag)
+        if path is not None and not Path(path).is_file():
+            parser.error(f"--{flag.replace('_', '-')}: no such file: {path}")
+    try:
+        args.etcd_tls = EtcdTLS(
+            ca_file=args.etcd_ca_file,
+            cert_file=args.etcd_cert_file,
+            key_file=args.etcd_key_file,
+            server_name=args.etcd_server_name,
+        )
+    except pydantic.ValidationError as err:
+        parser.error(f"--etcd-*-file: {err.errors()[0]['msg']}")
     return args
 
 
@@ -153,8 +177,14 @@ async def _run_operator(args: argparse.Namespace, configuration: k8s_client.Conf
         LEADER.set(1)
         holder = asyncio.create_task(elector.hold())
         holder.add_done_callback(lambda _: stop.set())
+    signer = EndpointSigner.from_file(args.registry_signing_key) if args.registry_signing_key else None
     state = OperatorState(
-        kube, RuntimeOptions(args.identity, resync_seconds=args.resync), tuple(args.etcd), args.lease_ttl
+        kube,
+        RuntimeOptions(args.identity, resync_seconds=args.resync),
+        tuple(args.etcd),
+        args.lease_ttl,
+        etcd_tls=args.etcd_tls,
+        signer=signer,
     )
     registry = build_registry(state)
 

@@ -18,8 +18,9 @@ from typing import Any
 import pydantic
 
 from tandem import registry
-from tandem.registry import Endpoint
+from tandem.registry import Endpoint, EtcdTLS
 from tandem.registry_etcd import client as etcd_client
+from tandem.registry_signing import EndpointSigner
 from tandem_operator.fencing import StaleKeys
 from tandem_operator.observe import GroupKey
 from tandem_operator.registration import parse_group
@@ -30,9 +31,18 @@ OnLeaseLost = Callable[[], Awaitable[None]]
 
 
 class Registrar:
-    def __init__(self, endpoints: Sequence[str], ttl: int = 10) -> None:
-        self.endpoints, self.ttl = tuple(endpoints), ttl
-        self._client = etcd_client(endpoints)
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        ttl: int = 10,
+        tls: EtcdTLS | None = None,
+        signer: EndpointSigner | None = None,
+        mooncake_endpoints: Sequence[str] = (),
+    ) -> None:
+        self.endpoints, self.ttl, self.tls, self.signer = tuple(endpoints), ttl, tls, signer
+        self._client = etcd_client(endpoints, tls=tls)
+        # Mooncake's keys, when they live in an etcd of their own (spec.etcd.mooncakeEndpoints: plaintext, no user)
+        self._mooncake = etcd_client(mooncake_endpoints) if mooncake_endpoints else None
         self._lease: Any = None
         self._keepalive: asyncio.Task[None] | None = None
         self._listeners: list[OnLeaseLost] = []
@@ -43,6 +53,8 @@ class Registrar:
 
     async def start(self) -> None:
         await self._client.connect()
+        if self._mooncake is not None:
+            await self._mooncake.connect()
         self._lease = await self._client.lease(self.ttl)
         self._keepalive = asyncio.create_task(self._keep_alive(), name=f"etcd-lease-{self.endpoints[0]}")
 
@@ -53,9 +65,13 @@ class Registrar:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._keepalive
         await self._client.close()
+        if self._mooncake is not None:
+            await self._mooncake.close()
 
     async def put(self, namespace: str, cluster: str, endpoint: Endpoint) -> str:
         key = registry.endpoint_key(namespace, cluster, endpoint)
+        if self.signer is not None:
+            endpoint = self.signer.sign(key, endpoint)
         await self._client.put(key.encode(), registry.encode(endpoint), lease=self._lease)
         return key
 
@@ -68,26 +84,33 @@ class Registrar:
         await self._client.delete_prefix(registry.cluster_prefix(namespace, cluster).encode())
 
     async def list_endpoints(self, namespace: str, cluster: str) -> dict[GroupKey, Endpoint]:
-        """The cluster's entries now in etcd (a previous operator's included); malformed ones are skipped."""
+        """The cluster's entries now in etcd (a previous operator's included), without their signatures (as the
+        deciders build them); malformed ones, and with a signing key unsigned or forged ones, are skipped, so the
+        next sync overwrites them."""
         found: dict[GroupKey, Endpoint] = {}
         for kv in await self._client.get_prefix(registry.cluster_prefix(namespace, cluster).encode()):
+            key = kv.key.decode(errors="replace")
             try:
                 endpoint = registry.decode(kv.value)
             except pydantic.ValidationError:
-                log.warning("malformed registry entry ignored", extra={"key": kv.key.decode(errors="replace")})
+                log.warning("malformed registry entry ignored", extra={"key": key})
                 continue
+            if self.signer is not None and not self.signer.verifier.verify(key, endpoint):
+                log.error("registry entry without a valid operator signature ignored", extra={"key": key})
+                continue
+            endpoint = endpoint.model_copy(update={"signature": ""})
             group = parse_group(endpoint)
             if group is not None:
                 found[group] = endpoint
         return found
 
     async def delete_stale(self, stale: StaleKeys) -> int:
-        """Delete stale Mooncake metadata; returns how many keys went."""
-        deleted = 0
+        """Delete stale Mooncake metadata (in Mooncake's own etcd, if it has one); returns how many keys went."""
+        etcd, deleted = self._mooncake or self._client, 0
         for key in stale.keys:
-            deleted += await self._client.delete(key.encode()) is not None
+            deleted += await etcd.delete(key.encode()) is not None
         for prefix in stale.prefixes:
-            result = await self._client.delete_prefix(prefix.encode())
+            result = await etcd.delete_prefix(prefix.encode())
             deleted += int(getattr(result, "deleted", 0))
         return deleted
 

@@ -59,7 +59,9 @@ class ClusterRuntime:
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.reconciled = asyncio.Event()  # set after each successful pass (tests wait on it)
-        self._integrity = IntegrityWatcher(registrar.endpoints, ref.namespace, ref.name, self._on_integrity)
+        self._integrity = IntegrityWatcher(
+            registrar.endpoints, ref.namespace, ref.name, self._on_integrity, tls=registrar.tls
+        )
 
     @property
     def ref(self) -> ClusterRef:

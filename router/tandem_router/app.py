@@ -176,7 +176,11 @@ async def _startup(app: web.Application) -> None:
         s.background.append(asyncio.create_task(s.hooks.canary.run(s.stop)))
     if s.integrity is not None and s.settings.discovery is DiscoveryMode.ETCD:
         publisher = IntegrityPublisher(
-            s.integrity, s.settings.etcd_endpoints, s.settings.cluster_namespace, s.settings.cluster_name
+            s.integrity,
+            s.settings.etcd_endpoints,
+            s.settings.cluster_namespace,
+            s.settings.cluster_name,
+            tls=s.settings.etcd_tls,
         )
         s.background.append(asyncio.create_task(publisher.run(s.stop)))
 

@@ -10,9 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, FilePath, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tandem.registry import EtcdTLS
+from tandem.registry_signing import EndpointVerifier
 from tandem_router.policy.selection import Policy
 
 
@@ -41,6 +43,15 @@ class RouterSettings(BaseSettings):
 
     discovery: DiscoveryMode = DiscoveryMode.STATIC
     etcd_endpoints: list[str] = Field(default_factory=lambda: ["127.0.0.1:2379"])
+    etcd_ca_file: FilePath | None = Field(default=None, description="CA of etcd's server certificates (turns TLS on).")
+    etcd_cert_file: FilePath | None = Field(default=None, description="Client certificate of the router's etcd user.")
+    etcd_key_file: FilePath | None = Field(default=None, description="Private key of etcd_cert_file.")
+    etcd_server_name: str | None = Field(default=None, description="Name etcd's certificate is checked against.")
+    registry_verify_key: FilePath | None = Field(
+        default=None,
+        description="The operator's Ed25519 public key (PEM): registry endpoints without its valid signature are "
+        "ignored, logged and counted (tandem_router_registry_forged_endpoints). Unset: every endpoint is trusted.",
+    )
     cluster_namespace: str = "default"
     cluster_name: str = "tandem"
     k8s_namespace: str = "default"
@@ -96,6 +107,18 @@ class RouterSettings(BaseSettings):
     leak_ngram_words: int = Field(default=8, ge=3, le=64, description="Words of another prompt that count as a leak.")
     log_level: str = "info"
 
+    @property
+    def etcd_tls(self) -> EtcdTLS:
+        files = {"ca_file": self.etcd_ca_file, "cert_file": self.etcd_cert_file, "key_file": self.etcd_key_file}
+        return EtcdTLS(**{k: str(v) for k, v in files.items() if v is not None}, server_name=self.etcd_server_name)
+
+    @model_validator(mode="after")
+    def _tls_files(self) -> RouterSettings:
+        self.etcd_tls  # noqa: B018 -- raises on a certificate without its key, or without a CA
+        if self.registry_verify_key is not None:
+            EndpointVerifier.from_file(self.registry_verify_key)  # raises ValueError naming a wrong key
+        return self
+
     @field_validator("decode")
     @classmethod
     def _urls(cls, value: list[str]) -> list[str]:
@@ -126,6 +149,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", dest="model_names", action="append")
     p.add_argument("--discovery", choices=[x.value for x in DiscoveryMode])
     p.add_argument("--etcd-endpoint", dest="etcd_endpoints", action="append", metavar="HOST:PORT")
+    p.add_argument("--etcd-ca-file", help="CA of etcd's server certificates (turns TLS on)")
+    p.add_argument("--etcd-cert-file", help="client certificate of the router's etcd user (its CN)")
+    p.add_argument("--etcd-key-file")
+    p.add_argument("--etcd-server-name", help="name etcd's certificate is checked against (default: its host)")
+    p.add_argument("--registry-verify-key", help="operator's Ed25519 public key: ignore endpoints it did not sign")
     p.add_argument("--cluster-namespace")
     p.add_argument("--cluster-name")
     p.add_argument("--k8s-namespace")

@@ -76,12 +76,20 @@ class StaticDiscovery:
 
 
 class EtcdDiscovery:
-    """Follows ``tandem.registry`` keys of one cluster; a deleted key drops its worker at once."""
+    """Follows ``tandem.registry`` keys of one cluster; a deleted key drops its worker at once.
+
+    With ``registry_verify_key`` set, an endpoint without the operator's valid signature (``tandem.registry_signing``)
+    is never used: it is logged, counted, and handled as if its key were absent (a forged value over a real
+    endpoint takes that worker out, it never redirects its traffic)."""
 
     def __init__(self, pool: WorkerPool, settings: RouterSettings) -> None:
         from tandem.registry_etcd import EndpointWatcher
+        from tandem.registry_signing import EndpointVerifier
 
         self.pool = pool
+        self._verifier = (
+            EndpointVerifier.from_file(settings.registry_verify_key) if settings.registry_verify_key else None
+        )
         self._keys: dict[str, str] = {}  # registry key -> worker key
         # registry key -> latest incarnation seen, kept after a delete: a fence deletes the key before the group's
         # next incarnation is put, and that one must not reuse the dead one's Mooncake session ids.
@@ -93,6 +101,7 @@ class EtcdDiscovery:
             on_snapshot=self._snapshot,
             on_put=self._put,
             on_delete=self._delete,
+            tls=settings.etcd_tls,
         )
 
     async def start(self) -> None:
@@ -115,7 +124,18 @@ class EtcdDiscovery:
         if earlier is None or endpoint.epoch >= earlier.epoch:
             self._incarnations[key] = endpoint
 
+    def _trusted(self, key: str, endpoint: Endpoint) -> bool:
+        if self._verifier is None or self._verifier.verify(key, endpoint):
+            return True
+        self.pool.forged_endpoints += 1
+        log.error(
+            "registry endpoint without a valid operator signature ignored: someone other than the operator wrote it",
+            extra={"key": key, "worker": endpoint.url, "signed": bool(endpoint.signature)},
+        )
+        return False
+
     def _snapshot(self, endpoints: dict[str, Endpoint]) -> None:
+        endpoints = {key: ep for key, ep in endpoints.items() if self._trusted(key, ep)}
         for key, endpoint in endpoints.items():
             self._note_incarnation(key, endpoint)
         specs = {key: endpoint_spec(ep) for key, ep in endpoints.items()}
@@ -124,6 +144,9 @@ class EtcdDiscovery:
         log.info("registry synced", extra={"workers": sorted(s.url for s in specs.values())})
 
     def _put(self, key: str, endpoint: Endpoint) -> None:
+        if not self._trusted(key, endpoint):
+            self._delete(key)
+            return
         self._note_incarnation(key, endpoint)
         spec = endpoint_spec(endpoint)
         old = self._keys.get(key)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tandem import registry, registry_etcd
-from tandem.registry import IntegrityReport, QuarantinedPair, RepeatOffender, Role
+from tandem.registry import EtcdTLS, IntegrityReport, QuarantinedPair, RepeatOffender, Role
 from tandem_router.integrity.monitor import IntegrityMonitor
 
 log = logging.getLogger("tandem.router.integrity")
@@ -83,9 +83,10 @@ class IntegrityPublisher:
         cluster: str,
         ttl: int = 10,
         interval_s: float = 1.0,
+        tls: EtcdTLS | None = None,
     ) -> None:
         self.monitor = monitor
-        self.endpoints = list(etcd_endpoints)
+        self.endpoints, self.tls = list(etcd_endpoints), tls
         self.router = f"{socket.gethostname()}-{os.getpid()}"
         self.key = registry.integrity_key(namespace, cluster, self.router).encode()
         self.ttl, self.interval_s = ttl, interval_s
@@ -99,7 +100,7 @@ class IntegrityPublisher:
             while not stop.is_set():
                 try:
                     if etcd is None:
-                        etcd = registry_etcd.client(self.endpoints)
+                        etcd = registry_etcd.client(self.endpoints, tls=self.tls)
                         await etcd.connect()
                     if lease is None:
                         lease, written = await etcd.lease(self.ttl), None

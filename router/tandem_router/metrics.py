@@ -125,6 +125,11 @@ class _PoolCollector(Collector):
             "Recreated groups registered under a Mooncake session id of their previous incarnation.",
             value=self.pool.mooncake_session_reuses,
         )
+        yield CounterMetricFamily(
+            "tandem_router_registry_forged_endpoints",
+            "Registry values ignored because they lack a valid operator signature (--registry-verify-key).",
+            value=self.pool.forged_endpoints,
+        )
         yield _available_pairs(self.pool, now)
 
 

@@ -121,6 +121,7 @@ class WorkerPool:
         self._rr_k = -1
         self._rr_prefills = 1
         self.mooncake_session_reuses = 0  # recreated groups that came back under an earlier Mooncake session id
+        self.forged_endpoints = 0  # registry values ignored for lack of a valid operator signature
 
     # -- membership (discovery) --------------------------------------------------------------------------------
     def upsert(self, spec: WorkerSpec) -> None:

@@ -282,16 +282,20 @@ class Server:
         return web.Response(body=self.worker.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def faults(self, request: web.Request) -> web.Response:
+        """Fault injection: ``transfer_failure_prob`` (SGLANG_TEST_DISAGG_FAILURE_PROB at runtime), limited to sends
+        to the decode sessions in ``to_sessions`` when given (a broken link between this prefill and one decode)."""
         try:
             body = await request.json()
             prob = float(body["transfer_failure_prob"])
-        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as err:
-            return _json({"error": f"expected {{'transfer_failure_prob': float}}: {err!r}"}, 400)
+            sessions = frozenset(str(s) for s in body.get("to_sessions", []))
+        except (ValueError, KeyError, TypeError, AttributeError, json.JSONDecodeError) as err:
+            return _json({"error": f"expected {{'transfer_failure_prob': float, 'to_sessions'?: [str]}}: {err!r}"}, 400)
         if not 0.0 <= prob <= 1.0 or not self.worker.prefill_ranks:
             return _json({"error": "transfer_failure_prob must be in [0, 1], on a prefill worker"}, 400)
         for rank in self.worker.prefill_ranks:
             rank.failure_prob = prob
-        return _json({"transfer_failure_prob": prob})
+            rank.failure_sessions = sessions
+        return _json({"transfer_failure_prob": prob, "to_sessions": sorted(sessions)})
 
 
 async def cancel_all(tasks: dict[str, asyncio.Task[Any]]) -> None:

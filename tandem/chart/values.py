@@ -103,6 +103,28 @@ class Persistence(Values):
     storage_class: str = Field(default="", description="StorageClass; empty means the cluster default.")
 
 
+class EtcdTls(Values):
+    enabled: bool = Field(
+        default=True,
+        description="Embedded etcd: server and peer TLS, client certificates, one etcd user per component "
+        "(operator read-write, routers read-only on endpoints) and operator-signed endpoints routers verify. "
+        "Mode 'external' is not wired (the chart passes no certificates).",
+    )
+    cert_manager: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        description="Certificates from cert-manager ('auto': when its cert-manager.io/v1 API exists); otherwise "
+        "the chart generates them once at install and keeps them on upgrade (rotation: charts/tandem/README.md).",
+    )
+    issuer: str = Field(
+        default="",
+        description="cert-manager Issuer (same namespace) signing the etcd certificates; empty: the chart makes "
+        "a self-signed CA Issuer of its own.",
+    )
+    validity_days: int = Field(
+        default=365, ge=1, le=3650, description="Lifetime of the certificates the chart generates (no cert-manager)."
+    )
+
+
 class Etcd(Values):
     mode: Literal["embedded", "external"] = Field(
         default="embedded", description="'embedded': a StatefulSet in this release; 'external': use endpoints."
@@ -113,6 +135,9 @@ class Etcd(Values):
         default_factory=list, description="External etcd endpoints 'host:port' (mode 'external')."
     )
     persistence: Persistence = Field(default_factory=Persistence, description="Embedded etcd storage.")
+    tls: EtcdTls = Field(
+        default_factory=EtcdTls, description="TLS, client certificates and roles of the embedded etcd."
+    )
     resources: Resources = Field(
         default_factory=lambda: Resources(requests={"cpu": "200m", "memory": "512Mi"}),
         description="Embedded etcd container resources.",
@@ -128,6 +153,12 @@ class MooncakeMaster(Values):
         default="lmsysorg/sglang:v0.5.23", min_length=1, description="Image that has the mooncake_master binary."
     )
     cluster_id: str = Field(default="tandem", min_length=1, description="Mooncake Store cluster id (etcd key scope).")
+    etcd_endpoints: list[str] = Field(
+        default_factory=list,
+        description="A plaintext etcd 'host:port' list for the master's HA (and the PDCluster's "
+        "spec.etcd.mooncakeEndpoints): needed when etcd.tls is on, since Mooncake's etcd client has no TLS; "
+        "empty: the registry etcd.",
+    )
     rpc_port: int = Field(default=50051, ge=1, le=65535, description="Master RPC port.")
     metrics_port: int = Field(default=9003, ge=1, le=65535, description="Master metrics port.")
     resources: Resources = Field(

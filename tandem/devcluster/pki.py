@@ -59,10 +59,14 @@ def _issue(ca: CertPair, pair: CertPair, subj: str, extensions: Sequence[str]) -
     return pair
 
 
-def issue_serving_cert(ca: CertPair, directory: Path, name: str, ips: Sequence[str], dns: Sequence[str]) -> CertPair:
+def issue_serving_cert(
+    ca: CertPair, directory: Path, name: str, ips: Sequence[str], dns: Sequence[str], *, peer: bool = False
+) -> CertPair:
+    """A server certificate for ``ips`` and ``dns``; ``peer``: also a client one (etcd members dial each other)."""
     san = ",".join([f"IP:{ip}" for ip in ips] + [f"DNS:{d}" for d in dns])
     pair = CertPair(directory / f"{name}.crt", directory / f"{name}.key")
-    return _issue(ca, pair, subject(name), [f"subjectAltName={san}", "extendedKeyUsage=serverAuth"])
+    usage = "extendedKeyUsage=serverAuth,clientAuth" if peer else "extendedKeyUsage=serverAuth"
+    return _issue(ca, pair, subject(name), [f"subjectAltName={san}", usage])
 
 
 def issue_client_cert(ca: CertPair, directory: Path, user: str, groups: Sequence[str] = ()) -> CertPair:

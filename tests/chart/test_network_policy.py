@@ -69,7 +69,8 @@ class World:
     that are not Tandem's, by key."""
 
     def __init__(self, *sets: str, values: Path | None = None) -> None:
-        args = ["--set", "mooncakeMaster.enabled=true", *(a for s in sets for a in ("--set", s))]
+        args = ["--set", "mooncakeMaster.enabled=true", "--set", "mooncakeMaster.etcdEndpoints={mooncake-etcd:2379}"]
+        args += [a for s in sets for a in ("--set", s)]
         args += ["-f", str(values)] if values else []
         docs = render(*args)
         self.policies = network_policies(docs)
@@ -156,6 +157,7 @@ FLOWS: list[tuple[str, str, str, int | str, bool]] = [
     ("another PDCluster's worker -> etcd", "stranger", "etcd", "client", True),
     ("mooncake master -> etcd (HA leader key)", "mooncake-master", "etcd", "client", True),
     ("etcd member -> etcd peer", "etcd", "etcd", "peer", True),
+    ("etcd-auth set-up Job -> etcd (users and roles)", "etcd-auth", "etcd", "client", True),
     ("pod in the release namespace -> etcd", "rogue", "etcd", "client", False),
     ("helm test -> etcd", "helm-test", "etcd", "client", False),
     ("ingress controller -> etcd", "ingress", "etcd", "client", False),

@@ -12,7 +12,8 @@ import pytest
 from tests.chart.render import VALUES_FILES, pod_templates, render
 
 OPTIONAL = [
-    "--set", "mooncakeMaster.enabled=true", "--set", "router.hpa.enabled=true",
+    "--set", "mooncakeMaster.enabled=true", "--set", "mooncakeMaster.etcdEndpoints={mooncake-etcd:2379}",
+    "--set", "router.hpa.enabled=true",
     "--set", "etcd.persistence.enabled=false", "--set", "metrics.serviceMonitor.enabled=true",
 ]  # fmt: skip
 
@@ -59,7 +60,7 @@ def test_every_rendered_pod_is_hardened(values: Path | None) -> None:
 def test_the_check_covers_every_component_and_finds_faults() -> None:
     pods = rendered_pods(None)
     components = {p["metadata"]["labels"]["app.kubernetes.io/component"] for p in pods.values()}
-    assert components == {"operator", "router", "etcd", "mooncake-master", "helm-test"}
+    assert components == {"operator", "router", "etcd", "etcd-auth", "mooncake-master", "helm-test"}
     loose = {"spec": {"containers": [{"name": "c", "securityContext": {"capabilities": {"add": ["NET_ADMIN"]}}}]}}
     assert len(hardening_faults("loose", loose)) == 6
 

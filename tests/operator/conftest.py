@@ -16,7 +16,7 @@ from tandem.devcluster.podrunner import Launch, PodRunner
 from tandem.procs import ManagedProcess, free_port
 from tandem_operator.api.pdcluster import PDClusterSpec
 from tandem_operator.desired.drain_hook import DRAIN_GAUGES
-from tests.operator.live import CRDS, run_tool
+from tests.operator.live import CRDS, Live, run_tool
 
 KIMI_8XH200: dict[str, Any] = {
     "transfer": {"protocol": "rdma", "ibDevices": ["mlx5_0", "mlx5_1"]},
@@ -120,3 +120,17 @@ async def health_pods(k8s_api: client.ApiClient, k8s_namespace: str, tmp_path: P
     runner = PodRunner(k8s_api, tmp_path / "health-pods", launcher=health_only, namespace=k8s_namespace)
     async with runner.running_in_background():
         yield runner
+
+
+@pytest.fixture
+def live(
+    k8s_cluster: DevCluster,
+    k8s_api: client.ApiClient,
+    k8s_namespace: str,
+    tandem_crds: None,
+    etcd_endpoint: str,
+    tmp_path: Path,
+    proc_factory: list[ManagedProcess],
+) -> Live:
+    """The dev cluster with Tandem's CRDs, a fresh namespace, the registry etcd, logs and processes of one test."""
+    return Live(k8s_cluster, k8s_api, k8s_namespace, etcd_endpoint, tmp_path, proc_factory)

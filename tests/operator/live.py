@@ -108,6 +108,19 @@ LOAD_CLIENT = Path(__file__).with_name("load_client.py")
 SIM_MODEL = "kimi-k2.6-sim"
 
 
+@dataclass(frozen=True)
+class Live:
+    """What every live operator test runs on (fixture ``live``): the dev cluster with Tandem's CRDs, a fresh
+    namespace, the registry etcd, the test's log directory and its process list (stopped at teardown)."""
+
+    cluster: DevCluster
+    api: client.ApiClient
+    ns: str
+    etcd: str
+    tmp: Path
+    procs: list[ManagedProcess]
+
+
 @dataclass
 class SimStack:
     """A simulated PDCluster ``sim`` serving through a router: its registry and the router's OpenAI base URL."""
@@ -119,18 +132,10 @@ class SimStack:
 
 
 @contextlib.asynccontextmanager
-async def sim_stack(
-    cluster: DevCluster,
-    api: client.ApiClient,
-    namespace: str,
-    etcd: str,
-    log_dir: Path,
-    procs: list[ManagedProcess],
-    groups: Sequence[str],
-    **spec: Any,
-) -> AsyncIterator[SimStack]:
+async def sim_stack(live: Live, groups: Sequence[str], **spec: Any) -> AsyncIterator[SimStack]:
     """Operator, PDCluster ``sim`` (simulated workers behind pod IPs), pod runner, router: yields once ``groups``
     are registered and a completion goes through the router."""
+    cluster, api, namespace, etcd, log_dir, procs = live.cluster, live.api, live.ns, live.etcd, live.tmp, live.procs
     procs.append(operator_process(cluster, namespace, etcd, log_dir, "op").start())
     await create_pdcluster(api, namespace, pdcluster("sim", simulated=True, **spec))
     (log_dir / "pods").mkdir()

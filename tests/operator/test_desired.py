@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pydantic
 import pytest
 import yaml
 
@@ -144,6 +145,19 @@ def test_offload_env_points_mooncake_at_etcd() -> None:
     # rdma, 8 GPUs per pod: one RPC port per rank's Mooncake engine
     assert (env["MC_MIN_RPC_PORT"], env["MC_MAX_RPC_PORT"]) == ("15100", "15107")
     assert env["MOONCAKE_GLOBAL_SEGMENT_SIZE"] == "0gb"  # mooncake_store._parse_global_segment_size: "<n>gb"
+
+
+def test_mooncake_keys_go_to_their_own_etcd_when_named() -> None:
+    etcd = {
+        "endpoints": ["https://registry.llm.svc:2379"],
+        "mooncakeEndpoints": ["http://mc-0.mc:2379", "http://mc-1.mc:2379"],
+    }
+    spec = kimi_spec(etcd=etcd)
+    env = {v["name"]: v.get("value") for v in container(pods_of(group_manifests(ctx(spec, Role.DECODE), 0))[0])["env"]}
+    assert env["MOONCAKE_MASTER"] == env["MOONCAKE_TE_META_DATA_SERVER"] == "etcd://mc-0.mc:2379;mc-1.mc:2379"
+    assert template_hash(spec, Role.DECODE) != template_hash(kimi_spec(), Role.DECODE)  # the pods roll onto it
+    with pytest.raises(pydantic.ValidationError, match="mooncakeEndpoints"):  # Mooncake's client has no TLS
+        kimi_spec(etcd={"endpoints": ["https://r:2379"], "mooncakeEndpoints": ["https://mc:2379"]})
 
 
 def test_template_hash_ignores_group_count_and_other_role() -> None:

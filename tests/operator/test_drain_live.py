@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import pytest
-from kubernetes_asyncio import client
 
-from tandem.devcluster.cluster import DevCluster
-from tandem.procs import ManagedProcess
 from tests.devcluster_fixtures import eventually
-from tests.operator.live import SIM_MODEL, load_result, pods, run_tool, sim_stack, start_load
+from tests.operator.live import SIM_MODEL, Live, load_result, pods, run_tool, sim_stack, start_load
 
 pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(300)]
 ONE_NODE = {"nodesPerGroup": 1, "gpusPerNode": 1, "tpSize": 1, "epSize": 1, "moeA2ABackend": "none"}
@@ -25,22 +21,16 @@ STREAMS, SECONDS, TOKENS = 16, 14.0, 100
 
 
 async def test_scale_down_under_streaming_load_loses_no_stream(
-    k8s_cluster: DevCluster,
-    k8s_api: client.ApiClient,
-    k8s_namespace: str,
-    tandem_crds: None,
-    etcd_endpoint: str,
-    tmp_path: Path,
-    proc_factory: list[ManagedProcess],
+    live: Live,
 ) -> None:
-    ns = k8s_namespace
+    ns = live.ns
     decode = {**ONE_NODE, "groups": 2, "extraArgs": ["--sim-inter-token-ms=20"]}
     groups = ["decode-0", "decode-1", "prefill-0"]
-    async with sim_stack(k8s_cluster, k8s_api, ns, etcd_endpoint, tmp_path, proc_factory, groups, decode=decode) as sim:
+    async with sim_stack(live, groups, decode=decode) as sim:
         load = await start_load(sim.base_url, SIM_MODEL, STREAMS, SECONDS, TOKENS)
         await asyncio.sleep(4.0)  # every stream slot busy, both decodes streaming
         scaled = time.monotonic()
-        await run_tool(k8s_cluster, "kubectl", "-n", ns, "scale", "pdpool/sim-decode", "--replicas=1")
+        await run_tool(live.cluster, "kubectl", "-n", ns, "scale", "pdpool/sim-decode", "--replicas=1")
 
         async def unregistered() -> bool:
             return "decode-1" not in await sim.reg.endpoints(ns, "sim")
@@ -49,7 +39,7 @@ async def test_scale_down_under_streaming_load_loses_no_stream(
         unregistered_s = time.monotonic() - scaled
 
         async def gone() -> bool:
-            return not [p for p in await pods(k8s_api, ns) if p.metadata.name.startswith("sim-decode-1-")]
+            return not [p for p in await pods(live.api, ns) if p.metadata.name.startswith("sim-decode-1-")]
 
         await eventually(gone, "decode-1's pods deleted after the drain", within=120)
         deleted_s = time.monotonic() - scaled

@@ -10,15 +10,11 @@ SGLang's default 20 s.
 from __future__ import annotations
 
 import signal
-from pathlib import Path
 
 import pytest
-from kubernetes_asyncio import client
 
-from tandem.devcluster.cluster import DevCluster
-from tandem.procs import ManagedProcess
 from tests.devcluster_fixtures import eventually
-from tests.operator.live import SIM_MODEL, load_result, pods, serves, sim_stack, start_load
+from tests.operator.live import SIM_MODEL, Live, load_result, pods, serves, sim_stack, start_load
 from tests.operator.readiness import ready_transitions
 
 pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(300)]
@@ -26,22 +22,16 @@ ONE_NODE = {"groups": 1, "nodesPerGroup": 1, "gpusPerNode": 1, "tpSize": 1, "epS
 
 
 async def test_slow_health_leaves_rotation_and_returns_without_recreation_an_exit_recreates(
-    k8s_cluster: DevCluster,
-    k8s_api: client.ApiClient,
-    k8s_namespace: str,
-    tandem_crds: None,
-    etcd_endpoint: str,
-    tmp_path: Path,
-    proc_factory: list[ManagedProcess],
+    live: Live,
 ) -> None:
-    ns = k8s_namespace
+    ns = live.ns
     decode = {
         **ONE_NODE,
         "env": [{"name": "SGLANG_HEALTH_CHECK_TIMEOUT", "value": "3"}],
         "extraArgs": ["--sim-slow-health-s=5", "--sim-inter-token-ms=20"],  # 2 s streams: always busy under load
     }
     groups = ["decode-0", "prefill-0"]
-    async with sim_stack(k8s_cluster, k8s_api, ns, etcd_endpoint, tmp_path, proc_factory, groups, decode=decode) as sim:
+    async with sim_stack(live, groups, decode=decode) as sim:
         reg, base_url = sim.reg, sim.base_url
 
         async def registered() -> dict[str, int] | None:
@@ -49,8 +39,8 @@ async def test_slow_health_leaves_rotation_and_returns_without_recreation_an_exi
             return entries if sorted(entries) == groups else None
 
         before = await eventually(registered, "prefill-0 and decode-0 registered", within=30)
-        uids = {p.metadata.name: p.metadata.uid for p in await pods(k8s_api, ns)}
-        async with ready_transitions(k8s_api, ns, "sim-decode-0-0") as transitions:
+        uids = {p.metadata.name: p.metadata.uid for p in await pods(live.api, ns)}
+        async with ready_transitions(live.api, ns, "sim-decode-0-0") as transitions:
             load = await start_load(base_url, SIM_MODEL, 16, 30, max_tokens=100)
 
             async def unrouted() -> bool:
@@ -62,7 +52,7 @@ async def test_slow_health_leaves_rotation_and_returns_without_recreation_an_exi
         failed = len(result["failed_before_first_byte"])
         print(f"\nreadiness transitions {transitions}; load {result['ok']} ok, {failed} failed (one decode only)")
         assert back == before  # the same epochs: nothing was recreated
-        assert {p.metadata.name: p.metadata.uid for p in await pods(k8s_api, ns)} == uids
+        assert {p.metadata.name: p.metadata.uid for p in await pods(live.api, ns)} == uids
         assert transitions[:2] == [False, True]
         await eventually(lambda: serves(base_url, SIM_MODEL), "a completion after decode-0 came back", within=30)
 
@@ -75,6 +65,6 @@ async def test_slow_health_leaves_rotation_and_returns_without_recreation_an_exi
             return endpoint.epoch if endpoint is not None and endpoint.epoch > before["decode-0"] else None
 
         assert await eventually(recreated, "decode-0 recreated with a new epoch", within=90) == before["decode-0"] + 1
-        after = {p.metadata.name: p.metadata.uid for p in await pods(k8s_api, ns)}
+        after = {p.metadata.name: p.metadata.uid for p in await pods(live.api, ns)}
         assert after["sim-decode-0-0"] != uids["sim-decode-0-0"]
         assert after["sim-prefill-0-0"] == uids["sim-prefill-0-0"]

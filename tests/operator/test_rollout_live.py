@@ -10,17 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 import aiohttp
 import pytest
-from kubernetes_asyncio import client
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.devcluster.cluster import DevCluster
-from tandem.procs import ManagedProcess
 from tests.devcluster_fixtures import eventually
-from tests.operator.live import SIM_MODEL, load_result, pods, run_tool, sim_stack, start_load
+from tests.operator.live import SIM_MODEL, Live, load_result, pods, run_tool, sim_stack, start_load
 
 pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(300)]
 ONE_NODE = {"groups": 1, "nodesPerGroup": 1, "gpusPerNode": 1, "tpSize": 1, "epSize": 1, "moeA2ABackend": "none"}
@@ -40,20 +36,14 @@ async def _dispatches(url: str) -> dict[tuple[str, str], float]:
 
 
 async def test_rolling_the_worker_image_under_load_never_pairs_across_revisions(
-    k8s_cluster: DevCluster,
-    k8s_api: client.ApiClient,
-    k8s_namespace: str,
-    tandem_crds: None,
-    etcd_endpoint: str,
-    tmp_path: Path,
-    proc_factory: list[ManagedProcess],
+    live: Live,
 ) -> None:
-    ns = k8s_namespace
+    ns = live.ns
     prefill = {**ONE_NODE}
     decode = {**ONE_NODE, "extraArgs": ["--sim-inter-token-ms=20"]}
     groups = ["decode-0", "prefill-0"]
     spec = {"prefill": prefill, "decode": decode}
-    async with sim_stack(k8s_cluster, k8s_api, ns, etcd_endpoint, tmp_path, proc_factory, groups, **spec) as sim:
+    async with sim_stack(live, groups, **spec) as sim:
         reg, base_url = sim.reg, sim.base_url
 
         async def revisions() -> set[str]:
@@ -63,11 +53,11 @@ async def test_rolling_the_worker_image_under_load_never_pairs_across_revisions(
         load = await start_load(base_url, SIM_MODEL, 8, 45.0, max_tokens=50)
         await asyncio.sleep(3.0)
         patch = json.dumps({"spec": {"images": {"worker": "tandem-sglang-worker:0.5.23-rollout"}}})
-        await run_tool(k8s_cluster, "kubectl", "-n", ns, "patch", "pdcluster/sim", "--type", "merge", "-p", patch)
+        await run_tool(live.cluster, "kubectl", "-n", ns, "patch", "pdcluster/sim", "--type", "merge", "-p", patch)
 
         async def rolled() -> str | None:
             found = await revisions()
-            names = [p.metadata.name for p in await pods(k8s_api, ns)]
+            names = [p.metadata.name for p in await pods(live.api, ns)]
             new = found - {old}
             done = len(found) == 1 and new and sorted(names) == ["sim-decode-1-0", "sim-prefill-1-0"]
             return new.pop() if done else None

@@ -19,12 +19,11 @@ import openai
 import pytest
 from kubernetes_asyncio import client
 
-from tandem.devcluster.cluster import DevCluster
 from tandem.devcluster.podrunner import PodRunner
 from tandem.procs import ManagedProcess, free_port
 from tests.chart.stack import pdcluster_manifest
 from tests.devcluster_fixtures import eventually
-from tests.operator.live import Registry, create_pdcluster, operator_process, pods, ready, run_tool
+from tests.operator.live import Live, Registry, create_pdcluster, operator_process, pods, ready, run_tool
 
 pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(420)]
 MODEL = "kimi-k2.6-sim"
@@ -76,34 +75,28 @@ async def _complete(sdk: openai.AsyncOpenAI, n: int) -> None:
 
 
 async def test_sim_small_scales_decode_one_two_one_with_every_pod_serving(
-    k8s_cluster: DevCluster,
-    k8s_api: client.ApiClient,
-    k8s_namespace: str,
-    tandem_crds: None,
-    etcd_endpoint: str,
+    live: Live,
     runner: PodRunner,
-    tmp_path: Path,
-    proc_factory: list[ManagedProcess],
 ) -> None:
-    ns = k8s_namespace
-    proc_factory.append(operator_process(k8s_cluster, ns, etcd_endpoint, tmp_path, "op-scale").start())
-    manifest: dict[str, Any] = pdcluster_manifest(ns, etcd_endpoint.split("://", 1)[1])
-    await create_pdcluster(k8s_api, ns, manifest)
-    router, url = _router(etcd_endpoint, ns, tmp_path)
-    proc_factory.append(router.start())
+    ns = live.ns
+    live.procs.append(operator_process(live.cluster, ns, live.etcd, live.tmp, "op-scale").start())
+    manifest: dict[str, Any] = pdcluster_manifest(ns, live.etcd.split("://", 1)[1])
+    await create_pdcluster(live.api, ns, manifest)
+    router, url = _router(live.etcd, ns, live.tmp)
+    live.procs.append(router.start())
     sdk = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
     try:
         one = ["sim-decode-0-0", "sim-decode-0-1", "sim-prefill-0-0"]
-        await eventually(lambda: _every_pod_serves(k8s_api, ns, one), "sim-small's pods serving", within=120)
-        await eventually(lambda: ready(k8s_api, ns, "sim", 1, 1), "PDCluster sim Ready", within=60)
+        await eventually(lambda: _every_pod_serves(live.api, ns, one), "sim-small's pods serving", within=120)
+        await eventually(lambda: ready(live.api, ns, "sim", 1, 1), "PDCluster sim Ready", within=60)
         await _complete(sdk, 2)
 
         scaled = time.monotonic()
-        await run_tool(k8s_cluster, "kubectl", "-n", ns, "scale", "pdpool/sim-decode", "--replicas=2")
-        await eventually(lambda: ready(k8s_api, ns, "sim", 1, 2), "two decode groups Ready", within=180)
+        await run_tool(live.cluster, "kubectl", "-n", ns, "scale", "pdpool/sim-decode", "--replicas=2")
+        await eventually(lambda: ready(live.api, ns, "sim", 1, 2), "two decode groups Ready", within=180)
         two = [*one, "sim-decode-1-0", "sim-decode-1-1"]
-        await eventually(lambda: _every_pod_serves(k8s_api, ns, two), "all 5 pods serving", within=60)
-        async with Registry(etcd_endpoint) as reg:
+        await eventually(lambda: _every_pod_serves(live.api, ns, two), "all 5 pods serving", within=60)
+        async with Registry(live.etcd) as reg:
             new = (await reg.endpoints(ns, "sim"))["decode-1"].url
 
             async def new_decode_served() -> bool:
@@ -113,14 +106,14 @@ async def test_sim_small_scales_decode_one_two_one_with_every_pod_serving(
             await eventually(new_decode_served, "a request through the router on the new decode", within=60)
             up_s = time.monotonic() - scaled
 
-            await run_tool(k8s_cluster, "kubectl", "-n", ns, "scale", "pdpool/sim-decode", "--replicas=1")
+            await run_tool(live.cluster, "kubectl", "-n", ns, "scale", "pdpool/sim-decode", "--replicas=1")
 
             async def back_to_one() -> bool:
                 return sorted(await reg.endpoints(ns, "sim")) == ["decode-0", "prefill-0"]
 
             await eventually(back_to_one, "decode-1 unregistered", within=60)
-        await eventually(lambda: _every_pod_serves(k8s_api, ns, one), "the 3 pods left serving", within=60)
-        await eventually(lambda: ready(k8s_api, ns, "sim", 1, 1), "PDCluster sim Ready with one decode", within=60)
+        await eventually(lambda: _every_pod_serves(live.api, ns, one), "the 3 pods left serving", within=60)
+        await eventually(lambda: ready(live.api, ns, "sim", 1, 1), "PDCluster sim Ready with one decode", within=60)
         await _complete(sdk, 4)  # nothing routed to the removed group
         print(f"\nscale 1 -> 2: new decode answered through the router after {up_s:.1f} s")
     finally:

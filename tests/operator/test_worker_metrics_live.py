@@ -8,19 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 import yaml
-from kubernetes_asyncio import client
 
 from tandem.devcluster.cluster import DevCluster
-from tandem.procs import ManagedProcess
 from tests.chart.prom import Prometheus, file_sd_scrape_config, pod_monitor_targets
 from tests.devcluster_fixtures import eventually
-from tests.operator.live import CRDS, SIM_MODEL, load_result, pods, run_tool, sim_stack, start_load
+from tests.operator.live import CRDS, SIM_MODEL, Live, load_result, pods, run_tool, sim_stack, start_load
 
 pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(300)]
 CHART = CRDS.parent
@@ -46,25 +43,19 @@ async def _pod_monitor(cluster: DevCluster, namespace: str) -> dict[str, Any]:
 
 
 async def test_prometheus_scrapes_worker_leaders_and_the_kv_failure_alert_triggers(
-    k8s_cluster: DevCluster,
-    k8s_api: client.ApiClient,
-    k8s_namespace: str,
-    tandem_crds: None,
-    etcd_endpoint: str,
-    tmp_path: Path,
-    proc_factory: list[ManagedProcess],
+    live: Live,
 ) -> None:
-    ns = k8s_namespace
-    monitor = await _pod_monitor(k8s_cluster, ns)
+    ns = live.ns
+    monitor = await _pod_monitor(live.cluster, ns)
     groups = ["decode-0", "prefill-0"]
-    async with sim_stack(k8s_cluster, k8s_api, ns, etcd_endpoint, tmp_path, proc_factory, groups) as sim:
-        ips = {p.metadata.name: p.status.pod_ip for p in await pods(k8s_api, ns)}
+    async with sim_stack(live, groups) as sim:
+        ips = {p.metadata.name: p.status.pod_ip for p in await pods(live.api, ns)}
         assert sorted(ips) == ["sim-decode-0-0", "sim-decode-0-1", "sim-prefill-0-0"]
-        targets_file = tmp_path / "worker-targets.json"
-        targets_file.write_text(json.dumps(await pod_monitor_targets(k8s_api, monitor)))
+        targets_file = live.tmp / "worker-targets.json"
+        targets_file.write_text(json.dumps(await pod_monitor_targets(live.api, monitor)))
         endpoint = monitor["spec"]["podMetricsEndpoints"][0]
         config = file_sd_scrape_config("tandem-workers", targets_file, endpoint["path"])
-        prom = await asyncio.to_thread(Prometheus.start, tmp_path / "prometheus", {}, proc_factory, [config])
+        prom = await asyncio.to_thread(Prometheus.start, live.tmp / "prometheus", {}, live.procs, [config])
 
         async def leaders_scraped() -> list[dict[str, Any]] | None:
             targets = await prom.targets()

@@ -61,6 +61,9 @@ Rules values.schema.json cannot express. Each failure names the values key to ch
 {{- if and .Values.router.enabled .Values.router.pdb.enabled (not .Values.router.hpa.enabled) (ge (int .Values.router.pdb.minAvailable) (int .Values.router.replicas)) -}}
 {{- $errors = append $errors (printf "router.pdb.minAvailable: %d would block every voluntary eviction of %d router replicas; lower it or add replicas" (int .Values.router.pdb.minAvailable) (int .Values.router.replicas)) -}}
 {{- end -}}
+{{- if and .Values.mooncakeMaster.enabled (include "tandem.etcdSecure" .) (empty .Values.mooncakeMaster.etcdEndpoints) -}}
+{{- $errors = append $errors "mooncakeMaster.etcdEndpoints: Mooncake's etcd client cannot use TLS or etcd users (mooncake-common/etcd/etcd_wrapper.go), so with etcd.tls.enabled the master needs a plaintext etcd of its own; or set etcd.tls.enabled=false (charts/tandem/README.md)" -}}
+{{- end -}}
 {{- if and .Values.mooncakeMaster.enabled (eq .Values.etcd.mode "external") (empty .Values.etcd.endpoints) -}}
 {{- $errors = append $errors "mooncakeMaster.enabled: the master's HA needs etcd endpoints" -}}
 {{- end -}}
@@ -70,6 +73,53 @@ Rules values.schema.json cannot express. Each failure names the values key to ch
 {{- if $errors -}}
 {{- fail (printf "\n\ninvalid values:\n  - %s\n" (join "\n  - " $errors)) -}}
 {{- end -}}
+{{- end -}}
+
+{{/* Non-empty when the embedded etcd runs with TLS, client certificates and roles (etcd.tls.enabled). */}}
+{{- define "tandem.etcdSecure" -}}
+{{- if and (eq .Values.etcd.mode "embedded") .Values.etcd.tls.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* Non-empty when cert-manager issues the etcd certificates (etcd.tls.certManager). */}}
+{{- define "tandem.certManager" -}}
+{{- $mode := .Values.etcd.tls.certManager -}}
+{{- if or (eq $mode "always") (and (eq $mode "auto") (.Capabilities.APIVersions.Has "cert-manager.io/v1")) -}}true{{- end -}}
+{{- end -}}
+
+{{/* Secret names of the etcd PKI: <etcd>-server-tls, <etcd>-<user>-tls, <fullname>-registry-signing. */}}
+{{- define "tandem.etcdSecret" -}}
+{{- if eq .name "registry-signing" -}}
+{{- printf "%s-registry-signing" (include "tandem.fullname" .root) -}}
+{{- else -}}
+{{- printf "%s-etcd-%s-tls" (include "tandem.fullname" .root) .name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Flags and mounts that give a component (.user: operator or router) its etcd client certificate. */}}
+{{- define "tandem.etcdClientFlags" -}}
+- --etcd-ca-file=/etc/tandem/etcd/ca.crt
+- --etcd-cert-file=/etc/tandem/etcd/tls.crt
+- --etcd-key-file=/etc/tandem/etcd/tls.key
+{{- if eq .user "operator" }}
+- --registry-signing-key=/etc/tandem/registry/tls.key
+{{- else }}
+- --registry-verify-key=/etc/tandem/registry/tls.crt
+{{- end }}
+{{- end -}}
+
+{{- define "tandem.etcdClientMounts" -}}
+- {name: etcd-tls, mountPath: /etc/tandem/etcd, readOnly: true}
+- {name: registry-signing, mountPath: /etc/tandem/registry, readOnly: true}
+{{- end -}}
+
+{{- define "tandem.etcdClientVolumes" -}}
+- name: etcd-tls
+  secret: {secretName: {{ include "tandem.etcdSecret" (dict "root" .root "name" .user) }}}
+- name: registry-signing
+  secret:
+    secretName: {{ include "tandem.etcdSecret" (dict "root" .root "name" "registry-signing") }}
+    # the operator gets the private key; routers only the certificate holding the public key
+    items: [{key: {{ ternary "tls.key" "tls.crt" (eq .user "operator") }}, path: {{ ternary "tls.key" "tls.crt" (eq .user "operator") }}}]
 {{- end -}}
 
 {{/*

@@ -104,6 +104,7 @@ CLUSTER_NAME_RULES = (
 
 ExtraArg = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 EtcdEndpoint = Annotated[str, StringConstraints(pattern=r"^https?://[^/\s]+$", max_length=253)]
+PlainEtcdEndpoint = Annotated[str, StringConstraints(pattern=r"^http://[^/\s]+$", max_length=253)]
 
 
 class DeepEPMode(StrEnum):
@@ -324,9 +325,23 @@ class RouterSpec(CrdModel):
 
 
 class EtcdSpec(CrdModel):
-    """The etcd the endpoint registry (and Mooncake metadata / master HA) lives in."""
+    """The etcd the endpoint registry (and, unless ``mooncakeEndpoints`` names another, Mooncake's metadata and
+    master HA) lives in."""
 
     endpoints: list[EtcdEndpoint] = Field(min_length=1, max_length=16)
+    mooncake_endpoints: list[PlainEtcdEndpoint] = Field(
+        default_factory=list,
+        max_length=16,
+        description="The etcd of Mooncake's own keys (Transfer Engine metadata, Mooncake Store master HA, the "
+        "stale entries the operator removes after a fence) when it is not the registry's. Mooncake's etcd client "
+        "speaks plaintext without a user (mooncake-common/etcd/etcd_wrapper.go), so a registry etcd with TLS and "
+        "client certificates needs one. Empty: endpoints.",
+    )
+
+    @property
+    def mooncake(self) -> list[str]:
+        """Where Mooncake's keys live."""
+        return list(self.mooncake_endpoints or self.endpoints)
 
 
 def _fixed_ports_outside_range(role: Role) -> Callable[[Any], bool]:

@@ -116,7 +116,8 @@ def template_hash(spec: PDClusterSpec, role: Role) -> str:
             "model": wire["model"],
             "images": wire["images"],
             "transfer": wire["transfer"],
-            "etcd": wire["etcd"],
+            # mooncakeEndpoints came later: hashed only when set, so upgrading the operator rolls no pod
+            "etcd": {k: v for k, v in wire["etcd"].items() if k != "mooncakeEndpoints" or v},
             "lifecycle": wire["lifecycle"],
             "jitCache": wire["jitCache"],
             "scheduling": wire["scheduling"],

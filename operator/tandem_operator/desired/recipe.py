@@ -35,7 +35,7 @@ def store_of(spec: PDClusterSpec, role: Role) -> MooncakeStoreSpec | None:
 
 
 def store_env(spec: PDClusterSpec, store: MooncakeStoreSpec) -> dict[str, str]:
-    etcd_hosts = ";".join(e.split("://", 1)[1] for e in spec.etcd.endpoints)
+    etcd_hosts = ";".join(e.split("://", 1)[1] for e in spec.etcd.mooncake)
     return {
         "MOONCAKE_MASTER": f"etcd://{etcd_hosts}" if store.master_ha else str(store.master_address),
         "MOONCAKE_TE_META_DATA_SERVER": f"etcd://{etcd_hosts}",
