@@ -119,13 +119,18 @@ class Server:
                 if request.transport is None or request.transport.is_closing():
                     raise
                 return _json(responses.generate_error("Request aborted", 500), 500)
-            bodies = [responses.generate_body(out) for out in outs]
+            prompts = [inp.input_ids if parsed.prompt_token_ids else None for inp in parsed.items]
+            bodies = [responses.generate_body(out, None, ids) for out, ids in zip(outs, prompts, strict=True)]
             return _json(bodies if parsed.batch else bodies[0])
         resp = await self._start_stream(request)
 
+        def chunk(out: Outcome, index: int | None) -> bytes:
+            ids = parsed.items[index or 0].input_ids if parsed.prompt_token_ids else None
+            return responses.sse(responses.generate_body(out, index, ids))
+
         def item_progress(index: int | None) -> OnProgress:
             async def progress(out: Outcome) -> None:
-                await resp.write(responses.sse(responses.generate_body(out, index)))
+                await resp.write(chunk(out, index))
 
             return progress
 
@@ -133,7 +138,7 @@ class Server:
         try:
             outs = await self._run_all(parsed.items, [item_progress(i) for i in indexes])
             for index, out in zip(indexes, outs, strict=True):
-                await resp.write(responses.sse(responses.generate_body(out, index)))
+                await resp.write(chunk(out, index))
         except GenerationError as err:
             await resp.write(responses.sse(responses.generate_stream_error(str(err), err.status)))
         await resp.write(responses.SSE_DONE)
