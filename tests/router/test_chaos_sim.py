@@ -37,7 +37,7 @@ from tandem_sim.model import COMMON_WORDS_END, VOCAB_SIZE, tokenize, vocabulary
 from tests.router.streams import Outcome, reference, stream
 from tests.routermetrics import RouterMetrics, scrape
 
-pytestmark = pytest.mark.netns
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]  # about 50 s alone; CI shares 2 cores
 
 FAST_PD_ENV = {
     "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "1",

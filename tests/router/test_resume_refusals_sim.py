@@ -28,7 +28,7 @@ from tests.router.streams import Outcome, reference, stream
 from tests.router.test_chaos_sim import FAST_PD_ENV, slow_sim
 from tests.routermetrics import scrape
 
-pytestmark = pytest.mark.netns
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]  # about 20 s alone; CI shares 2 cores
 
 PER_KIND = 6
 MAX_TOKENS = 300  # 4.5 s per stream at 15 ms per token: all of them stream at once
