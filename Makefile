@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: up test bootstrap setup peers k8s-binaries images images-relock lint typecheck unit bench generate verify format clean
+.PHONY: up test bootstrap setup peers k8s-binaries images images-relock lint typecheck unit bench chaos generate verify format clean
 
 bootstrap:
 	@scripts/bootstrap.sh
@@ -62,6 +62,13 @@ format: bootstrap
 BENCH_ARGS ?=
 bench: setup
 	scripts/in-netns.sh $(VENV)/bin/tandem bench $(BENCH_ARGS)
+
+## chaos: a bounded chaos run on the local stack (3-member etcd, 2 prefill + 2 decode simulated workers, 2 routers):
+## random faults under load, printed as tables and saved as JSON + PNG under build/chaos/<timestamp>/ (about 2 min).
+## CHAOS_ARGS="--streams N --concurrency C --duration S --seed K" (tandem chaos --help).
+CHAOS_ARGS ?=
+chaos: bootstrap
+	scripts/in-netns.sh $(VENV)/bin/tandem chaos $(CHAOS_ARGS)
 
 ## generate: rewrite every generated file from its source (one line per generator).
 GENERATED := charts/tandem/crds charts/tandem/values.yaml charts/tandem/values.schema.json charts/tandem/README.md \

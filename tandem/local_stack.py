@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import shutil
 import signal
 import sys
@@ -277,6 +278,8 @@ class LocalStack:
                         continue
                     w.epoch += 1
                     self.restarts += 1
+                    if w.role is Role.PREFILL:
+                        self._new_bootstrap_port(w)
                     w.proc.start()
                     task = asyncio.create_task(self._register_when_healthy(w))
                     pending.add(task)
@@ -288,6 +291,16 @@ class LocalStack:
                 await asyncio.wait_for(stop.wait(), interval)
         for task in pending:
             task.cancel()
+
+    def _new_bootstrap_port(self, w: Worker) -> None:
+        """A restarted prefill gets another bootstrap port (registered with its new epoch), so decodes meet it as a
+        new peer. SGLang's decode caches each bootstrap address's rank ports (``CommonKVReceiver``,
+        ``connection_pool`` in ``sglang/srt/disaggregation/common/conn.py``) and drops them only after two missed
+        5 s heartbeats (``_handle_node_failure``): a prefill back on the same address within seconds (here, unlike a
+        GPU worker reloading its weights for minutes) would get every request stuck waiting for KV that its new,
+        randomly bound rank ports never hear about, until ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` (300 s)."""
+        w.bootstrap_port = free_port()
+        w.proc = dataclasses.replace(w.proc, argv=self.worker_argv(w.role, w.port, w.bootstrap_port))
 
     async def stop(self) -> None:
         if self.router is not None:

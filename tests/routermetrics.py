@@ -20,6 +20,8 @@ class RouterMetrics:
     ended: float = 0  # ... and those of them that ended since: the difference is streams in flight
     stream_errors: float = 0  # streams ended by an error event after their first byte
     resumed: Counter[str] = field(default_factory=Counter)  # reason -> streams resumed on a fresh pair
+    resumed_routes: Counter[str] = field(default_factory=Counter)  # route -> streams resumed on a fresh pair
+    refused: Counter[tuple[str, str]] = field(default_factory=Counter)  # (route, reason) -> broken, not resumed
     resume_gaps: float = 0  # resume gaps observed (one per resume)
     detections: float = 0  # integrity detector findings
     forged_endpoints: float = 0  # registry values ignored for lack of a valid operator signature
@@ -56,6 +58,9 @@ async def scrape(router_url: str) -> RouterMetrics:
                 out.stream_errors += sample.value
             elif sample.name == "tandem_router_resumed_streams_total":
                 out.resumed[sample.labels["reason"]] += int(sample.value)
+                out.resumed_routes[sample.labels["route"]] += int(sample.value)
+            elif sample.name == "tandem_router_resume_refused_total":
+                out.refused[sample.labels["route"], sample.labels["reason"]] += int(sample.value)
             elif sample.name == "tandem_router_resume_gap_seconds_count":
                 out.resume_gaps += sample.value
             elif sample.name == "tandem_integrity_detections_total":

@@ -172,3 +172,32 @@ async def test_bootstrap_and_waiting_timeouts(tmp_path: Path, proc_factory: list
         async with sess.post(f"{decode.url}/generate", json=dict(body, bootstrap_room=43)) as resp:  # no prefill
             assert resp.status == 500
             assert "KVPoll.WaitingForInput" in (await resp.json())["error"]["message"]
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(90)
+async def test_transfer_failure_limited_to_one_decode_session(
+    tmp_path: Path, proc_factory: list[ManagedProcess]
+) -> None:
+    """``to_sessions``: a link broken between the prefill and one decode; sends to the other decode still work."""
+    prefill = start_prefill("prefill", tmp_path, env=FAST_PD_ENV)
+    proc_factory.append(prefill.proc)
+    broken = start_decode("decode-broken", tmp_path, env=FAST_PD_ENV)
+    proc_factory.append(broken.proc)
+    healthy = start_decode("decode-healthy", tmp_path, env=FAST_PD_ENV)
+    proc_factory.append(healthy.proc)
+    rng = random.Random(14)
+    body = prompts(1, seed=4)[0]
+    async with aiohttp.ClientSession() as sess:
+        session = (await _state(broken))["session_id"]
+        fault = {"transfer_failure_prob": 1.0, "to_sessions": [session]}
+        async with sess.post(f"{prefill.url}/tandem/sim/faults", json=fault) as resp:
+            assert resp.status == 200
+        async with sess.post(f"{prefill.url}/tandem/sim/faults", json={**fault, "to_sessions": 3}) as resp:
+            assert resp.status == 400
+        status, _, p_status = await pd_generate(sess, prefill, healthy, body, rng.randrange(2**63))
+        assert (status, p_status) == (200, 200)
+        status, got, p_status = await pd_generate(sess, prefill, broken, body, rng.randrange(2**63))
+        assert (status, p_status) == (500, 500)
+        assert "Failed to send kv chunk" in got["error"]["message"]
+        assert (await _state(prefill))["failed_sessions"] == [session]

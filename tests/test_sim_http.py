@@ -76,6 +76,38 @@ async def test_generate_stream_is_sse_and_ends_with_done(worker: SimWorker) -> N
     assert len(chunks) >= 3
 
 
+async def test_a_continued_text_is_whole_and_prompt_ids_come_back(worker: SimWorker) -> None:
+    """Output after a prompt that ends in a word starts with its separator (SGLang decodes output ids after the
+    prompt's last tokens), so prompt + output, or ids + more ids, continue one text; ``return_prompt_token_ids``
+    puts the prompt's ids in every event."""
+    sampling = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    body = {"text": "kala mimi", "sampling_params": sampling}
+    _, whole = await _post(f"{worker.url}/generate", {**body, "return_prompt_token_ids": True})
+    assert isinstance(whole, dict)
+    assert whole["text"].startswith(" ")
+    ids = whole["prompt_token_ids"]
+    assert len(ids) == 2
+    half = {
+        "input_ids": ids + whole["output_ids"][:3],
+        "sampling_params": {**sampling, "max_new_tokens": 3},
+    }
+    _, rest = await _post(f"{worker.url}/generate", half)
+    assert isinstance(rest, dict)
+    assert whole["output_ids"] == whole["output_ids"][:3] + rest["output_ids"]
+    assert whole["text"] == " " + " ".join(whole["text"].split()[:3]) + rest["text"]
+    async with (
+        aiohttp.ClientSession() as sess,
+        sess.post(f"{worker.url}/generate", json={**body, "stream": True, "return_prompt_token_ids": True}) as resp,
+    ):
+        events = [json.loads(line[6:]) async for line in resp.content if line.startswith(b"data: {")]
+    assert events
+    assert all(e["prompt_token_ids"] == ids for e in events)
+    chat = {"messages": [{"role": "user", "content": "kala"}], "max_tokens": 3}
+    _, answer = await _post(f"{worker.url}/v1/chat/completions", chat)
+    assert isinstance(answer, dict)
+    assert not answer["choices"][0]["message"]["content"].startswith(" ")  # after the template's assistant marker
+
+
 @pytest.mark.parametrize(
     ("raw", "fragment"),
     [

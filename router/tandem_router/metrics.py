@@ -62,8 +62,14 @@ class RouterMetrics:
         )
         self.resumed = Counter(
             "tandem_router_resumed_streams",
-            "Streams resumed on a fresh pair after the first byte, by what broke the last pair.",
-            ["reason"],
+            "Streams resumed on a fresh pair after the first byte, by route and what broke the last pair.",
+            ["route", "reason"],
+            registry=r,
+        )
+        self.resume_refused = Counter(
+            "tandem_router_resume_refused",
+            "Streams that broke after the first byte and were not resumed, by route and why (resume.Refusal codes).",
+            ["route", "reason"],
             registry=r,
         )
         self.resume_gap = Histogram(

@@ -5,7 +5,8 @@ concurrently, and race three things: the prefill failing, the decode's head + fi
 The decode's first chunk is relayed as soon as it arrives, without waiting for the prefill's body (which is
 drained in the background: it only reports whether the KV transfer succeeded). Until a byte reached the client,
 a transport error or a retryable status on either side moves the request to another pair with a new room.
-After that, a failure ends the stream with an OpenAI error event. A worker's 4xx (other than 408/429), from
+After that, a failure resumes the stream on a fresh pair where it can (``stream_relay``), else ends it with an
+OpenAI error event. A worker's 4xx (other than 408/429), from
 whichever side answers first, is the client's mistake: the other side is cancelled, nothing is retried or counted
 against the pair, and the client gets the worker's message as an OpenAI error with the same status.
 """
@@ -30,7 +31,7 @@ from tandem_router.openai.errors import client_error_body, stream_error_status
 from tandem_router.openai.responses import conform_body
 from tandem_router.policy import bootstrap, retry
 from tandem_router.pool import Pair, WorkerPool
-from tandem_router.resume import ResumeConfig, StreamLedger, resumable, upstream_body
+from tandem_router.resume import RESUME_OFF, Refusal, ResumeConfig, StreamLedger, new_ledger
 from tandem_router.schema import ErrorType, Route, error_body
 from tandem_router.stream_relay import StreamRelay
 from tandem_router.transport import Transport, WorkerError, WorkerUnreachableError
@@ -182,8 +183,8 @@ class Proxy:
 
     async def _attempt(self, pair: Pair, req: ProxyRequest, http: web.Request) -> _Failure:
         """One try on one pair: returns the failure, or raises ``_CommittedError`` with the client's response."""
-        ledger = StreamLedger(req.body) if self.resume_cfg.max_attempts and resumable(req.route, req.body) else None
-        opened = await self.open_pair(pair, req, req.body if ledger is None else upstream_body(req.body))
+        ledger = new_ledger(req.route, req.body) if self.resume_cfg.max_attempts else RESUME_OFF
+        opened = await self.open_pair(pair, req, ledger.upstream() if isinstance(ledger, StreamLedger) else req.body)
         if isinstance(opened, _Failure):
             return opened
         resp, first = opened
@@ -314,7 +315,7 @@ class Proxy:
         http: web.Request,
         resp: aiohttp.ClientResponse,
         first: bytes,
-        ledger: StreamLedger | None,
+        ledger: StreamLedger | Refusal,
     ) -> web.StreamResponse:
         if req.stream:
             return await StreamRelay(self, req, http, ledger).run(pair, resp, first)

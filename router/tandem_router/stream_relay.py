@@ -1,13 +1,13 @@
 """Relaying one stream to the client, and resuming it on a fresh pair when its pair fails after the first byte.
 
-A stream whose request is resumable (``resume.resumable``) is relayed through a ``StreamLedger``. When the decode's
+A stream whose request is resumable (``resume.new_ledger``) is relayed through a ``StreamLedger``. When the decode's
 stream breaks (its worker died, or the connection to it did), the relay picks a fresh pair that contains neither
 worker that failed this stream, sends it the continuation (``StreamLedger.continuation``) like any request
 (prefill and decode at once, fresh bootstrap room) and relays its stream in place of the old one. A continuation
 that fails before its first byte (e.g. its prefill dies during the KV transfer) marks that side's worker failed
 too and the next pair is tried. At most ``ResumeConfig.max_attempts`` pairs per stream, within
 ``deadline_s`` of the first break; after that, or for a stream that is not resumable, the client gets the OpenAI
-error event as before.
+error event, which says why the stream was not resumed.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from aiohttp import web
 from tandem_router.integrity.textextract import StreamTexts
 from tandem_router.openai.responses import StreamConformer
 from tandem_router.pool import Pair
-from tandem_router.resume import StreamLedger
+from tandem_router.resume import Refusal, StreamLedger
 from tandem_router.schema import Route, stream_error_event
 
 if TYPE_CHECKING:
@@ -34,11 +34,12 @@ log = logging.getLogger("tandem.router.proxy")
 
 
 class StreamRelay:
-    def __init__(self, proxy: Proxy, req: ProxyRequest, http: web.Request, ledger: StreamLedger | None) -> None:
+    def __init__(self, proxy: Proxy, req: ProxyRequest, http: web.Request, ledger: StreamLedger | Refusal) -> None:
         self.proxy = proxy
         self.req = req
         self.http = http
-        self.ledger = ledger
+        self.ledger = ledger if isinstance(ledger, StreamLedger) else None
+        self.refusal: Refusal | None = ledger if isinstance(ledger, Refusal) else None  # why a break is final
         self.texts = StreamTexts(req.route.value) if proxy.observer is not None else None
         self.shaped = StreamConformer(req.route) if req.route is not Route.GENERATE else None
         self.attempts = 0
@@ -103,8 +104,9 @@ class StreamRelay:
                 resumed = await self._resume(pair, time.monotonic())
                 if resumed is None:
                     metrics.stream_errors.labels(route).inc()
+                    message = f"decode worker stream failed: {type(error).__name__}; not resumed: {self._why_not()}"
                     with contextlib.suppress(ConnectionResetError):
-                        await out.write(stream_error_event(f"decode worker stream failed: {type(error).__name__}"))
+                        await out.write(stream_error_event(message))
                     break
                 pair, resp, first = resumed
                 settled = False
@@ -125,7 +127,8 @@ class StreamRelay:
     async def _resume(self, failed: Pair, broke_at: float) -> tuple[Pair, aiohttp.ClientResponse, bytes] | None:
         """A fresh pair's continuation of the stream (its response and first chunk), or None: give up."""
         proxy, req, ledger = self.proxy, self.req, self.ledger
-        if ledger is None or not ledger.can_resume:
+        self.refusal = self.refusal if ledger is None else ledger.refusal
+        if ledger is None or self.refusal is not None:
             return None
         self.failed_workers.add(failed.decode.key)
         reason = "decode_stream_broken"
@@ -142,7 +145,7 @@ class StreamRelay:
             ledger.next_segment()
             opened = await proxy.open_pair(pair, req, ledger.continuation())
             if isinstance(opened, tuple):
-                proxy.metrics.resumed.labels(reason).inc()
+                proxy.metrics.resumed.labels(req.route.value, reason).inc()
                 proxy.metrics.resume_gap.observe(time.monotonic() - broke_at)
                 log.info(
                     "resumed the stream on a fresh pair",
@@ -158,11 +161,26 @@ class StreamRelay:
                 )
                 return pair, opened[0], opened[1]
             if opened.client_error:
+                self.refusal = Refusal(
+                    "continuation_refused", f"a fresh pair refused the continuation ({opened.status})"
+                )
                 return None
             proxy.metrics.pair_failure(pair, opened.reason)
             self.failed_workers.add(pair.prefill.key if opened.reason.startswith("prefill") else pair.decode.key)
             failed, reason = pair, opened.reason
         return None
+
+    def _why_not(self) -> str:
+        """Why the broken stream was not resumed (the error event says it; the metric counts it)."""
+        if self.refusal is not None:
+            code, why = self.refusal.code, self.refusal.why
+        elif self.attempts >= self.proxy.resume_cfg.max_attempts:
+            code, why = "attempts", f"{self.attempts} fresh pair(s) tried, none continued it"
+        else:
+            code, why = "no_pair", "no fresh pair of its revision was available in time"
+        self.proxy.metrics.resume_refused.labels(self.req.route.value, code).inc()
+        log.warning("stream not resumed", extra={"request_id": self.req.request_id, "reason": code, "why": why})
+        return why
 
 
 async def _chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes | BaseException]:

@@ -179,7 +179,7 @@ def parse_openai(body: Any, *, chat: bool, mode: str, context_length: int) -> Op
             default_max=context_length,
         )
         items += [
-            GenerateInput(rids[p * n + i], prompt, model.replace_sample(params, i), stream, rooms[p * n + i], continues)
+            GenerateInput(rids[p * n + i], prompt, model.replace_sample(params, i), stream, rooms[p * n + i])
             for i in range(n)
         ]
     echo = tuple(text for _, text in prompts for _ in range(n)) if not chat and body.get("echo") else ()

@@ -163,6 +163,7 @@ class PrefillSide:
         self._staging_free = asyncio.Condition()
         self._rng = random.Random(cfg.seed ^ 0x5EED ^ rank.tp_rank)
         self.failure_prob = cfg.transfer_failure_prob
+        self.failure_sessions: frozenset[str] = frozenset()  # empty: the failure hits sends to every decode
         self.l3 = (
             FileStore(cfg.hicache_file_dir, cfg.kv_bytes_per_token, cfg.page_size) if cfg.hicache_file_dir else None
         )
@@ -317,7 +318,8 @@ class PrefillSide:
             self.staging.address, src_pages, self.cfg.page_size, reg.kv_addr, dst_pages, reg.page_size, n, rows
         )
         started = time.monotonic()
-        if self.failure_prob > 0 and self._rng.random() < self.failure_prob:
+        targeted = not self.failure_sessions or reg.session_id in self.failure_sessions
+        if self.failure_prob > 0 and targeted and self._rng.random() < self.failure_prob:
             rc = -1  # SGLANG_TEST_DISAGG_FAILURE_PROB: a send that fails like a dead peer
         else:
             rc = await self.transfer.write(reg.session_id, src, dst, lengths)
@@ -385,4 +387,5 @@ class PrefillSide:
             "failed_sessions": sorted(self.failed_sessions),
             "num_prefill_bootstrap_queue_reqs": self.bootstrap_waiting,
             "transfer_failure_prob": self.failure_prob,
+            "transfer_failure_sessions": sorted(self.failure_sessions),
         }

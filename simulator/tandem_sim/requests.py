@@ -37,13 +37,20 @@ class GenerateInput:
     params: model.SamplingParams
     stream: bool
     bootstrap: Bootstrap | None
-    # Continues an assistant prefix: the first word carries its separator, as a token of a concatenative
-    # tokenizer (tiktoken, Kimi's) decodes with its leading space, so prefix + output is the whole answer.
-    continues_text: bool = False
 
     @property
     def input_ids(self) -> list[int]:
         return self.prompt.ids
+
+    @property
+    def continues_text(self) -> bool:
+        """The output's first word carries its separator when the prompt ends in a word (not a template marker):
+        SGLang decodes output ids after the prompt's last tokens and keeps only the new text
+        (``Req.init_incremental_detokenize``: ``surr_offset`` = ``read_offset`` - 5;
+        ``DetokenizerManager``: ``read_texts[i][len(surr_texts[i]):]``), so a continued text (an assistant prefix,
+        a completions prompt, ``input_ids`` that end mid-answer) plus its output is the whole text, as with a
+        concatenative tokenizer (tiktoken, Kimi's)."""
+        return bool(self.prompt.ids) and self.prompt.ids[-1] >= model.FIRST_WORD_ID
 
 
 def _number(value: Any, name: str, kind: type) -> Any:
@@ -151,6 +158,7 @@ class ParsedRequest:
     batch: bool  # /generate answers a list
     stream: bool
     ignored: tuple[str, ...] = ()  # top-level fields SGLang does not know (and ignores); logged at debug level
+    prompt_token_ids: bool = False  # ``return_prompt_token_ids``: every answer and chunk carries the prompt's ids
 
 
 def _per_item(value: Any, count: int, name: str) -> list[Any]:
@@ -229,4 +237,5 @@ def parse_generate(body: Any, *, mode: str, context_length: int) -> ParsedReques
         GenerateInput(rid, prompt, params, stream, room)
         for rid, (prompt, params), room in zip(rids, expanded, rooms, strict=True)
     ]
-    return ParsedRequest(items, batch or count > 1, stream, ignored_fields(body, GENERATE_FIELDS))
+    ignored = ignored_fields(body, GENERATE_FIELDS)
+    return ParsedRequest(items, batch or count > 1, stream, ignored, body.get("return_prompt_token_ids") is True)

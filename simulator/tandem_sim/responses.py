@@ -43,8 +43,12 @@ def meta_info(out: Outcome) -> dict[str, Any]:
     }
 
 
-def generate_body(out: Outcome, index: int | None = None) -> dict[str, Any]:
+def generate_body(out: Outcome, index: int | None = None, prompt_ids: list[int] | None = None) -> dict[str, Any]:
+    """``prompt_ids``: the request asked for ``return_prompt_token_ids`` (``TokenizerManager._handle_batch_output``
+    adds ``prompt_token_ids`` to every answer and streamed chunk)."""
     body: dict[str, Any] = {"text": out.text, "output_ids": list(out.output_ids), "meta_info": meta_info(out)}
+    if prompt_ids is not None:
+        body["prompt_token_ids"] = prompt_ids
     if index is not None:
         body["index"] = index  # a streamed batch item
     return body

@@ -119,13 +119,18 @@ class Server:
                 if request.transport is None or request.transport.is_closing():
                     raise
                 return _json(responses.generate_error("Request aborted", 500), 500)
-            bodies = [responses.generate_body(out) for out in outs]
+            prompts = [inp.input_ids if parsed.prompt_token_ids else None for inp in parsed.items]
+            bodies = [responses.generate_body(out, None, ids) for out, ids in zip(outs, prompts, strict=True)]
             return _json(bodies if parsed.batch else bodies[0])
         resp = await self._start_stream(request)
 
+        def chunk(out: Outcome, index: int | None) -> bytes:
+            ids = parsed.items[index or 0].input_ids if parsed.prompt_token_ids else None
+            return responses.sse(responses.generate_body(out, index, ids))
+
         def item_progress(index: int | None) -> OnProgress:
             async def progress(out: Outcome) -> None:
-                await resp.write(responses.sse(responses.generate_body(out, index)))
+                await resp.write(chunk(out, index))
 
             return progress
 
@@ -133,7 +138,7 @@ class Server:
         try:
             outs = await self._run_all(parsed.items, [item_progress(i) for i in indexes])
             for index, out in zip(indexes, outs, strict=True):
-                await resp.write(responses.sse(responses.generate_body(out, index)))
+                await resp.write(chunk(out, index))
         except GenerationError as err:
             await resp.write(responses.sse(responses.generate_stream_error(str(err), err.status)))
         await resp.write(responses.SSE_DONE)
@@ -277,16 +282,20 @@ class Server:
         return web.Response(body=self.worker.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def faults(self, request: web.Request) -> web.Response:
+        """Fault injection: ``transfer_failure_prob`` (SGLANG_TEST_DISAGG_FAILURE_PROB at runtime), limited to sends
+        to the decode sessions in ``to_sessions`` when given (a broken link between this prefill and one decode)."""
         try:
             body = await request.json()
             prob = float(body["transfer_failure_prob"])
-        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as err:
-            return _json({"error": f"expected {{'transfer_failure_prob': float}}: {err!r}"}, 400)
+            sessions = frozenset(str(s) for s in body.get("to_sessions", []))
+        except (ValueError, KeyError, TypeError, AttributeError, json.JSONDecodeError) as err:
+            return _json({"error": f"expected {{'transfer_failure_prob': float, 'to_sessions'?: [str]}}: {err!r}"}, 400)
         if not 0.0 <= prob <= 1.0 or not self.worker.prefill_ranks:
             return _json({"error": "transfer_failure_prob must be in [0, 1], on a prefill worker"}, 400)
         for rank in self.worker.prefill_ranks:
             rank.failure_prob = prob
-        return _json({"transfer_failure_prob": prob})
+            rank.failure_sessions = sessions
+        return _json({"transfer_failure_prob": prob, "to_sessions": sorted(sessions)})
 
 
 async def cancel_all(tasks: dict[str, asyncio.Task[Any]]) -> None:

@@ -129,7 +129,9 @@ async def test_a_broken_stream_resumes_on_a_fresh_decode_at_most_max_attempts_ti
         status, raw = await s.post("/v1/chat/completions", {**CHAT, "stream": True, "max_tokens": 40})
         assert status == 200
         events = _events(raw)
-        assert "decode worker stream failed" in orjson.loads(events[-1])["error"]["message"]
+        message = orjson.loads(events[-1])["error"]["message"]
+        assert "decode worker stream failed" in message
+        assert "not resumed: 2 fresh pair(s) tried" in message
         chunks = [orjson.loads(e) for e in events[:-1]]
         assert len({c["id"] for c in chunks}) == 1
         assert len(chunks) == 9  # three from each decode, nothing repeated
@@ -144,7 +146,9 @@ async def test_a_broken_stream_resumes_on_a_fresh_decode_at_most_max_attempts_ti
         assert bodies[1]["continue_final_message"] is True
         assert bodies[1]["max_tokens"] == 40 - 3
         metrics = await (await s.http.get(f"{s.router.url}/metrics")).text()
-        assert 'tandem_router_resumed_streams_total{reason="decode_stream_broken"} 2.0' in metrics
+        resumed = 'tandem_router_resumed_streams_total{reason="decode_stream_broken",route="/v1/chat/completions"} 2.0'
+        assert resumed in metrics
+        assert 'tandem_router_resume_refused_total{reason="attempts",route="/v1/chat/completions"} 1.0' in metrics
         assert "tandem_router_resume_gap_seconds_count 2.0" in metrics
         assert 'tandem_router_stream_errors_total{route="/v1/chat/completions"} 1.0' in metrics
 

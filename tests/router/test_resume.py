@@ -14,7 +14,8 @@ from tandem_router.metrics import RouterMetrics
 from tandem_router.policy.selection import Policy
 from tandem_router.pool import Pair, WorkerPool, WorkerSpec
 from tandem_router.proxy import Proxy, ProxyRequest, _Failure
-from tandem_router.resume import ResumeConfig, StreamLedger, resumable, upstream_body
+from tandem_router.resume import ResumeConfig
+from tandem_router.resume.openai_streams import ChatLedger
 from tandem_router.schema import Route
 from tandem_router.stream_relay import StreamRelay
 
@@ -44,23 +45,14 @@ def _events(raw: bytes) -> list[Any]:
     return [orjson.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
 
 
-def test_only_single_choice_chat_streams_without_tools_are_resumable() -> None:
-    assert resumable(Route.CHAT, BODY)
-    assert not resumable(Route.CHAT, {**BODY, "stream": False})
-    assert not resumable(Route.CHAT, {**BODY, "n": 2})
-    assert not resumable(Route.CHAT, {**BODY, "tools": [{"type": "function", "function": {"name": "f"}}]})
-    assert not resumable(Route.COMPLETIONS, {"prompt": "x", "stream": True})
-    assert not resumable(Route.GENERATE, {"text": "x", "stream": True})
-
-
 def test_the_workers_are_asked_for_usage_on_every_chunk() -> None:
-    sent = upstream_body({**BODY, "stream_options": {"include_usage": False}})
+    sent = ChatLedger({**BODY, "stream_options": {"include_usage": False}}).upstream()
     assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert "stream_options" not in BODY  # the client's request is not changed
 
 
 def test_continuation_carries_the_relayed_text_and_shrinks_the_limits() -> None:
-    ledger = StreamLedger(BODY)
+    ledger = ChatLedger(BODY)
     ledger.feed(_chunk("a", {"role": "assistant", "content": "Hello"}, None, 1))
     ledger.feed(_chunk("a", {"content": " wor"}, None, 2) + _chunk("a", {"content": "ld"}, None, 3)[:20])
     assert ledger.text == "Hello wor"  # the half event is not the client's yet
@@ -75,13 +67,13 @@ def test_continuation_carries_the_relayed_text_and_shrinks_the_limits() -> None:
 
 def test_a_client_prefix_is_extended_not_repeated() -> None:
     prefixed = {**BODY, "messages": [*BODY["messages"], {"role": "assistant", "content": "Sure: "}]}
-    ledger = StreamLedger({**prefixed, "continue_final_message": True})
+    ledger = ChatLedger({**prefixed, "continue_final_message": True})
     ledger.feed(_chunk("a", {"role": "assistant", "content": "one"}, None, 1))
     assert ledger.continuation()["messages"][-1] == {"role": "assistant", "content": "Sure: one"}
 
 
 def test_the_new_stream_looks_like_the_old_one() -> None:
-    ledger = StreamLedger({**BODY, "stream_options": {"include_usage": True}})
+    ledger = ChatLedger({**BODY, "stream_options": {"include_usage": True}})
     first = _events(ledger.feed(_chunk("a", {"role": "assistant", "content": "Hello"}, None, 1)))
     assert first[0]["usage"] is None  # continuous usage only when the client asked for it
     ledger.next_segment()
@@ -110,20 +102,20 @@ def test_the_new_stream_looks_like_the_old_one() -> None:
     ids=["reasoning-sent", "finished", "no-tokens-left"],
 )
 def test_what_cannot_be_resumed(delta: dict[str, Any], finish: str | None, tokens: int) -> None:
-    ledger = StreamLedger(BODY)
+    ledger = ChatLedger(BODY)
     ledger.feed(_chunk("a", delta, finish, tokens))
     assert not ledger.can_resume
 
 
 def test_without_token_counts_there_is_no_resume() -> None:
     """A worker that does not report usage per chunk: the limits cannot be shrunk, so the break is final."""
-    ledger = StreamLedger(BODY)
+    ledger = ChatLedger(BODY)
     ledger.feed(b'data: {"id":"a","choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}\n\n')
     assert not ledger.can_resume
 
 
 def test_the_usage_chunk_is_dropped_unless_asked_for() -> None:
-    ledger = StreamLedger(BODY)
+    ledger = ChatLedger(BODY)
     final = b'data: {"id":"a","created":1,"choices":[],"usage":{"prompt_tokens":6,"completion_tokens":2}}\n\n'
     assert ledger.feed(final) == b""
     assert ledger.feed(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"
@@ -154,7 +146,7 @@ class _FakeProxy:
 
 def _relay(proxy: _FakeProxy) -> StreamRelay:
     req = ProxyRequest(Route.CHAT, BODY, True, 0, "", "rid", 0.0)
-    relay = StreamRelay(cast(Proxy, proxy), req, cast(web.Request, None), StreamLedger(BODY))
+    relay = StreamRelay(cast(Proxy, proxy), req, cast(web.Request, None), ChatLedger(BODY))
     assert relay.ledger is not None
     relay.ledger.feed(_chunk("a", {"role": "assistant", "content": "Hello"}, None, 1))
     return relay
