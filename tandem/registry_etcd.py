@@ -132,6 +132,31 @@ def client(endpoints: Sequence[str], timeout: int = 5, tls: EtcdTLS | None = Non
     return TlsClient(host, int(port), timeout, tls, server_name)
 
 
+CLOSE_TIMEOUT_S = 2.0
+
+
+async def close_client(etcd: Any, within: float = CLOSE_TIMEOUT_S) -> None:
+    """Close an aetcd client, never waiting more than ``within`` seconds nor raising.
+
+    ``aetcd.Client.close`` first shuts its watcher down, which waits for the watch stream to end; with the member
+    that served the stream just killed, that wait never ended (seen as a router/operator watcher whose ``stop()``
+    hung). Past ``within`` the gRPC channel is closed directly, which cancels every call on it.
+    """
+    try:
+        async with asyncio.timeout(within):
+            await etcd.close()
+        return
+    except TimeoutError:
+        log.warning("etcd client close timed out; closing its channel", extra={"within_s": within})
+    except Exception as err:  # a client already broken: nothing left to release but the channel
+        log.debug("etcd client close failed", extra={"error": repr(err)})
+    channel = getattr(etcd, "channel", None)
+    if channel is not None:
+        with contextlib.suppress(Exception, TimeoutError):
+            async with asyncio.timeout(within):
+                await channel.close()
+
+
 class EndpointWriter:
     def __init__(
         self,
@@ -170,7 +195,7 @@ class EndpointWriter:
         if self._lease is not None:
             with contextlib.suppress(Exception):
                 await self._lease.revoke()
-        await self._client.close()
+        await close_client(self._client)
 
     async def _keep_alive(self) -> None:
         while True:
@@ -206,10 +231,20 @@ class PrefixWatcher(Generic[T]):
         self._task = asyncio.create_task(self._run(), name=f"etcd-watch-{self.prefix.decode()}")
 
     async def stop(self) -> None:
-        if self._task is not None:
+        """Cancel the watch and wait for it to end, cancelling again while it has not.
+
+        One cancel is not always enough: on Python 3.11 ``asyncio.wait_for`` loses a cancellation that arrives as
+        the awaited future completes (cpython gh-86296), and aetcd waits for a watch to be created with
+        ``wait_for``; a stop landing right then left the task watching forever and ``stop()`` hung (seen when the
+        watched member had just died and the watch was being re-created on another one).
+        """
+        if self._task is None:
+            return
+        while not self._task.done():
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.wait({self._task}, timeout=1.0)
+        with contextlib.suppress(asyncio.CancelledError, Exception):  # a failure was logged where it happened
+            self._task.result()
 
     async def _run(self) -> None:
         while True:
@@ -224,8 +259,7 @@ class PrefixWatcher(Generic[T]):
                 log.warning("etcd watch lost; re-listing", extra={"prefix": self.prefix.decode(), "error": repr(err)})
             finally:
                 if etcd is not None:
-                    with contextlib.suppress(Exception):
-                        await etcd.close()
+                    await close_client(etcd)
             await asyncio.sleep(self.retry_s)
 
     async def _list_and_watch(self, etcd: Any) -> None:

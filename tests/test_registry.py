@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import asyncio
+
 import pydantic
 import pytest
 
 from tandem import registry
 from tandem.registry import Endpoint, Role
-from tandem.registry_etcd import grpc_target
+from tandem.registry_etcd import PrefixWatcher, grpc_target
 
 
 def test_endpoint_round_trip_and_key() -> None:
@@ -81,3 +83,27 @@ def test_grpc_target_names_every_etcd_member() -> None:
         grpc_target(["[::1]:5", "127.0.0.1:6"])
     with pytest.raises(ValueError, match="no etcd endpoint given"):
         grpc_target([])
+
+
+async def test_a_watcher_stops_even_when_its_task_loses_a_cancellation() -> None:
+    """As when aetcd's ``wait_for`` (Python 3.11) swallows the cancel that ``stop()`` sends: stop cancels again."""
+    watcher = PrefixWatcher(["127.0.0.1:1"], "/p/", lambda key, value: None, _noop)
+    swallowed = asyncio.Event()
+
+    async def loses_one_cancel() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            swallowed.set()  # the cancellation is lost here...
+        await asyncio.sleep(3600)  # ...and the task goes on waiting
+
+    watcher._task = asyncio.create_task(loses_one_cancel())
+    await asyncio.sleep(0)
+    async with asyncio.timeout(10):
+        await watcher.stop()
+    assert swallowed.is_set()
+    assert watcher._task.cancelled()
+
+
+async def _noop(current: dict[str, object]) -> None:
+    return None

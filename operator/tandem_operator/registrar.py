@@ -20,6 +20,7 @@ import pydantic
 from tandem import registry
 from tandem.registry import Endpoint, EtcdTLS
 from tandem.registry_etcd import client as etcd_client
+from tandem.registry_etcd import close_client
 from tandem.registry_signing import EndpointSigner
 from tandem_operator.fencing import StaleKeys
 from tandem_operator.observe import GroupKey
@@ -64,9 +65,9 @@ class Registrar:
             self._keepalive.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._keepalive
-        await self._client.close()
+        await close_client(self._client)
         if self._mooncake is not None:
-            await self._mooncake.close()
+            await close_client(self._mooncake)
 
     async def put(self, namespace: str, cluster: str, endpoint: Endpoint) -> str:
         key = registry.endpoint_key(namespace, cluster, endpoint)

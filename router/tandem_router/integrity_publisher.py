@@ -125,5 +125,4 @@ class IntegrityPublisher:
             if etcd is not None:
                 with contextlib.suppress(Exception):
                     await etcd.delete(self.key)
-                with contextlib.suppress(Exception):
-                    await etcd.close()
+                await registry_etcd.close_client(etcd)
