@@ -17,10 +17,10 @@ import pytest
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from tandem.devcluster.cluster import DevCluster
 from tandem_operator.main import parse_args
 from tests.devcluster_fixtures import eventually
 from tests.operator.live import (
+    Live,
     Registry,
     create_pdcluster,
     operator_process,
@@ -64,38 +64,33 @@ async def event_reporters(api: client.ApiClient, namespace: str) -> dict[str, se
 
 @pytest.mark.usefixtures("health_pods")
 async def test_only_the_leader_reconciles_and_the_standby_takes_over_after_a_kill(
-    k8s_cluster: DevCluster,
-    k8s_api: client.ApiClient,
-    k8s_namespace: str,
-    tandem_crds: None,
-    etcd_endpoint: str,
-    tmp_path: Path,
+    live: Live,
 ) -> None:
-    ns = k8s_namespace
-    first = operator_process(k8s_cluster, ns, etcd_endpoint, tmp_path, "op-a", leader_election=True).start()
+    ns = live.ns
+    first = operator_process(live.cluster, ns, live.etcd, live.tmp, "op-a", leader_election=True).start()
     second = None
     try:
-        await eventually(lambda: _holds(k8s_api, ns, "op-a"), "op-a leading", within=30)
-        second = operator_process(k8s_cluster, ns, etcd_endpoint, tmp_path, "op-b", leader_election=True).start()
+        await eventually(lambda: _holds(live.api, ns, "op-a"), "op-a leading", within=30)
+        second = operator_process(live.cluster, ns, live.etcd, live.tmp, "op-b", leader_election=True).start()
         await eventually(lambda: _logged(second.log_path, "waiting for leadership"), "op-b standing by", within=30)
 
-        await create_pdcluster(k8s_api, ns, pdcluster("sim"))
-        await eventually(lambda: ready(k8s_api, ns, "sim", 1, 1), "PDCluster sim Ready", within=60)
-        names = sorted(p.metadata.name for p in await pods(k8s_api, ns))
+        await create_pdcluster(live.api, ns, pdcluster("sim"))
+        await eventually(lambda: ready(live.api, ns, "sim", 1, 1), "PDCluster sim Ready", within=60)
+        names = sorted(p.metadata.name for p in await pods(live.api, ns))
         assert names == ["sim-decode-0-0", "sim-decode-0-1", "sim-prefill-0-0"]  # no duplicate group
-        reporters = await event_reporters(k8s_api, ns)
+        reporters = await event_reporters(live.api, ns)
         assert reporters.get("Registered") == {"op-a"}, reporters
         assert set().union(*reporters.values()) == {"op-a"}  # the standby wrote nothing
         assert not await _logged(second.log_path, "leadership acquired")
 
-        async with Registry(etcd_endpoint) as reg:
+        async with Registry(live.etcd) as reg:
             await eventually(lambda: _count(reg, ns, 2), "both groups registered", within=30)
             (old_lease,) = await reg.leases(ns, "sim")
 
             first.signal(signal.SIGKILL)  # a crash: the Lease is not released
             killed = time.monotonic()
             fewest_entries = 2
-            while (holder := await lease_holder(k8s_api, ns)) != "op-b":
+            while (holder := await lease_holder(live.api, ns)) != "op-b":
                 assert holder == "op-a", holder
                 assert time.monotonic() - killed < FAILOVER_BOUND_S + 5, "standby did not take over"
                 fewest_entries = min(fewest_entries, len(await reg.endpoints(ns, "sim")))
@@ -119,13 +114,13 @@ async def test_only_the_leader_reconciles_and_the_standby_takes_over_after_a_kil
             assert failover_s <= FAILOVER_BOUND_S
             assert fewest_entries == 2  # the old leader's etcd lease outlived the failover
 
-            await run_tool(k8s_cluster, "kubectl", "-n", ns, "scale", "pdpool/sim-decode", "--replicas=2")
-            await eventually(lambda: ready(k8s_api, ns, "sim", 1, 2), "op-b scaled decode to 2 groups", within=60)
+            await run_tool(live.cluster, "kubectl", "-n", ns, "scale", "pdpool/sim-decode", "--replicas=2")
+            await eventually(lambda: ready(live.api, ns, "sim", 1, 2), "op-b scaled decode to 2 groups", within=60)
             await eventually(lambda: _count(reg, ns, 3), "decode-1 registered by op-b", within=30)
-        assert len(await pods(k8s_api, ns, "tandem.dev/role=decode")) == 4
-        reporters = await event_reporters(k8s_api, ns)
+        assert len(await pods(live.api, ns, "tandem.dev/role=decode")) == 4
+        reporters = await event_reporters(live.api, ns)
         assert "op-b" in reporters.get("ScaledUp", set()), reporters  # the scale was reconciled by the new leader
-        assert (await pdc_status(k8s_api, ns, "sim")).get("phase") == "Ready"
+        assert (await pdc_status(live.api, ns, "sim")).get("phase") == "Ready"
     finally:
         first.stop()
         if second is not None:
