@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.chart.netpol import Cluster, Pod, selects
+from tests.chart.netpol import Cluster, Pod, UnmodelledPolicyError, selects
 
 NAMESPACES = {"a": {"team": "x"}, "b": {"team": "y"}}
 WEB = Pod("web", "a", {"app": "web"}, {"http": 8080, "admin": 9000})
@@ -114,7 +114,7 @@ def test_label_selectors(selector: dict[str, Any], labels: dict[str, str], expec
 
 def test_what_it_does_not_model_raises() -> None:
     egress = {"metadata": {"name": "e", "namespace": "a"}, "spec": {"podSelector": {}, "policyTypes": ["Egress"]}}
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(UnmodelledPolicyError, match="egress policies are not evaluated"):
         Cluster(NAMESPACES, [egress]).allows(CLIENT_A, WEB, "http")
     with pytest.raises(ValueError, match="unknown LabelSelector"):
         selects({"matchLabel": {"a": "1"}}, {})
