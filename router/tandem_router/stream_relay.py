@@ -18,7 +18,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-import aiohttp
 from aiohttp import web
 
 from tandem_router.integrity.textextract import StreamTexts
@@ -26,6 +25,7 @@ from tandem_router.openai.responses import StreamConformer
 from tandem_router.pool import Pair
 from tandem_router.resume import Refusal, StreamLedger
 from tandem_router.schema import Route, stream_error_event
+from tandem_router.transport import WorkerError, WorkerResponse
 
 if TYPE_CHECKING:
     from tandem_router.proxy import Proxy, ProxyRequest
@@ -52,7 +52,7 @@ class StreamRelay:
             self.texts.feed(raw)
         return raw if self.shaped is None else self.shaped.feed(raw)
 
-    async def run(self, pair: Pair, resp: aiohttp.ClientResponse, first: bytes) -> web.StreamResponse:
+    async def run(self, pair: Pair, resp: WorkerResponse, first: bytes) -> web.StreamResponse:
         proxy, req = self.proxy, self.req
         route = req.route.value
         metrics = proxy.metrics
@@ -73,9 +73,9 @@ class StreamRelay:
             metrics.ttft.labels(route).observe(last - req.started)
             itl = metrics.itl.labels(route)
             while True:
-                error: BaseException | None = None
+                error: WorkerError | None = None
                 async for chunk in _chunks(resp):
-                    if isinstance(chunk, BaseException):
+                    if isinstance(chunk, WorkerError):
                         error = chunk
                         break
                     try:
@@ -124,7 +124,7 @@ class StreamRelay:
                 proxy.settle(pair, resp, ok=ok, client_gone=client_gone)
             metrics.e2e.labels(route).observe(time.monotonic() - req.started)
 
-    async def _resume(self, failed: Pair, broke_at: float) -> tuple[Pair, aiohttp.ClientResponse, bytes] | None:
+    async def _resume(self, failed: Pair, broke_at: float) -> tuple[Pair, WorkerResponse, bytes] | None:
         """A fresh pair's continuation of the stream (its response and first chunk), or None: give up."""
         proxy, req, ledger = self.proxy, self.req, self.ledger
         self.refusal = self.refusal if ledger is None else ledger.refusal
@@ -183,10 +183,10 @@ class StreamRelay:
         return why
 
 
-async def _chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes | BaseException]:
+async def _chunks(resp: WorkerResponse) -> AsyncIterator[bytes | WorkerError]:
     """The response's chunks; a transport error is yielded (as the last item) instead of raised."""
     try:
-        async for chunk in resp.content.iter_any():
+        async for chunk in resp:
             yield chunk
-    except (TimeoutError, aiohttp.ClientError) as err:
+    except WorkerError as err:
         yield err
