@@ -41,6 +41,8 @@ class StreamRelay:
         self.ledger = ledger if isinstance(ledger, StreamLedger) else None
         self.refusal: Refusal | None = ledger if isinstance(ledger, Refusal) else None  # why a break is final
         self.texts = StreamTexts(req.route.value) if proxy.observer is not None else None
+        if self.texts is not None and self.ledger is not None:
+            self.ledger.on_event = self.texts.add  # the ledger parses every event: the texts come with it
         self.shaped = StreamConformer(req.route) if req.route is not Route.GENERATE else None
         self.attempts = 0
         self.failed_workers: set[str] = set()
@@ -48,7 +50,7 @@ class StreamRelay:
     def _client_bytes(self, raw: bytes) -> bytes:
         if self.ledger is not None:
             raw = self.ledger.feed(raw)
-        if self.texts is not None:
+        elif self.texts is not None:
             self.texts.feed(raw)
         return raw if self.shaped is None else self.shaped.feed(raw)
 
