@@ -1,9 +1,11 @@
 """``tandem bench router``: the router's own cost, side by side in one run.
 
 The same *instant* PD workers (prefill answers at once, decode streams 16 SSE chunks) are reached directly,
-through Tandem's router and through SGLang's Rust gateway ``smg`` (pinned, installed by ``make peers`` into its
-own venv under ``~/.cache/tandem/``: tandem.peers). Throughput comes from ``wrk`` (C, with a Lua body) at 32
-connections; TTFT at concurrency 1 from a blocking socket client that timestamps the first body byte. Every
+through Tandem's router (1, 2 and 4 processes, and without integrity checks) and through SGLang's Rust gateway
+``smg`` (pinned, installed by ``make peers`` into its own venv under ``~/.cache/tandem/``: tandem.peers).
+Throughput comes from ``wrk`` (C, with a Lua body) at 1, 8, 32 and 128 connections (a table and a plot of
+throughput against concurrency); CPU per request from /proc at 32; wrk's own CPU is reported to show it is not
+the limit. TTFT at concurrency 1 from a blocking socket client that timestamps the first body byte. Every
 process is started here and stopped by process group. A peer that cannot run fails the section unless
 ``--allow-missing-peers`` (then its row says "not measured").
 """

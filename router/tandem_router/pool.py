@@ -104,6 +104,37 @@ class PairBreakers:
             del self.breakers[key]
 
 
+class Lease:
+    """One dispatch of a pair: counted in flight from ``WorkerPool.lease`` until ``release``, and the one way its
+    outcomes reach the worker and pair breakers and the gates."""
+
+    def __init__(self, pool: WorkerPool, pair: Pair, now: float) -> None:
+        self.pool = pool
+        self.pair = pair
+        self._held = True
+        pool._dispatched(pair, now)
+
+    def failed(self, role: Role, now: float, *, hard: bool = False) -> None:
+        """The ``role`` side failed this dispatch: that worker and the pair count a failure (``hard``: the worker is
+        gone, its breaker opens at once)."""
+        self.pool.record_worker(self.pair.prefill if role is Role.PREFILL else self.pair.decode, False, now, hard=hard)
+        self.pool.record_pair(self.pair, False, now)
+
+    def prefill_ok(self, now: float) -> None:
+        self.pool.record_worker(self.pair.prefill, True, now)
+
+    def release(self, now: float, *, ok: bool | None = None) -> None:
+        """The dispatch is over (only the first call counts). ``ok``: the decode and the pair served (True) or failed
+        (False); None: no verdict (it never started, or the client left)."""
+        if not self._held:
+            return
+        self._held = False
+        self.pool._finished(self.pair)
+        if ok is not None:
+            self.pool.record_worker(self.pair.decode, ok, now)
+            self.pool.record_pair(self.pair, ok, now)
+
+
 class WorkerPool:
     def __init__(
         self,
@@ -212,7 +243,10 @@ class WorkerPool:
         return sel.load_aware_decode(candidates)
 
     # -- outcomes ----------------------------------------------------------------------------------------------
-    def dispatched(self, pair: Pair, now: float) -> None:
+    def lease(self, pair: Pair, now: float) -> Lease:
+        return Lease(self, pair, now)
+
+    def _dispatched(self, pair: Pair, now: float) -> None:
         for spec in (pair.prefill, pair.decode):
             w = self.workers.get(spec.key)
             if w is not None:
@@ -220,7 +254,7 @@ class WorkerPool:
                 w.breaker = br.on_dispatch(w.breaker, now)
         self.pair_breakers.dispatched(pair, now)
 
-    def finished(self, pair: Pair) -> None:
+    def _finished(self, pair: Pair) -> None:
         for spec in (pair.prefill, pair.decode):
             w = self.workers.get(spec.key)
             if w is not None:

@@ -24,15 +24,16 @@ from typing import Any, Protocol
 import orjson
 from aiohttp import web
 
+from tandem.registry import Role
 from tandem_router.integrity.textextract import body_texts
 from tandem_router.metrics import RouterMetrics
 from tandem_router.openai.errors import client_error_body, stream_error_status
 from tandem_router.openai.responses import conform_body
 from tandem_router.policy import bootstrap, retry
-from tandem_router.pool import Pair, WorkerPool
+from tandem_router.pool import Lease, Pair, WorkerPool
 from tandem_router.resume import RESUME_OFF, Refusal, ResumeConfig, StreamLedger, new_ledger
 from tandem_router.schema import ErrorType, Route, error_body
-from tandem_router.stream_relay import StreamRelay
+from tandem_router.stream_relay import Opened, StreamRelay
 from tandem_router.transport import Request, Transport, WorkerError, WorkerResponse
 
 log = logging.getLogger("tandem.router.proxy")
@@ -75,6 +76,13 @@ def _http_failure(side: str, status: int, body: bytes) -> _Failure:
         return _Failure(f"{side}_http_{status}", False, 502, detail="unexpected status")
     retryable = retry.is_retryable_status(status) or (side == "prefill" and status >= 500)
     return _Failure(f"{side}_http_{status}", retryable, status, body)
+
+
+def _failed(lease: Lease, failure: _Failure, role: Role) -> _Failure:
+    """A failure of ``role``'s side before the first byte: a retryable one scores that worker and the pair."""
+    if failure.retryable:
+        lease.failed(role, time.monotonic(), hard=failure.hard)
+    return failure
 
 
 def _transport_failure(side: str, err: WorkerError) -> _Failure:
@@ -184,14 +192,11 @@ class Proxy:
         opened = await self.open_pair(pair, req, ledger.upstream() if isinstance(ledger, StreamLedger) else req.body)
         if isinstance(opened, _Failure):
             return opened
-        resp, first = opened
-        return await self._relay(pair, req, http, resp, first, ledger)
+        return await self._relay(opened, req, http, ledger)
 
-    async def open_pair(
-        self, pair: Pair, req: ProxyRequest, request_body: dict[str, Any]
-    ) -> tuple[WorkerResponse, bytes] | _Failure:
+    async def open_pair(self, pair: Pair, req: ProxyRequest, request_body: dict[str, Any]) -> Opened | _Failure:
         """Send to both workers of ``pair``: the decode's response and first chunk, or why there is none. On
-        success the pair stays dispatched (the caller finishes it) and the prefill is settled in the background."""
+        success the pair's lease stays held (``settle`` releases it) and the prefill is settled in the background."""
         body = bootstrap.inject(
             request_body,
             host=bootstrap.bootstrap_host(pair.prefill.url),
@@ -202,8 +207,7 @@ class Proxy:
         )
         headers = {"Content-Type": "application/json", "X-Request-Id": req.request_id}
         request = Request.build("POST", req.route.value, orjson.dumps(body), headers)
-        now = time.monotonic()
-        self.pool.dispatched(pair, now)
+        lease = self.pool.lease(pair, time.monotonic())
         self.metrics.dispatched(pair)
         prefill_task = asyncio.create_task(self._prefill(pair, request))
         decode_task = asyncio.create_task(self._decode_head(pair, request, req.stream))
@@ -214,7 +218,7 @@ class Proxy:
                 prefill_failure = prefill_task.result()
                 if prefill_failure is not None:
                     decode_task.cancel()
-                    return self._failed(pair, prefill_failure, prefill_side=True)
+                    return _failed(lease, prefill_failure, Role.PREFILL)
             head = await decode_task
             if isinstance(head, _Failure):
                 if head.retryable and prefill_task.done():
@@ -223,15 +227,15 @@ class Proxy:
                     if prefill_failure is not None and prefill_failure.client_error:
                         return prefill_failure
                 prefill_task.cancel()
-                return self._failed(pair, head, prefill_side=False)
+                return _failed(lease, head, Role.DECODE)
             committed = True
-            self._finish_prefill_later(pair, prefill_task)
-            return head
+            self._finish_prefill_later(lease, prefill_task)
+            return Opened(lease, *head)
         finally:
             if not committed:
                 for task in (prefill_task, decode_task):
                     task.cancel()
-                self.pool.finished(pair)
+                lease.release(time.monotonic())
 
     async def _prefill(self, pair: Pair, request: Request) -> _Failure | None:
         """Send to the prefill and drain its body: None when it finished (its KV transfer succeeded)."""
@@ -272,69 +276,51 @@ class Proxy:
             resp.close()
             raise
 
-    def _failed(self, pair: Pair, failure: _Failure, *, prefill_side: bool) -> _Failure:
-        now = time.monotonic()
-        worker = pair.prefill if prefill_side else pair.decode
-        if failure.retryable:
-            self.pool.record_worker(worker, False, now, hard=failure.hard)
-            self.pool.record_pair(pair, False, now)
-        return failure
-
-    def _finish_prefill_later(self, pair: Pair, task: asyncio.Task[_Failure | None]) -> None:
+    def _finish_prefill_later(self, lease: Lease, task: asyncio.Task[_Failure | None]) -> None:
         """The prefill's outcome still scores the pair, but nobody waits for it."""
 
         async def settle() -> None:
             failure = await task
-            now = time.monotonic()
             if failure is None:
-                self.pool.record_worker(pair.prefill, True, now)
+                lease.prefill_ok(time.monotonic())
             elif not failure.client_error:
-                self._failed(pair, failure, prefill_side=True)
-                self.metrics.pair_failure(pair, failure.reason)
+                _failed(lease, failure, Role.PREFILL)
+                self.metrics.pair_failure(lease.pair, failure.reason)
 
         bg = asyncio.create_task(settle())
         self._background.add(bg)
         bg.add_done_callback(self._background.discard)
 
     async def _relay(
-        self,
-        pair: Pair,
-        req: ProxyRequest,
-        http: web.Request,
-        resp: WorkerResponse,
-        first: bytes,
-        ledger: StreamLedger | Refusal,
+        self, opened: Opened, req: ProxyRequest, http: web.Request, ledger: StreamLedger | Refusal
     ) -> web.StreamResponse:
         if req.stream:
-            return await StreamRelay(self, req, http, ledger).run(pair, resp, first)
+            return await StreamRelay(self, req, http, ledger).run(opened)
         route = req.route.value
         try:
             if self.observer is not None:
-                self.report_texts(pair, req, body_texts(route, first))
+                self.report_texts(opened.pair, req, body_texts(route, opened.first))
             self.metrics.ttft.labels(route).observe(time.monotonic() - req.started)
             return web.Response(
-                body=conform_body(req.route, first),
+                body=conform_body(req.route, opened.first),
                 status=200,
                 headers={
-                    "Content-Type": resp.headers.get("content-type", "application/json"),
+                    "Content-Type": opened.resp.headers.get("content-type", "application/json"),
                     "X-Request-Id": req.request_id,
                 },
             )
         finally:
-            self.settle(pair, resp, ok=True, client_gone=False)
+            self.settle(opened, ok=True, client_gone=False)
             self.metrics.e2e.labels(route).observe(time.monotonic() - req.started)
 
-    def settle(self, pair: Pair, resp: WorkerResponse, *, ok: bool, client_gone: bool) -> None:
-        """A relay from ``pair`` ended: its connection released (closed unless clean), the pair scored."""
+    def settle(self, opened: Opened, *, ok: bool, client_gone: bool) -> None:
+        """A relay ended: the decode's connection released (closed unless clean), the lease released and scored
+        (not when the client left: that says nothing about the pair)."""
         if ok:
-            resp.release()
+            opened.resp.release()
         else:
-            resp.close()
-        self.pool.finished(pair)
-        now = time.monotonic()
-        if not client_gone:
-            self.pool.record_worker(pair.decode, ok, now)
-            self.pool.record_pair(pair, ok, now)
+            opened.resp.close()
+        opened.lease.release(time.monotonic(), ok=None if client_gone else ok)
 
     def report_texts(self, pair: Pair, req: ProxyRequest, texts: list[str]) -> None:
         if self.observer is not None:

@@ -16,13 +16,14 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from tandem_router.integrity.textextract import StreamTexts
 from tandem_router.openai.responses import StreamConformer
-from tandem_router.pool import Pair
+from tandem_router.pool import Lease, Pair
 from tandem_router.resume import Refusal, StreamLedger
 from tandem_router.schema import Route, stream_error_event
 from tandem_router.transport import WorkerError, WorkerResponse
@@ -31,6 +32,19 @@ if TYPE_CHECKING:
     from tandem_router.proxy import Proxy, ProxyRequest
 
 log = logging.getLogger("tandem.router.proxy")
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A pair that answered: its lease (held until the relay settles it), the decode's response and first chunk."""
+
+    lease: Lease
+    resp: WorkerResponse
+    first: bytes
+
+    @property
+    def pair(self) -> Pair:
+        return self.lease.pair
 
 
 class StreamRelay:
@@ -54,8 +68,9 @@ class StreamRelay:
             self.texts.feed(raw)
         return raw if self.shaped is None else self.shaped.feed(raw)
 
-    async def run(self, pair: Pair, resp: WorkerResponse, first: bytes) -> web.StreamResponse:
+    async def run(self, opened: Opened) -> web.StreamResponse:
         proxy, req = self.proxy, self.req
+        pair, resp, first = opened.pair, opened.resp, opened.first
         route = req.route.value
         metrics = proxy.metrics
         out = web.StreamResponse(
@@ -101,7 +116,7 @@ class StreamRelay:
                     "decode stream broke after the first byte",
                     extra={"request_id": req.request_id, "decode": pair.decode.url, "error": repr(error)},
                 )
-                proxy.settle(pair, resp, ok=False, client_gone=False)
+                proxy.settle(opened, ok=False, client_gone=False)
                 settled = True
                 resumed = await self._resume(pair, time.monotonic())
                 if resumed is None:
@@ -110,7 +125,8 @@ class StreamRelay:
                     with contextlib.suppress(ConnectionResetError):
                         await out.write(stream_error_event(message))
                     break
-                pair, resp, first = resumed
+                opened = resumed
+                pair, resp, first = opened.pair, opened.resp, opened.first
                 settled = False
                 try:
                     await out.write(self._client_bytes(first))
@@ -123,10 +139,10 @@ class StreamRelay:
             return out
         finally:
             if not settled:
-                proxy.settle(pair, resp, ok=ok, client_gone=client_gone)
+                proxy.settle(opened, ok=ok, client_gone=client_gone)
             metrics.e2e.labels(route).observe(time.monotonic() - req.started)
 
-    async def _resume(self, failed: Pair, broke_at: float) -> tuple[Pair, WorkerResponse, bytes] | None:
+    async def _resume(self, failed: Pair, broke_at: float) -> Opened | None:
         """A fresh pair's continuation of the stream (its response and first chunk), or None: give up."""
         proxy, req, ledger = self.proxy, self.req, self.ledger
         self.refusal = self.refusal if ledger is None else ledger.refusal
@@ -146,7 +162,7 @@ class StreamRelay:
             self.attempts += 1
             ledger.next_segment()
             opened = await proxy.open_pair(pair, req, ledger.continuation())
-            if isinstance(opened, tuple):
+            if isinstance(opened, Opened):
                 proxy.metrics.resumed.labels(req.route.value, reason).inc()
                 proxy.metrics.resume_gap.observe(time.monotonic() - broke_at)
                 log.info(
@@ -161,7 +177,7 @@ class StreamRelay:
                         "decode": pair.decode.url,
                     },
                 )
-                return pair, opened[0], opened[1]
+                return opened
             if opened.client_error:
                 self.refusal = Refusal(
                     "continuation_refused", f"a fresh pair refused the continuation ({opened.status})"
