@@ -82,6 +82,16 @@ def keep_alive(body: bytes, extra: bytes = b"") -> Handler:
     return handler
 
 
+async def connections_for_two_gets(worker: ScriptedWorker, t: Transport, body: bytes, pause: float = 0.0) -> int:
+    """Two GETs in a row, ``pause`` apart, each answered 200 ``body``: how many connections the worker saw."""
+    async with worker as url:
+        for n in range(2):
+            await asyncio.sleep(pause * n)
+            assert await t.get(url, "/health") == (200, body)
+        await t.close()
+    return worker.connections
+
+
 def transport(**kw: float) -> Transport:
     return Transport(TransportConfig(**kw))  # type: ignore[arg-type]
 
@@ -135,24 +145,15 @@ async def test_a_body_delimited_by_close_is_read_and_its_connection_not_reused()
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nuntil the end")
         await writer.drain()
 
-    worker = ScriptedWorker(handler)
-    t = transport()
-    async with worker as url:
-        for _ in range(2):
-            assert await t.get(url, "/metrics") == (200, b"until the end")
-        await t.close()
-    assert worker.connections == 2
+    assert await connections_for_two_gets(ScriptedWorker(handler), transport(), b"until the end") == 2
 
 
 @on_both_loops
 async def test_a_worker_saying_connection_close_is_not_reused() -> None:
-    worker = ScriptedWorker(keep_alive(b"x", b"Connection: close\r\n"))
-    t = transport()
-    async with worker as url:
-        for _ in range(2):
-            assert await t.get(url, "/health") == (200, b"x")
-        await t.close()
-    assert worker.connections == 2
+    assert (
+        await connections_for_two_gets(ScriptedWorker(keep_alive(b"x", b"Connection: close\r\n")), transport(), b"x")
+        == 2
+    )
 
 
 @on_both_loops
@@ -274,13 +275,7 @@ async def test_the_connection_limit_makes_requests_wait_for_a_free_connection() 
 @on_both_loops
 async def test_idle_connections_older_than_keepalive_are_closed_not_reused() -> None:
     worker = ScriptedWorker(keep_alive(b"x"))
-    t = transport(keepalive_s=0.05)
-    async with worker as url:
-        assert await t.get(url, "/health") == (200, b"x")
-        await asyncio.sleep(0.1)
-        assert await t.get(url, "/health") == (200, b"x")
-        await t.close()
-    assert worker.connections == 2
+    assert await connections_for_two_gets(worker, transport(keepalive_s=0.05), b"x", pause=0.1) == 2
 
 
 def test_a_header_with_a_line_break_is_refused_before_sending() -> None:
