@@ -233,8 +233,11 @@ class Proxy:
             return Opened(lease, *head)
         finally:
             if not committed:
-                for task in (prefill_task, decode_task):
-                    task.cancel()
+                prefill_task.cancel()
+                if not decode_task.cancel() and not decode_task.cancelled() and decode_task.exception() is None:
+                    outcome = decode_task.result()  # it answered just as this attempt was given up
+                    if isinstance(outcome, tuple):
+                        outcome[0].close()
                 lease.release(time.monotonic())
 
     async def _prefill(self, pair: Pair, request: Request) -> _Failure | None:

@@ -157,6 +157,20 @@ async def test_a_worker_saying_connection_close_is_not_reused() -> None:
 
 
 @on_both_loops
+async def test_a_response_closed_by_the_router_never_goes_back_to_the_pool() -> None:
+    worker = ScriptedWorker(keep_alive(b"whole"))
+    t = transport()
+    async with worker as url:
+        resp = await t.open_post(url, "/generate", b"{}")
+        assert await resp.read() == b"whole"
+        resp.close()  # e.g. an error event in a complete body: the router gives up on this connection
+        assert not t.connections(url).idle
+        assert await t.get(url, "/health") == (200, b"whole")
+        await t.close()
+    assert worker.connections == 2
+
+
+@on_both_loops
 async def test_closed_before_the_head_and_mid_body_are_closed_failures() -> None:
     async def before_head(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)

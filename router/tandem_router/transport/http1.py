@@ -35,7 +35,8 @@ class Connection(asyncio.Protocol):
         self.owner = owner
         self.read_idle_timeout = read_idle_timeout
         self.transport: asyncio.Transport | None = None
-        self.closed = False
+        self.closed = False  # connection_lost ran
+        self.closing = False  # we closed it (connection_lost follows on a later loop iteration)
         self.idle_since = 0.0
         self._parser = httptools.HttpResponseParser(self)
         self._loop = asyncio.get_running_loop()
@@ -57,7 +58,12 @@ class Connection(asyncio.Protocol):
     def send(self, parts: list[bytes]) -> None:
         self._start_exchange()
         assert self.transport is not None
-        self.transport.writelines(parts)
+        try:
+            self.transport.writelines(parts)
+        except (RuntimeError, OSError) as err:  # the transport closed under us
+            raise WorkerError(
+                FailureReason.CLOSED, f"{self.owner.url}: connection closed before sending ({err})"
+            ) from err
 
     async def read_head(self) -> None:
         while not self.head_done:
@@ -84,9 +90,10 @@ class Connection(asyncio.Protocol):
 
     @property
     def reusable(self) -> bool:
-        return self.complete and self.keep_alive and self.error is None and not self.closed and not self._body
+        return self.complete and self.keep_alive and self.error is None and not self.closing and not self._body
 
     def close(self) -> None:
+        self.closing = True
         if self.transport is not None and not self.closed:
             self.transport.close()
 
@@ -133,7 +140,7 @@ class Connection(asyncio.Protocol):
         return False  # close our side too; connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
+        self.closed = self.closing = True
         if self.head_done and not self.complete and self._close_delimited():
             self.complete = True  # the body was delimited by the worker closing the connection
         elif not self.complete:
@@ -202,7 +209,7 @@ class WorkerConnections:
         self._reap(now)
         while self.idle:
             conn = self.idle.pop()  # the most recently used: warmest, least likely closed by the worker
-            if not conn.closed:
+            if not conn.closing:
                 return conn
         while self.limit and self.open >= self.limit:
             free = asyncio.get_running_loop().create_future()
