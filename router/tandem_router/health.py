@@ -40,6 +40,7 @@ class HealthChecker:
                 await self._task
 
     async def check_all(self) -> None:
+        self.transport.retain({w.spec.url for w in self.pool.workers.values()})  # drop connections to removed ones
         await asyncio.gather(*(self.check(w) for w in list(self.pool.workers.values())))
 
     async def check(self, worker: WorkerState) -> None:

@@ -295,3 +295,17 @@ async def test_idle_connections_older_than_keepalive_are_closed_not_reused() -> 
 def test_a_header_with_a_line_break_is_refused_before_sending() -> None:
     with pytest.raises(ValueError, match="CR or LF"):
         Request.build("POST", "/generate", b"{}", {"X-Request-Id": "a\r\nX-Evil: 1"})
+
+
+@on_both_loops
+async def test_retain_closes_the_connections_of_removed_workers() -> None:
+    worker = ScriptedWorker(keep_alive(b"x"))
+    t = transport()
+    async with worker as url:
+        assert await t.get(url, "/health") == (200, b"x")
+        t.retain({url})
+        assert len(t.connections(url).idle) == 1
+        t.retain(set())
+        await asyncio.sleep(0.05)
+        assert worker.open == 0
+        await t.close()

@@ -13,7 +13,7 @@ dropping a worker closes exactly its sockets.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Collection, Mapping
 from dataclasses import dataclass
 
 from tandem_router.transport.errors import FailureReason, WorkerError
@@ -139,10 +139,11 @@ class Transport:
         except TimeoutError as err:
             raise WorkerError(FailureReason.READ_TIMEOUT, f"{base_url}{path}: no answer in {timeout:g} s") from err
 
-    async def forget(self, base_url: str) -> None:
-        pool = self._workers.pop(base_url, None)
-        if pool is not None:
-            pool.close()
+    def retain(self, base_urls: Collection[str]) -> None:
+        """Close the pools of workers not in ``base_urls`` (removed from the router's pool): their idle sockets
+        go now, busy ones when their exchange ends."""
+        for url in [u for u in self._workers if u not in base_urls]:
+            self._workers.pop(url).close()
 
     async def close(self) -> None:
         workers, self._workers = list(self._workers.values()), {}
