@@ -174,6 +174,12 @@ def save(report: ChaosReport, folder: Path, argv: Sequence[str]) -> Path:
     results = bench_results.Results.start(folder, argv)
     results.add("chaos", [summary_table(report), faults_table(report)], report.seconds)
     results.doc["violations"] = violations(report)
+    # Each stream's outcome, to tell which fault a stream that was not OK met (times: seconds into the load).
+    results.doc["streams"] = [
+        {"prompt": r.prompt, "started": round(r.started, 3), "first_byte": r.first_byte and round(r.first_byte, 3),
+         "ended": round(r.ended, 3), "verdict": verdict.value, "error": r.error[:200], "failovers": r.failovers}
+        for r, verdict in zip(report.results, report.verdicts(), strict=True)
+    ]  # fmt: skip
     plot_timeline(report, folder / "timeline.png")
     plot_recovery(report, folder / "recovery.png")
     return results.save()
