@@ -184,18 +184,19 @@ class ChaosTarget:
         return [f"{p}>{d}" for p in groups[Role.PREFILL] for d in groups[Role.DECODE]]
 
     async def victims_now(self, kind: str) -> list[str]:
-        """``victims(kind)``, except that a broken KV link starts at a prefill that is serving: the routers'
-        cache-aware policy can leave a restarted prefill idle while prompts share a cached prefix elsewhere, and a
-        link that carries no traffic tests nothing. Serving: its ``sglang:num_requests_total`` rose within 1 s."""
+        """``victims(kind)``, except that a broken KV link joins a prefill and a decode that are serving: the
+        routers' cache-aware policy can leave a just recreated worker idle while the prompts' cached prefixes live
+        elsewhere, and a link that carries no traffic tests nothing. Serving: its ``sglang:num_requests_total``
+        rose within 1 s. Falls back to every pair when none qualifies."""
         pairs = self.victims(kind)
         if kind != "transfer":
             return pairs
-        prefills = sorted({pair.split(">")[0] for pair in pairs})
-        before = [await self._requests(p) for p in prefills]
+        groups = sorted({group for pair in pairs for group in pair.split(">")})
+        before = [await self._requests(g) for g in groups]
         await asyncio.sleep(1.0)
-        after = [await self._requests(p) for p in prefills]
-        serving = {p for p, b, a in zip(prefills, before, after, strict=True) if a > b}
-        return [pair for pair in pairs if pair.split(">")[0] in serving] or pairs
+        after = [await self._requests(g) for g in groups]
+        serving = {g for g, b, a in zip(groups, before, after, strict=True) if a > b}
+        return [pair for pair in pairs if set(pair.split(">")) <= serving] or pairs
 
     async def _requests(self, group: str) -> float:
         url = await self.cluster.worker_url(group)
