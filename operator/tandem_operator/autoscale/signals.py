@@ -1,0 +1,117 @@
+"""What the autoscaler reads from Prometheus expositions (pure): router latency histograms and worker gauges.
+
+The routers' ``tandem_router_ttft_seconds`` and ``tandem_router_inter_token_seconds`` are cumulative histograms;
+the p90 of *one interval* is the quantile of the bucket-wise difference of two scrapes, summed over every router
+replica (what ``histogram_quantile(0.9, sum by (le) (rate(...[interval])))`` gives in Prometheus, with the same
+linear interpolation inside a bucket). The workers' gauges are SGLang 0.5.23's (``sglang/srt/metrics/collector.py``,
+``SchedulerStats``): ``num_queue_reqs``, ``token_usage``, ``num_running_reqs``, ``gen_throughput``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+TTFT = "tandem_router_ttft_seconds"
+ITL = "tandem_router_inter_token_seconds"
+ROUTER_IN_FLIGHT = "tandem_router_worker_in_flight"
+WORKER_GAUGES = ("sglang:num_queue_reqs", "sglang:token_usage", "sglang:num_running_reqs", "sglang:gen_throughput")
+
+Buckets = Mapping[float, float]  # upper bound ``le`` -> cumulative count
+
+
+@dataclass(frozen=True)
+class RouterScrape:
+    """One scrape of every router, summed: cumulative buckets of TTFT and ITL, requests in flight by role."""
+
+    ttft: Buckets = field(default_factory=dict)
+    itl: Buckets = field(default_factory=dict)
+    in_flight: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WorkerGauges:
+    """One group leader's scheduler gauges."""
+
+    queue_reqs: float
+    token_usage: float
+    running_reqs: float
+    gen_throughput: float
+
+
+def _add(into: dict[float, float], buckets: Buckets) -> None:
+    for le, count in buckets.items():
+        into[le] = into.get(le, 0.0) + count
+
+
+def parse_router(text: str) -> RouterScrape:
+    """A router's exposition: its histograms summed over routes, its in-flight gauge summed per role."""
+    histograms: dict[str, dict[float, float]] = {TTFT: {}, ITL: {}}
+    in_flight: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in histograms:
+            for sample in family.samples:
+                if sample.name == f"{family.name}_bucket":
+                    _add(histograms[family.name], {float(sample.labels["le"]): sample.value})
+        elif family.name == ROUTER_IN_FLIGHT:
+            for sample in family.samples:
+                role = sample.labels.get("role", "")
+                in_flight[role] = in_flight.get(role, 0.0) + sample.value
+    return RouterScrape(histograms[TTFT], histograms[ITL], in_flight)
+
+
+def combine(scrapes: Iterable[RouterScrape]) -> RouterScrape:
+    """Every router replica's scrape as one."""
+    ttft: dict[float, float] = {}
+    itl: dict[float, float] = {}
+    in_flight: dict[str, float] = {}
+    for scrape in scrapes:
+        _add(ttft, scrape.ttft)
+        _add(itl, scrape.itl)
+        for role, value in scrape.in_flight.items():
+            in_flight[role] = in_flight.get(role, 0.0) + value
+    return RouterScrape(ttft, itl, in_flight)
+
+
+def parse_worker(text: str) -> WorkerGauges | None:
+    """A leader's gauges (summed over its attention-DP ranks' label sets); None when one is missing."""
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in WORKER_GAUGES:
+            found[family.name] = sum(sample.value for sample in family.samples)
+    if set(found) != set(WORKER_GAUGES):
+        return None
+    queue, usage, running, throughput = (found[name] for name in WORKER_GAUGES)
+    return WorkerGauges(queue, usage, running, throughput)
+
+
+def interval_buckets(now: Buckets, before: Buckets) -> dict[float, float]:
+    """Observations between two scrapes; a counter that went down (a router restarted) counts from zero."""
+    delta = {le: count - before.get(le, 0.0) for le, count in now.items()}
+    if any(v < 0 for v in delta.values()):
+        return dict(now)
+    return delta
+
+
+def quantile(q: float, buckets: Buckets) -> float | None:
+    """Prometheus's ``histogram_quantile`` on cumulative buckets; None when nothing was observed.
+
+    Linear interpolation inside the bucket holding the rank; a rank in the ``+Inf`` bucket returns the highest
+    finite bound (Prometheus does the same)."""
+    ordered = sorted(buckets.items())
+    if not ordered or ordered[-1][1] <= 0:
+        return None
+    rank = q * ordered[-1][1]
+    lower_bound, lower_count = 0.0, 0.0
+    for le, count in ordered:
+        if count >= rank:
+            if math.isinf(le):
+                return lower_bound
+            if count == lower_count:
+                return le
+            return lower_bound + (le - lower_bound) * (rank - lower_count) / (count - lower_count)
+        lower_bound, lower_count = le, count
+    return lower_bound
