@@ -3,8 +3,10 @@
 The routers' ``tandem_router_ttft_seconds`` and ``tandem_router_inter_token_seconds`` are cumulative histograms;
 the p90 of *one interval* is the quantile of the bucket-wise difference of two scrapes, summed over every router
 replica (what ``histogram_quantile(0.9, sum by (le) (rate(...[interval])))`` gives in Prometheus, with the same
-linear interpolation inside a bucket). The workers' gauges are SGLang 0.5.23's (``sglang/srt/metrics/collector.py``,
-``SchedulerStats``): ``num_queue_reqs``, ``token_usage``, ``num_running_reqs``, ``gen_throughput``.
+linear interpolation inside a bucket). The workers' gauges are SGLang 0.5.23's
+(``sglang/srt/observability/metrics_collector.py``, ``SchedulerStats`` and ``SchedulerMetricsCollector``):
+``num_queue_reqs``, ``token_usage`` (the fullest KV pool, 0-1), ``num_running_reqs``, ``gen_throughput``. SGLang
+has no gauge of queued prompt *tokens*; queued requests stand for them.
 """
 
 from __future__ import annotations
@@ -77,11 +79,13 @@ def combine(scrapes: Iterable[RouterScrape]) -> RouterScrape:
 
 
 def parse_worker(text: str) -> WorkerGauges | None:
-    """A leader's gauges (summed over its attention-DP ranks' label sets); None when one is missing."""
+    """A leader's gauges over its label sets (attention-DP ranks): counts summed, KV usage the fullest; None when
+    one is missing."""
     found: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        if family.name in WORKER_GAUGES:
-            found[family.name] = sum(sample.value for sample in family.samples)
+        if family.name in WORKER_GAUGES and family.samples:
+            values = [sample.value for sample in family.samples]
+            found[family.name] = max(values) if family.name == "sglang:token_usage" else sum(values)
     if set(found) != set(WORKER_GAUGES):
         return None
     queue, usage, running, throughput = (found[name] for name in WORKER_GAUGES)
