@@ -10,8 +10,20 @@ HPA). Scale-down goes through the drain like any other scale-down.
 from __future__ import annotations
 
 from pydantic import Field
+from pydantic.alias_generators import to_camel
 
 from tandem_operator.api.rules import CrdModel, Rule
+
+
+def _ordered(low: str, high: str) -> Rule:
+    """``low <= high`` (Python field names), reported on ``low``."""
+    wire_low, wire_high = to_camel(low), to_camel(high)
+    return Rule(
+        cel=f"self.{wire_low} <= self.{wire_high}",
+        message=f"{wire_low} must be less than or equal to {wire_high}",
+        check=lambda s: bool(getattr(s, low) <= getattr(s, high)),
+        field_path=f".{wire_low}",
+    )
 
 
 class SloTargets(CrdModel):
@@ -27,14 +39,7 @@ class RoleBounds(CrdModel):
     min_groups: int = Field(default=1, ge=1, le=1000, description="Never fewer groups than this.")
     max_groups: int = Field(default=4, ge=1, le=1000, description="Never more groups than this.")
 
-    cel_rules = (
-        Rule(
-            cel="self.minGroups <= self.maxGroups",
-            message="minGroups must be less than or equal to maxGroups",
-            check=lambda s: s.min_groups <= s.max_groups,
-            field_path=".minGroups",
-        ),
-    )
+    cel_rules = (_ordered("min_groups", "max_groups"),)
 
 
 class GroupRatio(CrdModel):
@@ -43,14 +48,7 @@ class GroupRatio(CrdModel):
     min: float = Field(default=0.0, ge=0, le=1000, description="Lowest prefill:decode group ratio.")
     max: float = Field(default=1000.0, gt=0, le=1000, description="Highest prefill:decode group ratio.")
 
-    cel_rules = (
-        Rule(
-            cel="self.min <= self.max",
-            message="min must be less than or equal to max",
-            check=lambda s: s.min <= s.max,
-            field_path=".min",
-        ),
-    )
+    cel_rules = (_ordered("min", "max"),)
 
 
 class AutoscalingSpec(CrdModel):
