@@ -141,7 +141,8 @@ def test_recommend_reports_what_it_saw() -> None:
         ({"prefill": {"minGroups": 3, "maxGroups": 2}}, "minGroups must be less than or equal to maxGroups"),
         ({"ratio": {"min": 2, "max": 1}}, "min must be less than or equal to max"),
         ({"ratio": {"min": 5, "max": 6}}, "ratio cannot be met within the min and max groups"),
-        ({"routerMetrics": []}, "at least 1 item"),
+        ({"routerMetrics": []}, "set exactly one of routerMetrics and routerSelector"),
+        ({"routerSelector": {"app.kubernetes.io/component": "router"}}, "set exactly one of routerMetrics"),
     ],
 )
 def test_invalid_specs_are_refused_with_the_rule_message(over: dict[str, Any], message: str) -> None:

@@ -4,6 +4,7 @@ subresource and reports the decision in status (a fake Kube records the writes).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -53,19 +54,38 @@ async def exposition() -> AsyncIterator[tuple[Exposition, str]]:
     await runner.cleanup()
 
 
+def cluster(routers: dict[str, Any]) -> PDClusterSpec:
+    autoscaling = {"targets": {"ttftP90Ms": 1000, "itlP90Ms": 50}, "scaleUpStabilizationSeconds": 0, **routers}
+    return PDClusterSpec.model_validate(
+        {"transfer": {"protocol": "tcp"}, "etcd": {"endpoints": ["http://127.0.0.1:2379"]}, "autoscaling": autoscaling}
+    )
+
+
+def router_pod(ip: str, ready: bool, deleting: bool = False) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": f"router-{ip}-{ready}-{deleting}"}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    status = {"podIP": ip, "conditions": [{"type": "Ready", "status": str(ready)}]}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "status": status}
+
+
+async def test_router_pods_by_selector_ready_and_not_deleting() -> None:
+    spec = cluster({"routerSelector": {"app.kubernetes.io/component": "router"}, "routerPort": 8123}).autoscaling
+    assert spec is not None
+    kube = FakeKube()
+    for n, pod in enumerate(
+        [router_pod("10.0.0.1", True), router_pod("10.0.0.2", False), router_pod("10.0.0.3", True, deleting=True)]
+    ):
+        kube.objects[str(n)] = pod
+    autoscaler = Autoscaler(
+        ClusterState(ClusterRef("sim", "ns", "uid"), cluster({"routerMetrics": ["x"]})), kube, WorkerMetrics()
+    )
+    assert await autoscaler.router_urls(spec) == ["http://10.0.0.1:8123/metrics"]
+
+
 async def test_a_slow_decode_is_scaled_through_the_scale_subresource(exposition: tuple[Exposition, str]) -> None:
     exp, base = exposition
-    spec = PDClusterSpec.model_validate(
-        {
-            "transfer": {"protocol": "tcp"},
-            "etcd": {"endpoints": ["http://127.0.0.1:2379"]},
-            "autoscaling": {
-                "targets": {"ttftP90Ms": 1000, "itlP90Ms": 50},
-                "routerMetrics": [f"{base}/router/metrics"],
-                "scaleUpStabilizationSeconds": 0,
-            },
-        }
-    )
+    spec = cluster({"routerMetrics": [f"{base}/router/metrics"]})
     state = ClusterState(ClusterRef("sim", "ns", "uid"), spec)
     for role in Role:
         key = GroupKey(role, 0)

@@ -17,16 +17,14 @@ from tandem_operator.autoscale.signals import (
 BOUNDS = (0.1, 0.5, 1.0, 5.0)
 
 
-def router_text(ttft: list[float], itl: list[float], in_flight: int = 0) -> str:
+def router_text(ttft: list[float], itl: list[float]) -> str:
     registry = CollectorRegistry()
     h = Histogram("tandem_router_ttft_seconds", "", ["route"], buckets=BOUNDS, registry=registry)
     i = Histogram("tandem_router_inter_token_seconds", "", ["route"], buckets=BOUNDS, registry=registry)
-    g = Gauge("tandem_router_worker_in_flight", "", ["role", "worker"], registry=registry)
     for v in ttft:
         h.labels("/v1/chat/completions").observe(v)
     for v in itl:
         i.labels("/v1/completions").observe(v)
-    g.labels("decode", "d0").set(in_flight)
     return generate_latest(registry).decode()
 
 
@@ -53,12 +51,11 @@ def test_a_restarted_router_counts_from_zero() -> None:
 
 
 def test_replicas_are_summed() -> None:
-    a = parse_router(router_text([0.05] * 3, [0.2], in_flight=2))
-    b = parse_router(router_text([0.05] * 7, [], in_flight=3))
+    a = parse_router(router_text([0.05] * 3, [0.2]))
+    b = parse_router(router_text([0.05] * 7, []))
     both = combine([a, b])
     assert both.ttft[float("inf")] == 10
     assert both.itl[float("inf")] == 1
-    assert both.in_flight == {"decode": 5}
 
 
 def test_worker_gauges_and_a_missing_one() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic.alias_generators import to_camel
 
+from tandem_operator.api.common import LabelValue, Port
 from tandem_operator.api.rules import CrdModel, Rule
 
 
@@ -59,12 +60,20 @@ class AutoscalingSpec(CrdModel):
     decode: RoleBounds = Field(default_factory=RoleBounds)
     ratio: GroupRatio | None = Field(default=None, description="Optional prefill:decode group ratio bounds.")
     router_metrics: list[str] = Field(
-        min_length=1,
+        default_factory=list,
         max_length=64,
-        description="Each router replica's /metrics URL (http://<pod or host>:<port>/metrics): the TTFT and ITL "
-        "histograms and in-flight counts the decisions read. Every replica must be listed: a Service URL would "
-        "read a different replica at each scrape.",
+        description="Each router replica's /metrics URL (http://<host>:<port>/metrics), for routers that are not "
+        "pods of this namespace; else use routerSelector. Every replica must be listed: a Service URL would read "
+        "a different replica at each scrape.",
     )
+    router_selector: dict[str, LabelValue] = Field(
+        default_factory=dict,
+        max_length=16,
+        description="Labels of the router pods in the PDCluster's namespace (the chart's: app.kubernetes.io/"
+        "instance: <release>, app.kubernetes.io/component: router): every Ready one is read at "
+        "http://<pod IP>:<routerPort>/metrics.",
+    )
+    router_port: Port = Field(default=8000, description="The routers' HTTP port (with routerSelector).")
     interval_seconds: int = Field(default=15, ge=1, le=600, description="Seconds between two decisions.")
     scale_up_stabilization_seconds: int = Field(
         default=30,
@@ -87,6 +96,13 @@ class AutoscalingSpec(CrdModel):
     )
 
     cel_rules = (
+        Rule(
+            cel="(has(self.routerMetrics) && size(self.routerMetrics) > 0) != "
+            "(has(self.routerSelector) && size(self.routerSelector) > 0)",
+            message="set exactly one of routerMetrics and routerSelector (where the routers' /metrics are)",
+            check=lambda s: bool(s.router_metrics) != bool(s.router_selector),
+            field_path=".routerMetrics",
+        ),
         Rule(
             cel="!has(self.ratio) || self.ratio.max * double(self.decode.maxGroups) >= double(self.prefill.minGroups)"
             " && self.ratio.min * double(self.decode.minGroups) <= double(self.prefill.maxGroups)",

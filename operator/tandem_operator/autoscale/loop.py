@@ -30,7 +30,7 @@ from tandem_operator.autoscale.signals import (
     parse_worker,
     quantile,
 )
-from tandem_operator.desired.naming import pool_name
+from tandem_operator.desired.naming import pool_name, selector_string
 from tandem_operator.k8s.apply import object_path
 from tandem_operator.k8s.kube import Kube
 from tandem_operator.state import ClusterState
@@ -40,9 +40,9 @@ log = logging.getLogger("tandem.operator.autoscale")
 IDLE_POLL_S = 5.0  # how often a cluster without spec.autoscaling looks whether it was turned on
 
 
-def _p90_ms(now: Buckets, before: Buckets) -> float:
+def _p90_ms(interval: Buckets) -> float:
     """The interval's p90 in ms; 0 when no request was observed (idle is a reading, not a missing one)."""
-    p90 = quantile(0.9, interval_buckets(now, before))
+    p90 = quantile(0.9, interval)
     return 0.0 if p90 is None else p90 * 1000
 
 
@@ -66,14 +66,14 @@ class Autoscaler:
     def __init__(self, state: ClusterState, kube: Kube, workers: WorkerMetrics) -> None:
         self.state, self.kube, self.workers = state, kube, workers
         self.history: History = {}
-        self._routers: RouterScrape | None = None  # the previous scrape: p90s are over one interval
+        self._routers: dict[str, RouterScrape] = {}  # each router's previous scrape: p90s are over one interval
         self.last: Decision | None = None
 
     async def run(self) -> None:
         while True:
             spec = self.state.spec.autoscaling
             if spec is None:
-                self.history, self._routers = {}, None
+                self.history, self._routers = {}, {}
                 await asyncio.sleep(IDLE_POLL_S)
                 continue
             try:
@@ -84,14 +84,39 @@ class Autoscaler:
                 log.exception("autoscaling decision failed", extra={"cluster": self._cluster()})
             await asyncio.sleep(spec.interval_seconds)
 
+    async def router_urls(self, spec: AutoscalingSpec) -> list[str]:
+        """``routerMetrics``, or the Ready pods ``routerSelector`` selects."""
+        if spec.router_metrics:
+            return list(spec.router_metrics)
+        pods = await self.kube.list("v1", "Pod", self.state.ref.namespace, selector_string(spec.router_selector))
+        return [
+            f"http://{pod['status']['podIP']}:{spec.router_port}/metrics"
+            for pod in pods
+            if (pod.get("status") or {}).get("podIP")
+            and not pod["metadata"].get("deletionTimestamp")
+            and any(c.get("type") == "Ready" and c.get("status") == "True" for c in pod["status"].get("conditions", []))
+        ]
+
+    async def latency(self, spec: AutoscalingSpec) -> tuple[float | None, float | None]:
+        """The routers' TTFT and ITL p90 over the interval since the last scrape, each router against its own
+        previous scrape (a router seen for the first time only sets its baseline); None when some router did not
+        answer or none has a previous scrape yet."""
+        urls = await self.router_urls(spec)
+        texts = await asyncio.gather(*(self.workers.text(url) for url in urls))
+        now = {url: parse_router(text) for url, text in zip(urls, texts, strict=True) if text is not None}
+        deltas = [
+            RouterScrape(interval_buckets(scrape.ttft, before.ttft), interval_buckets(scrape.itl, before.itl))
+            for url, scrape in now.items()
+            if (before := self._routers.get(url)) is not None
+        ]
+        self._routers = now
+        if len(now) < len(urls) or not deltas:
+            return None, None
+        total = combine(deltas)
+        return _p90_ms(total.ttft), _p90_ms(total.itl)
+
     async def observe(self, spec: AutoscalingSpec) -> Observation:
-        texts = await asyncio.gather(*(self.workers.text(url) for url in spec.router_metrics))
-        ttft = itl = None
-        if all(t is not None for t in texts):
-            now = combine(parse_router(t) for t in texts if t is not None)
-            if self._routers is not None:
-                ttft, itl = _p90_ms(now.ttft, self._routers.ttft), _p90_ms(now.itl, self._routers.itl)
-            self._routers = now
+        ttft, itl = await self.latency(spec)
         registered = list(self.state.registered.items())
         leader_texts = await asyncio.gather(*(self.workers.text(f"{e.url}/metrics") for _, e in registered))
         gauges: dict[Role, list[WorkerGauges | None]] = {role: [] for role in Role}

@@ -19,7 +19,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 TTFT = "tandem_router_ttft_seconds"
 ITL = "tandem_router_inter_token_seconds"
-ROUTER_IN_FLIGHT = "tandem_router_worker_in_flight"
 WORKER_GAUGES = ("sglang:num_queue_reqs", "sglang:token_usage", "sglang:num_running_reqs", "sglang:gen_throughput")
 
 Buckets = Mapping[float, float]  # upper bound ``le`` -> cumulative count
@@ -27,11 +26,13 @@ Buckets = Mapping[float, float]  # upper bound ``le`` -> cumulative count
 
 @dataclass(frozen=True)
 class RouterScrape:
-    """One scrape of every router, summed: cumulative buckets of TTFT and ITL, requests in flight by role."""
+    """One router's cumulative TTFT and ITL buckets (summed over routes), or several routers' summed.
+
+    The routers' own in-flight gauge is not read: a router queues nothing itself (it forwards at once), so its
+    in-flight count per worker is the worker's running + queued requests, which the leaders report first-hand."""
 
     ttft: Buckets = field(default_factory=dict)
     itl: Buckets = field(default_factory=dict)
-    in_flight: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -50,32 +51,24 @@ def _add(into: dict[float, float], buckets: Buckets) -> None:
 
 
 def parse_router(text: str) -> RouterScrape:
-    """A router's exposition: its histograms summed over routes, its in-flight gauge summed per role."""
+    """A router's exposition: its histograms summed over routes."""
     histograms: dict[str, dict[float, float]] = {TTFT: {}, ITL: {}}
-    in_flight: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         if family.name in histograms:
             for sample in family.samples:
                 if sample.name == f"{family.name}_bucket":
                     _add(histograms[family.name], {float(sample.labels["le"]): sample.value})
-        elif family.name == ROUTER_IN_FLIGHT:
-            for sample in family.samples:
-                role = sample.labels.get("role", "")
-                in_flight[role] = in_flight.get(role, 0.0) + sample.value
-    return RouterScrape(histograms[TTFT], histograms[ITL], in_flight)
+    return RouterScrape(histograms[TTFT], histograms[ITL])
 
 
 def combine(scrapes: Iterable[RouterScrape]) -> RouterScrape:
-    """Every router replica's scrape as one."""
+    """Every router replica's scrape (or interval) as one."""
     ttft: dict[float, float] = {}
     itl: dict[float, float] = {}
-    in_flight: dict[str, float] = {}
     for scrape in scrapes:
         _add(ttft, scrape.ttft)
         _add(itl, scrape.itl)
-        for role, value in scrape.in_flight.items():
-            in_flight[role] = in_flight.get(role, 0.0) + value
-    return RouterScrape(ttft, itl, in_flight)
+    return RouterScrape(ttft, itl)
 
 
 def parse_worker(text: str) -> WorkerGauges | None:
