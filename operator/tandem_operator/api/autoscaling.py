@@ -2,9 +2,9 @@
 
 When ``spec.autoscaling`` is set the operator owns ``PDPool.spec.replicas`` of both roles: every
 ``intervalSeconds`` it reads the routers' and the group leaders' ``/metrics``, decides with
-``tandem_operator.autoscale.decide`` and writes the pools' replicas through the scale subresource (so a
-``kubectl scale`` is overwritten at the next decision). Without it, replicas are the user's (``kubectl scale``, an
-HPA). Scale-down goes through the drain like any other scale-down.
+``tandem_operator.autoscale.decide`` and writes the pools' replicas through the scale subresource (a ``kubectl
+scale`` is then only a new starting point, clamped to min/max, that later decisions move). Without it, replicas are
+the user's (``kubectl scale``, an HPA). Scale-down goes through the drain like any other scale-down.
 """
 
 from __future__ import annotations

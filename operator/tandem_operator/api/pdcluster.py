@@ -400,8 +400,8 @@ class PDClusterSpec(CrdModel):
     scheduling: GangSchedulingSpec = Field(default_factory=GangSchedulingSpec)
     autoscaling: AutoscalingSpec | None = Field(
         default=None,
-        description="SLO-driven autoscaling: when set, the operator owns both PDPools' replicas (kubectl scale is "
-        "overwritten at the next decision).",
+        description="SLO-driven autoscaling: when set, the operator owns both PDPools' replicas (a kubectl scale "
+        "is only a new starting point that later decisions move; do not add an HPA).",
     )
 
     cel_rules = (
