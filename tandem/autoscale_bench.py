@@ -119,7 +119,7 @@ def simulate(name: str, policy: Policy, start: dict[Role, int]) -> Run:
 
 
 def autoscaling_policy(spec: AutoscalingSpec) -> Policy:
-    history: list[History] = [{}]
+    history = [History()]
 
     def policy(t: int, lat: Latency, ready: dict[Role, int], asked: dict[Role, int]) -> dict[Role, int]:
         if t % spec.interval_seconds:

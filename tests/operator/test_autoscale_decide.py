@@ -11,7 +11,7 @@ import pytest
 
 from tandem.registry import Role
 from tandem_operator.api.autoscaling import AutoscalingSpec
-from tandem_operator.autoscale.decide import Observation, Reason, RoleLoad, decide, recommend
+from tandem_operator.autoscale.decide import History, Observation, Reason, RoleLoad, decide, recommend
 
 P, D = Role.PREFILL, Role.DECODE
 
@@ -57,6 +57,8 @@ CASES = [
      (2, Reason.WITHIN_TARGET), (2, Reason.WITHIN_TARGET)),
     ("decode quiet but its KV would not fit in one group fewer", obs(ttft=0, itl=10, decode=load(kv=0.4)),
      (1, Reason.SCALE_DOWN), (2, Reason.WITHIN_TARGET)),
+    ("a request or two waiting is not queueing: both may shrink", obs(ttft=100, itl=10, prefill=load(queue=1),
+     decode=load(queue=1, kv=0.1)), (1, Reason.SCALE_DOWN), (1, Reason.SCALE_DOWN)),
     ("a router unreadable: hold", obs(ttft=None, itl=90), (2, Reason.METRICS_MISSING), (2, Reason.METRICS_MISSING)),
     ("a leader unreadable: hold", obs(itl=90, decode=RoleLoad(2, 2)),
      (2, Reason.METRICS_MISSING), (2, Reason.METRICS_MISSING)),
@@ -70,14 +72,14 @@ CASES = [
 
 @pytest.mark.parametrize(("name", "seen", "prefill", "decode"), CASES, ids=[c[0] for c in CASES])
 def test_decision_table(name: str, seen: Observation, prefill: tuple[int, Reason], decode: tuple[int, Reason]) -> None:
-    decision = decide(spec(), seen, {}, now=100.0)
+    decision = decide(spec(), seen, History(), now=100.0)
     got = {role: (v.desired, v.reason) for role, v in decision.verdicts.items()}
     assert got == {P: prefill, D: decode}, decision.verdicts
 
 
 def test_out_of_bounds_groups_are_brought_back_even_without_metrics() -> None:
     seen = obs(ttft=None, decode=load(groups=9))
-    verdict = decide(spec(), seen, {}, now=0.0).verdicts[D]
+    verdict = decide(spec(), seen, History(), now=0.0).verdicts[D]
     assert (verdict.desired, verdict.reason) == (4, Reason.BOUNDS)
     assert "groups within [1, 4]" in verdict.message
 
@@ -85,7 +87,7 @@ def test_out_of_bounds_groups_are_brought_back_even_without_metrics() -> None:
 def test_scale_up_needs_every_recommendation_of_its_window() -> None:
     s = spec(scaleUpStabilizationSeconds=30)
     hot, cool = obs(itl=90), obs(itl=40)
-    history: Any = {}
+    history = History()
     first = decide(s, cool, history, now=0.0)
     second = decide(s, hot, first.history, now=15.0)
     assert (second.verdicts[D].desired, second.verdicts[D].reason) == (2, Reason.STABILIZING)
@@ -95,7 +97,7 @@ def test_scale_up_needs_every_recommendation_of_its_window() -> None:
 
 def test_scale_down_waits_for_its_window_and_a_spike_restarts_it() -> None:
     s = spec(scaleDownStabilizationSeconds=60)
-    history: Any = {}
+    history = History()
     for t in (0.0, 20.0, 40.0):
         decision = decide(s, IDLE, history, now=t)
         history = decision.history
@@ -109,14 +111,14 @@ def test_scale_down_waits_for_its_window_and_a_spike_restarts_it() -> None:
 
 def test_held_intervals_are_not_evidence() -> None:
     s = spec(scaleUpStabilizationSeconds=30)
-    first = decide(s, obs(itl=90), {}, now=0.0)
+    first = decide(s, obs(itl=90), History(), now=0.0)
     missing = decide(s, obs(ttft=None, itl=90), first.history, now=15.0)
     assert missing.history == first.history
 
 
 def test_ratio_raises_the_lagging_role() -> None:
     s = spec(ratio={"min": 0.5, "max": 2})
-    decision = decide(s, obs(itl=90, prefill=load(groups=1), decode=load(groups=2)), {}, now=0.0)
+    decision = decide(s, obs(itl=90, prefill=load(groups=1), decode=load(groups=2)), History(), now=0.0)
     assert decision.verdicts[D].desired == 4
     assert (decision.verdicts[P].desired, decision.verdicts[P].reason) == (2, Reason.RATIO)
     assert "ratio within [0.5, 2]" in decision.verdicts[P].message
@@ -124,7 +126,7 @@ def test_ratio_raises_the_lagging_role() -> None:
 
 def test_ratio_at_max_groups_trims_the_other_role() -> None:
     s = spec(ratio={"min": 1, "max": 1}, prefill={"minGroups": 1, "maxGroups": 2})
-    decision = decide(s, obs(itl=90, prefill=load(groups=2), decode=load(groups=2)), {}, now=0.0)
+    decision = decide(s, obs(itl=90, prefill=load(groups=2), decode=load(groups=2)), History(), now=0.0)
     assert decision.verdicts[P].desired == 2
     assert decision.verdicts[D].desired == 2
 
@@ -148,3 +150,12 @@ def test_recommend_reports_what_it_saw() -> None:
 def test_invalid_specs_are_refused_with_the_rule_message(over: dict[str, Any], message: str) -> None:
     with pytest.raises(pydantic.ValidationError, match=message):
         spec(**over)
+
+
+def test_the_first_interval_after_settling_is_not_evidence() -> None:
+    starting = decide(spec(), obs(itl=200, decode=load(groups=2, ready=1)), History(), now=0.0)
+    assert starting.verdicts[D].reason is Reason.SETTLING
+    settled = decide(spec(), obs(itl=200), starting.history, now=15.0)  # still the old size's ITL, partly
+    assert (settled.verdicts[D].desired, settled.verdicts[D].reason) == (2, Reason.SETTLING)
+    measured = decide(spec(), obs(itl=200), settled.history, now=30.0)
+    assert (measured.verdicts[D].desired, measured.verdicts[D].reason) == (4, Reason.SCALE_UP)

@@ -92,7 +92,7 @@ class AutoscalingSpec(CrdModel):
         gt=0,
         lt=1,
         description="Hysteresis: a role may shrink only while its latency p90 is below this fraction of the "
-        "target (and it queues nothing).",
+        "target (and it queues less than one request per group).",
     )
 
     cel_rules = (

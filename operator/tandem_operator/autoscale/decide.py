@@ -10,21 +10,23 @@ Prefill and decode saturate differently, so each role is judged by its own signa
 
 A short role is recommended ``ceil(groups x observed / target)`` groups (at least one more, at most twice as
 many, like the HPA's proportional rule). A role may shrink by one group when its latency is below
-``scaleDownBelow x target`` (hysteresis: between that and the target nothing moves), it queues nothing and, for
+``scaleDownBelow x target`` (hysteresis: between that and the target nothing moves), it is not queueing (fewer
+than ``QUEUED_PER_GROUP`` waiting per group: a request or two waiting for the next batch is normal) and, for
 decode, its KV usage spread over one group fewer stays under ``KV_SHRINK``.
 
 Recommendations are stabilised like the Kubernetes HPA's ``behavior`` (``pkg/controller/podautoscaler``,
 ``stabilizeRecommendationWithBehaviors``): a scale-up takes the lowest recommendation of the scale-up window, a
 scale-down the highest of the scale-down window, so one noisy interval moves nothing. Then the ratio bounds and
 min/max are applied. Nothing moves while a role has not settled (ready groups != groups: groups still starting
-or draining), and a metric that could not be read means hold, never a guess.
+or draining) nor in the first interval after (its p90 still mixes in the old size), and a metric that could not
+be read means hold, never a guess.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from tandem.registry import Role
@@ -76,8 +78,16 @@ class Observation:
         return self.prefill if role is Role.PREFILL else self.decode
 
 
-# Per role: (time in seconds, recommended groups), oldest first.
-History = Mapping[Role, tuple[tuple[float, int], ...]]
+Records = tuple[tuple[float, int], ...]  # (time in seconds, recommended groups), oldest first
+
+
+@dataclass(frozen=True)
+class History:
+    """What the next decision needs from the previous ones: each role's recent recommendations, and the roles
+    that were settling (their first interval after settling still mixes the old size in: it is not evidence)."""
+
+    recommendations: Mapping[Role, Records] = field(default_factory=dict)
+    settling: frozenset[Role] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -119,8 +129,8 @@ def recommend(spec: AutoscalingSpec, obs: Observation, role: Role) -> Verdict:
         if ttft > targets.ttft_p90_ms and prefill_queued:
             desired = _grow(n, ttft, targets.ttft_p90_ms)
             return Verdict(n, desired, Reason.SCALE_UP, f"{seen}, {prefill_queue:.0f} prompts queued on prefill")
-        if ttft < spec.scale_down_below * targets.ttft_p90_ms and prefill_queue == 0 and n > 1:
-            return Verdict(n, n - 1, Reason.SCALE_DOWN, f"{seen}, nothing queued on prefill")
+        if ttft < spec.scale_down_below * targets.ttft_p90_ms and not prefill_queued and n > 1:
+            return Verdict(n, n - 1, Reason.SCALE_DOWN, f"{seen}, {prefill_queue:.0f} prompts queued on prefill")
         return Verdict(n, n, Reason.WITHIN_TARGET, seen)
     if itl > targets.itl_p90_ms:
         return Verdict(n, _grow(n, itl, targets.itl_p90_ms), Reason.SCALE_UP, f"{seen}: decode is short")
@@ -128,15 +138,13 @@ def recommend(spec: AutoscalingSpec, obs: Observation, role: Role) -> Verdict:
         desired = _grow(n, ttft, targets.ttft_p90_ms)
         note = f"KV usage {kv:.2f}, {decode_queue:.0f} queued on decode"
         return Verdict(n, desired, Reason.SCALE_UP, f"{seen}, prefill idle, {note}")
-    quiet = itl < spec.scale_down_below * targets.itl_p90_ms and decode_queue == 0
+    quiet = itl < spec.scale_down_below * targets.itl_p90_ms and decode_queue / n < QUEUED_PER_GROUP
     if quiet and n > 1 and kv * n / (n - 1) < KV_SHRINK:
         return Verdict(n, n - 1, Reason.SCALE_DOWN, f"{seen}, KV usage {kv:.2f}")
     return Verdict(n, n, Reason.WITHIN_TARGET, seen)
 
 
-def _stabilize(
-    spec: AutoscalingSpec, verdict: Verdict, past: tuple[tuple[float, int], ...], now: float
-) -> tuple[Verdict, tuple[tuple[float, int], ...]]:
+def _stabilize(spec: AutoscalingSpec, verdict: Verdict, past: Records, now: float) -> tuple[Verdict, Records]:
     n = verdict.current
     up_window, down_window = spec.scale_up_stabilization_seconds, spec.scale_down_stabilization_seconds
     # A fresh autoscaler (or one just turned on) starts its windows now, with the current size as their record.
@@ -187,14 +195,20 @@ def _bounded(spec: AutoscalingSpec, verdicts: dict[Role, Verdict]) -> dict[Role,
 
 
 def decide(spec: AutoscalingSpec, obs: Observation, history: History, now: float) -> Decision:
-    """Desired groups for both roles. ``history`` is the previous ``Decision.history`` (empty at start)."""
+    """Desired groups for both roles. ``history`` is the previous ``Decision.history`` (``History()`` at start)."""
     verdicts: dict[Role, Verdict] = {}
-    new_history: dict[Role, tuple[tuple[float, int], ...]] = {}
+    records: dict[Role, Records] = {}
+    settling: set[Role] = set()
     for role in Role:
         raw = recommend(spec, obs, role)
-        past = history.get(role, ())
+        past = history.recommendations.get(role, ())
+        if raw.reason is Reason.SETTLING:
+            settling.add(role)
+        elif role in history.settling and raw.reason is not Reason.METRICS_MISSING:
+            n = raw.current
+            raw = Verdict(n, n, Reason.SETTLING, f"{n} groups ready: the next interval measures them alone")
         if raw.reason in (Reason.METRICS_MISSING, Reason.SETTLING):
-            verdicts[role], new_history[role] = raw, past  # a held interval is no evidence either way
+            verdicts[role], records[role] = raw, past  # a held interval is no evidence either way
         else:
-            verdicts[role], new_history[role] = _stabilize(spec, raw, past, now)
-    return Decision(_bounded(spec, verdicts), new_history)
+            verdicts[role], records[role] = _stabilize(spec, raw, past, now)
+    return Decision(_bounded(spec, verdicts), History(records, frozenset(settling)))

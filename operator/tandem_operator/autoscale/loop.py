@@ -65,7 +65,7 @@ def _role_load(pool: dict[str, Any] | None, gauges: list[WorkerGauges | None]) -
 class Autoscaler:
     def __init__(self, state: ClusterState, kube: Kube, workers: WorkerMetrics) -> None:
         self.state, self.kube, self.workers = state, kube, workers
-        self.history: History = {}
+        self.history = History()
         self._routers: dict[str, RouterScrape] = {}  # each router's previous scrape: p90s are over one interval
         self.last: Decision | None = None
 
@@ -73,7 +73,7 @@ class Autoscaler:
         while True:
             spec = self.state.spec.autoscaling
             if spec is None:
-                self.history, self._routers = {}, {}
+                self.history, self._routers = History(), {}
                 await asyncio.sleep(IDLE_POLL_S)
                 continue
             try:
