@@ -1,12 +1,13 @@
 """SLO-driven autoscaling on the real control plane, simulated workers under streaming load.
 
 Decode runs ``tandem sim`` with a step time that grows with its batch (``--sim-inter-token-ms=5
---sim-decode-ms-per-seq=10``: 3 streams ~35 ms per token, 13 streams ~135 ms, more on this loaded machine), the ITL
-target is 100 ms. A load step from 3 to 13 streams must scale decode up (and not prefill, which is not saturated)
-until the ITL p90 the autoscaler sees is back under target; when the load drops back to 3 streams decode must
-shrink through the drain with 0 lost streams. The test sets short windows (interval 2 s, up 4 s, down 10 s) and
-``scaleDownBelow: 0.6`` to stay within minutes. Generous bounds: the machine is shared, the assertions are about
-behaviour. The timeline PNG goes to the test's log directory (its path is printed).
+--sim-decode-ms-per-seq=30``: 2 streams ~65 ms per token, 8 streams ~245 ms, 4 per group ~125 ms), the ITL target
+is 150 ms: few streams, so the simulated GPU time and not this machine's CPU sets the latency. A load step from 2
+to 8 streams must scale decode up (and not prefill, which is not saturated) until the ITL p90 the autoscaler sees
+is back under target; when the load drops back to 2 streams decode must shrink through the drain with 0 lost
+streams. The test sets short windows (interval 2 s, up 8 s, down 10 s) and ``scaleDownBelow: 0.6`` to stay
+within minutes. Generous bounds: the machine is shared, the assertions are about behaviour. The timeline PNG goes
+to the test's log directory (its path is printed).
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ from tests.operator.live import (
 
 pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(420)]
 ONE_NODE = {"nodesPerGroup": 1, "gpusPerNode": 1, "tpSize": 1, "epSize": 1, "moeA2ABackend": "none"}
-TTFT_MS, ITL_MS = 3000, 100
-BASE, STEP = 3, 10  # streams: the base load, and what the step adds
-TOKENS = 40
+TTFT_MS, ITL_MS = 3000, 150
+BASE, STEP = 2, 6  # streams: the base load, and what the step adds
+TOKENS = 20
 
 
 def autoscaling(router_metrics: str) -> dict[str, Any]:
@@ -51,7 +52,7 @@ def autoscaling(router_metrics: str) -> dict[str, Any]:
         "decode": {"minGroups": 1, "maxGroups": 4},
         "routerMetrics": [router_metrics],
         "intervalSeconds": 2,
-        "scaleUpStabilizationSeconds": 4,
+        "scaleUpStabilizationSeconds": 8,
         "scaleDownStabilizationSeconds": 10,
         "scaleDownBelow": 0.6,
     }
@@ -76,7 +77,7 @@ async def test_invalid_autoscaling_is_refused_with_field_paths(live: Live) -> No
 
 async def test_load_step_scales_decode_up_then_down_without_losing_a_stream(live: Live) -> None:
     ns, api = live.ns, live.api
-    decode = {**ONE_NODE, "groups": 1, "extraArgs": ["--sim-inter-token-ms=5", "--sim-decode-ms-per-seq=10"]}
+    decode = {**ONE_NODE, "groups": 1, "extraArgs": ["--sim-inter-token-ms=5", "--sim-decode-ms-per-seq=30"]}
     async with sim_stack(live, ["decode-0", "prefill-0"], decode=decode) as sim:
         patch = json.dumps({"spec": {"autoscaling": autoscaling(sim.metrics_url)}})
         await run_tool(live.cluster, "kubectl", "-n", ns, "patch", "pdcluster/sim", "--type", "merge", "-p", patch)
