@@ -19,8 +19,10 @@ from typing import Protocol
 
 from tandem.registry import Role
 from tandem_router.policy import breaker as br
+from tandem_router.policy import cache_aware as ca
 from tandem_router.policy import selection as sel
 from tandem_router.policy.load import WorkerLoad
+from tandem_router.policy.prefix_tree import PrefixTree, RoutingKey
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class WorkerState:
     breaker: br.Breaker = field(default_factory=br.Breaker)
     models: frozenset[str] = frozenset()
     unreachable: bool = False  # its last failure was a refused connection: the process was gone
+    prefill_tokens: int = 0  # prefill: estimated uncached prompt tokens of the requests it is prefilling now
 
     def candidate(self) -> sel.Candidate:
         return sel.Candidate(self.spec.key, self.in_flight, self.load.kv_usage, int(self.load.queued))
@@ -57,6 +60,8 @@ class WorkerState:
 class Pair:
     prefill: WorkerSpec
     decode: WorkerSpec
+    # The request's estimated uncached prompt tokens on this prefill: its prefill load while the pair is dispatched.
+    prefill_tokens: int = field(default=0, compare=False)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -111,8 +116,11 @@ class WorkerPool:
         breaker_cfg: br.BreakerConfig | None = None,
         rng: random.Random | None = None,
         gates: Sequence[PairGate] = (),
+        cache_cfg: ca.CacheAwareConfig | None = None,
     ) -> None:
         self.policy = policy
+        self.cache_cfg = cache_cfg or ca.CacheAwareConfig()
+        self.trees: dict[str, PrefixTree] = {}  # prefill key -> what it was sent (cache_aware only)
         self.breaker_cfg = breaker_cfg or br.BreakerConfig()
         self.rng = rng or random.Random()
         self.workers: dict[str, WorkerState] = {}
@@ -130,10 +138,12 @@ class WorkerPool:
         if current is None or current.spec != spec:
             self.workers[spec.key] = WorkerState(spec)
             self.pair_breakers.forget(spec.key)
+            self.trees.pop(spec.key, None)  # a new process (or group) starts with an empty prefix cache
 
     def remove(self, key: str) -> None:
         self.workers.pop(key, None)
         self.pair_breakers.forget(key)
+        self.trees.pop(key, None)
 
     def replace_all(self, specs: Iterable[WorkerSpec]) -> None:
         wanted = {s.key: s for s in specs}
@@ -175,25 +185,53 @@ class WorkerPool:
             for d in self.available(Role.DECODE, now)
         )
 
-    def choose_pair(self, prefix: str, now: float, exclude: frozenset[tuple[str, str]] = frozenset()) -> Pair | None:
+    def choose_pair(
+        self, key: RoutingKey, now: float, exclude: frozenset[tuple[str, str]] = frozenset()
+    ) -> Pair | None:
         """Pick a pair neither of whose workers is open-circuited, that every gate allows and that is not in
-        ``exclude`` (the pairs this request already failed on). None when there is none: never decode alone."""
+        ``exclude`` (the pairs this request already failed on). None when there is none: never decode alone.
+        ``key`` is the request's prompt prefix (token ids or text) for the cache-aware prefill choice."""
         prefills = self.available(Role.PREFILL, now)
         decodes = self.available(Role.DECODE, now)
+        matched = self._matches(prefills, key)
         while prefills and decodes:
-            p = prefills[self._pick(Role.PREFILL, prefills, prefix)]
+            i = self._pick_prefill(prefills, matched, key)
+            p = prefills[i]
             allowed = [d for d in decodes if (p.spec.key, d.spec.key) not in exclude]
             allowed = [d for d in allowed if self._pair_allowed(Pair(p.spec, d.spec), now)]
             if allowed:
-                d = allowed[self._pick(Role.DECODE, allowed, prefix)]
-                return Pair(p.spec, d.spec)
-            prefills.remove(p)
+                d = allowed[self._pick(Role.DECODE, allowed)]
+                if self.policy is sel.Policy.CACHE_AWARE:
+                    self._tree(p.spec.key).insert(key)
+                return Pair(p.spec, d.spec, ca.uncached_tokens(key, matched[i]))
+            del prefills[i], matched[i]
         return None
+
+    def _tree(self, prefill_key: str) -> PrefixTree:
+        tree = self.trees.get(prefill_key)
+        if tree is None:
+            tree = self.trees[prefill_key] = PrefixTree(self.cache_cfg.max_tree_units)
+        return tree
+
+    def _matches(self, prefills: Sequence[WorkerState], key: RoutingKey) -> list[int]:
+        """Units of ``key`` each prefill's tree matches (0 for all unless cache_aware)."""
+        if self.policy is not sel.Policy.CACHE_AWARE:
+            return [0] * len(prefills)
+        return [self._tree(p.spec.key).match(key) for p in prefills]
+
+    def _pick_prefill(self, prefills: Sequence[WorkerState], matched: Sequence[int], key: RoutingKey) -> int:
+        if self.policy is not sel.Policy.CACHE_AWARE:
+            return self._pick(Role.PREFILL, prefills)
+        views = [
+            ca.PrefillView(m, p.prefill_tokens, self._tree(p.spec.key).units)
+            for p, m in zip(prefills, matched, strict=True)
+        ]
+        return ca.choose_prefill(views, key, self.cache_cfg)
 
     def _pair_allowed(self, pair: Pair, now: float) -> bool:
         return same_revision(pair) and all(gate.allows(pair, now) for gate in self.gates)
 
-    def _pick(self, role: Role, workers: Sequence[WorkerState], prefix: str) -> int:
+    def _pick(self, role: Role, workers: Sequence[WorkerState]) -> int:
         candidates = [w.candidate() for w in workers]
         if self.policy is sel.Policy.ROUND_ROBIN:
             # Pair counter k: prefill k % P, decode (k // P) % D, so every P * D successive requests walk each
@@ -207,18 +245,25 @@ class WorkerPool:
             return self.rng.randrange(len(candidates))
         if self.policy is sel.Policy.POWER_OF_TWO:
             return sel.power_of_two(candidates, self.rng)
-        if role is Role.PREFILL:
-            return sel.prefix_affinity(candidates, prefix)
-        return sel.load_aware_decode(candidates)
+        return sel.load_aware_decode(candidates)  # cache_aware: its prefill is chosen by _pick_prefill
 
     # -- outcomes ----------------------------------------------------------------------------------------------
     def dispatched(self, pair: Pair, now: float) -> None:
+        """``pair`` took a request: both workers have one more in flight, the prefill its tokens to compute."""
         for spec in (pair.prefill, pair.decode):
             w = self.workers.get(spec.key)
             if w is not None:
                 w.in_flight += 1
                 w.breaker = br.on_dispatch(w.breaker, now)
+        if (p := self.workers.get(pair.prefill.key)) is not None:
+            p.prefill_tokens += pair.prefill_tokens
         self.pair_breakers.dispatched(pair, now)
+
+    def prefilled(self, pair: Pair) -> None:
+        """The prefill part of a request dispatched to ``pair`` is over (the decode's first chunk came, or the
+        attempt ended): its tokens no longer load the prefill."""
+        if (p := self.workers.get(pair.prefill.key)) is not None:
+            p.prefill_tokens = max(0, p.prefill_tokens - pair.prefill_tokens)
 
     def finished(self, pair: Pair) -> None:
         for spec in (pair.prefill, pair.decode):

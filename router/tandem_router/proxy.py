@@ -47,7 +47,7 @@ class ProxyRequest:
     body: dict[str, Any]
     stream: bool
     items: int  # 0: one sequence; else one bootstrap room per item
-    prefix: str  # prompt prefix, for cache-aware prefill choice
+    prefix: str | tuple[int, ...]  # prompt prefix (text or token ids), for cache-aware prefill choice
     request_id: str
     started: float  # monotonic time the request arrived
     prompt: str = ""  # the whole prompt as text, when an observer inspects responses
@@ -232,6 +232,7 @@ class Proxy:
             self._finish_prefill_later(pair, prefill_task)
             return head
         finally:
+            self.pool.prefilled(pair)  # the decode's first chunk follows the prefill's KV, or the attempt is over
             if not committed:
                 for task in (prefill_task, decode_task):
                     task.cancel()
