@@ -121,8 +121,8 @@ async def first_chunk_ms(http: aiohttp.ClientSession, url: str, body: dict[str, 
     return (first - started) * 1000
 
 
-def chat_body(msgs: list[dict[str, str]]) -> dict[str, object]:
-    return {"model": MODEL, "messages": msgs, "max_tokens": OUTPUT_TOKENS, "temperature": 0, "stream": True}
+def chat_body(msgs: list[dict[str, str]], model: str = MODEL) -> dict[str, object]:
+    return {"model": model, "messages": msgs, "max_tokens": OUTPUT_TOKENS, "temperature": 0, "stream": True}
 
 
 async def drive(url: str, conversations: Sequence[Conversation]) -> Outcome:
