@@ -42,7 +42,7 @@ class RouterSettings(BaseSettings):
         default=0.5, ge=0, le=1, description="cache_aware: share of the prompt the best prefix match must exceed."
     )
     balance_abs_threshold: int = Field(
-        default=1024, ge=0, description="cache_aware: prefill work (tokens) beyond the cheapest that drops affinity."
+        default=4096, ge=0, description="cache_aware: prefill work (tokens) beyond the cheapest that drops affinity."
     )
     balance_rel_threshold: float = Field(
         default=1.1, ge=1, description="cache_aware: ...and the ratio to the cheapest prefill's work it must exceed."

@@ -67,9 +67,10 @@ def test_prefix_tree_stays_bounded_under_many_distinct_keys() -> None:
         ([V(0, 500), V(0, 0)], "x" * 400, 1, "no match: the least prefill work"),
         ([V(0, 0), V(300, 0)], "x" * 400, 1, "75% matched on 1: affinity"),
         ([V(0, 0), V(150, 100)], "x" * 400, 0, "37% matched (< cache_threshold 0.5): a miss, the cheapest"),
-        ([V(0, 0), V(300, 800)], "x" * 400, 1, "affinity holds while the extra work is < abs threshold"),
+        ([V(0, 0), V(300, 3800)], "x" * 400, 1, "affinity holds while the extra work is < abs threshold"),
         ([V(0, 0), V(300, 5000)], "x" * 400, 0, "abs AND rel exceeded: the cheapest"),
-        ([V(0, 20000), V(300, 21500)], "x" * 400, 1, "1.4k tokens more (> abs) but within 10% (rel): affinity"),
+        ([V(0, 50000), V(300, 54500)], "x" * 400, 1, "4.4k tokens more (> abs) but within 10% (rel): affinity"),
+        ([V(0, 20000), V(300, 24500)], "x" * 400, 0, "4.4k tokens more (> abs) and 22% more (> rel): the cheapest"),
         ([V(300, 900), V(300, 0)], "x" * 400, 1, "equal matches: the lower load"),
         ([V(380, 0), V(300, 0), V(0, 0)], "x" * 400, 0, "the longest match"),
         ([V(3, 0), V(0, 0)], (1, 2, 3, 4), 0, "token ids: 3 of 4 matched"),
@@ -132,13 +133,13 @@ def test_pool_shared_system_prompt_sticks_until_the_work_spread_exceeds_the_thre
     pool = _pool(2)
     system = "You are a terse assistant. " * 40  # 1080 characters: most of each short first turn
     chosen = []
-    for user in range(100):
+    for user in range(300):
         pair = pool.choose_pair(system + f"I am user {user}. " * 6, 0.0)  # about 25 new tokens each
         assert pair is not None
         pool.dispatched(pair, 0.0)
         chosen.append(pair.prefill.key)
     first = chosen[0]
-    # Affinity holds while the extra work on the first prefill stays within balance_abs_threshold (1024 tokens)...
+    # Affinity holds while the extra work on the first prefill stays within balance_abs_threshold (4096 tokens)...
     assert chosen[:20] == [first] * 20
     # ...then the other takes new conversations too, and both stay within the threshold of each other.
     assert len(set(chosen)) == 2

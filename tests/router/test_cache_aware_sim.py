@@ -32,6 +32,9 @@ pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
 
 SIM_MODEL = "sim/model"  # tandem_sim.testing's --model-path
 PREFILL_MS_PER_TOKEN = "1.0"  # slow enough that concurrent requests are still prefilling when the next arrives
+# Concurrent turns of one conversation with long questions: about 7 fit within the default balance_abs_threshold
+# (4096 tokens of work beyond the cheapest prefill), the rest must go to the other prefill.
+BURST = 14
 
 
 @dataclass
@@ -107,14 +110,14 @@ def test_an_overloaded_prefill_sheds_part_of_a_burst_and_the_next_turn_still_hit
     async def scenario() -> tuple[list[tuple[float, float]], ...]:
         async with aiohttp.ClientSession() as http:
             first = await _served_by(http, stack, [chat_body(messages(conv, 1), SIM_MODEL)])
-            # Eight next turns at once, each with a long question of its own: the conversation's prefill is
+            # BURST next turns at once, each with a long question of its own: the conversation's prefill is
             # preferred (most of each prompt is its history), until the work queued there outweighs computing
             # the whole prompt on the other one.
             history = messages(conv, 2)
-            question = "long question " * 200  # about 700 tokens by the router's estimate
+            question = "long question " * 300  # about 1050 tokens by the router's estimate
             bodies = [
                 chat_body([*history[:-1], {"role": "user", "content": f"variant {i}: {question}"}], SIM_MODEL)
-                for i in range(8)
+                for i in range(BURST)
             ]
             burst = await _served_by(http, stack, bodies)
             after = await _served_by(http, stack, [chat_body(messages(conv, 2), SIM_MODEL)])
@@ -124,6 +127,6 @@ def test_an_overloaded_prefill_sheds_part_of_a_burst_and_the_next_turn_still_hit
     home = next(i for i, (prompt, _) in enumerate(first) if prompt)
     other = 1 - home
     assert burst[home][0] > 0
-    assert burst[other][0] > 0  # rebalanced: the overloaded prefill did not get all eight
+    assert burst[other][0] > 0  # rebalanced: the overloaded prefill did not get them all
     prompt, cached = (sum(column) for column in zip(*after, strict=True))
     assert cached / prompt > 0.8  # the next plain turn went where its history is cached

@@ -14,8 +14,9 @@ What Tandem changes, and why:
 - Load is prefill work in tokens, not requests: the prompt tokens in flight on a prefill that it must compute
   (each request's tokens minus what its tree matched when it was sent). A prefill's time to first token grows
   with the tokens ahead of it; a count of requests treats a 30-token turn and a 30k-token document alike. The
-  balance thresholds are therefore in tokens (``balance_abs_threshold`` default 1024, about 160 ms of a
-  Kimi-K2.6 H200 prefill's work in the simulator's ``kimi-k2.6-h200`` profile; ``rel`` stays smg's 1.1).
+  balance thresholds are therefore in tokens (``balance_abs_threshold`` default 4096, about 0.6 s of a
+  Kimi-K2.6 H200 prefill's work in the simulator's ``kimi-k2.6-h200`` profile, chosen by ``tandem bench prefix``:
+  1024 spread the work more evenly but gave up more cache hits; ``rel`` stays smg's 1.1).
 - Cost, not just the longest match: each prefill's cost is its load plus the part of this prompt it does not
   cache, ``load + (tokens - matched)``: the prefill that would finish this prompt first. The longest match wins
   while the pool is balanced and its cost is within ``balance_abs_threshold`` of the cheapest (smg's abs AND rel
@@ -46,7 +47,7 @@ CHARS_PER_TOKEN = 4
 @dataclass(frozen=True)
 class CacheAwareConfig:
     cache_threshold: float = 0.5  # smg's default
-    balance_abs_threshold: int = 1024  # tokens of prefill work (smg: 32 requests)
+    balance_abs_threshold: int = 4096  # tokens of prefill work (smg: 32 requests)
     balance_rel_threshold: float = 1.1  # smg's default
     max_tree_units: int = 1 << 20  # per prefill: token ids or characters remembered (smg: 10000 per worker)
 
