@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tandem import peers
 from tandem.bench import NOT_MEASURED, BenchArgs, Plot, Table
 from tandem.procs import ManagedProcess, ProcessFailedError, free_port
+from tandem_router.bench_e2e import stream_ttft
 
 HOST = "127.0.0.1"
 MODEL = "tandem/sim-model"
@@ -106,21 +107,6 @@ class Outcome:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else float("nan")
 
 
-async def first_chunk_ms(http: aiohttp.ClientSession, url: str, body: dict[str, object]) -> float:
-    """Send one streamed chat request; the time to its first chunk (ms), after reading the whole stream."""
-    started = time.perf_counter()
-    async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:200]!r}")
-        first = 0.0
-        async for chunk in resp.content.iter_any():
-            if not first and chunk:
-                first = time.perf_counter()
-            if b'"error"' in chunk:
-                raise RuntimeError(chunk[:200].decode(errors="replace"))
-    return (first - started) * 1000
-
-
 def chat_body(msgs: list[dict[str, str]], model: str = MODEL) -> dict[str, object]:
     return {"model": model, "messages": msgs, "max_tokens": OUTPUT_TOKENS, "temperature": 0, "stream": True}
 
@@ -134,7 +120,8 @@ async def drive(url: str, conversations: Sequence[Conversation]) -> Outcome:
         await asyncio.sleep(max(0.0, conv.start_s - (time.monotonic() - started)))
         for turn in range(len(conv.questions)):
             try:
-                out.ttft_ms.append(await first_chunk_ms(http, url, chat_body(messages(conv, turn))))
+                body = chat_body(messages(conv, turn))
+                out.ttft_ms.append(await stream_ttft(http, f"{url}/v1/chat/completions", body))
             except (TimeoutError, RuntimeError, aiohttp.ClientError):
                 out.errors += 1
             await asyncio.sleep(conv.think_s[turn])
@@ -167,7 +154,8 @@ async def _warm_up(http: aiohttp.ClientSession, url: str, timeout_s: float = 60.
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            await first_chunk_ms(http, url, chat_body([{"role": "user", "content": "warm up the connections"}]))
+            body = chat_body([{"role": "user", "content": "warm up the connections"}])
+            await stream_ttft(http, f"{url}/v1/chat/completions", body)
             return
         except RuntimeError:
             if time.monotonic() > deadline:

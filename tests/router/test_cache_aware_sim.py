@@ -18,10 +18,10 @@ import aiohttp
 import pytest
 
 from tandem.procs import ManagedProcess, free_port
+from tandem_router.bench_e2e import stream_ttft
 from tandem_router.bench_prefix import (
     Conversation,
     chat_body,
-    first_chunk_ms,
     messages,
     prefill_counters,
     workload,
@@ -72,7 +72,7 @@ async def _served_by(
 ) -> list[tuple[float, float]]:
     """Send ``bodies`` at once; the prompt tokens and cached tokens each prefill counted for them."""
     before = await prefill_counters(http, stack.prefills)
-    await asyncio.gather(*(first_chunk_ms(http, stack.router, b) for b in bodies))
+    await asyncio.gather(*(stream_ttft(http, f"{stack.router}/v1/chat/completions", b) for b in bodies))
     after = await prefill_counters(http, stack.prefills)
     return [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before, strict=True)]
 
@@ -86,7 +86,8 @@ async def _conversations(stack: Stack, convs: list[Conversation]) -> tuple[list[
         for turn in range(len(convs[0].questions)):
             for n, conv in enumerate(convs):
                 before = await prefill_counters(http, stack.prefills)
-                await first_chunk_ms(http, stack.router, chat_body(messages(conv, turn), SIM_MODEL))
+                body = chat_body(messages(conv, turn), SIM_MODEL)
+                await stream_ttft(http, f"{stack.router}/v1/chat/completions", body)
                 after = await prefill_counters(http, stack.prefills)
                 served = [i for i, (a, b) in enumerate(zip(after, before, strict=True)) if a[0] > b[0]]
                 assert len(served) == 1
