@@ -51,6 +51,10 @@ class WorkerState:
     models: frozenset[str] = frozenset()
     unreachable: bool = False  # its last failure was a refused connection: the process was gone
     prefill_tokens: int = 0  # prefill: estimated uncached prompt tokens of the requests it is prefilling now
+    rank_in_flight: list[int] = field(default_factory=list)  # decode with attention DP: requests per DP rank
+
+    def __post_init__(self) -> None:
+        self.rank_in_flight = [0] * self.spec.attn_dp_size if self.spec.attn_dp_size > 1 else []
 
     def candidate(self) -> sel.Candidate:
         return sel.Candidate(self.spec.key, self.in_flight, self.load.kv_usage, int(self.load.queued))
@@ -62,6 +66,9 @@ class Pair:
     decode: WorkerSpec
     # The request's estimated uncached prompt tokens on this prefill: its prefill load while the pair is dispatched.
     prefill_tokens: int = field(default=0, compare=False)
+    # The decode's attention-DP rank for the request (sent to the decode alone as ``routed_dp_rank``); None: the
+    # decode has no attention DP, or the policy leaves the rank to the decode.
+    decode_dp_rank: int | None = field(default=None, compare=False)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -201,9 +208,11 @@ class WorkerPool:
             allowed = [d for d in allowed if self._pair_allowed(Pair(p.spec, d.spec), now)]
             if allowed:
                 d = allowed[self._pick(Role.DECODE, allowed)]
-                if self.policy is sel.Policy.CACHE_AWARE:
-                    self._tree(p.spec.key).insert(key)
-                return Pair(p.spec, d.spec, ca.uncached_tokens(key, matched[i]))
+                if self.policy is not sel.Policy.CACHE_AWARE:
+                    return Pair(p.spec, d.spec)
+                self._tree(p.spec.key).insert(key)
+                rank = sel.least_loaded_rank(d.rank_in_flight) if d.rank_in_flight else None
+                return Pair(p.spec, d.spec, ca.uncached_tokens(key, matched[i]), rank)
             del prefills[i], matched[i]
         return None
 
@@ -257,7 +266,13 @@ class WorkerPool:
                 w.breaker = br.on_dispatch(w.breaker, now)
         if (p := self.workers.get(pair.prefill.key)) is not None:
             p.prefill_tokens += pair.prefill_tokens
+        self._count_rank(pair, +1)
         self.pair_breakers.dispatched(pair, now)
+
+    def _count_rank(self, pair: Pair, delta: int) -> None:
+        d = self.workers.get(pair.decode.key)
+        if pair.decode_dp_rank is not None and d is not None and pair.decode_dp_rank < len(d.rank_in_flight):
+            d.rank_in_flight[pair.decode_dp_rank] = max(0, d.rank_in_flight[pair.decode_dp_rank] + delta)
 
     def prefilled(self, pair: Pair) -> None:
         """The prefill part of a request dispatched to ``pair`` is over (the decode's first chunk came, or the
@@ -270,6 +285,7 @@ class WorkerPool:
             w = self.workers.get(spec.key)
             if w is not None:
                 w.in_flight = max(0, w.in_flight - 1)
+        self._count_rank(pair, -1)
 
     def record_worker(self, spec: WorkerSpec, ok: bool, now: float, *, hard: bool = False) -> None:
         """A worker's outcome. ``hard`` failures (connection refused, failed health probe) open it at once.

@@ -188,3 +188,30 @@ def test_other_policies_keep_no_trees() -> None:
     pool.replace_all([WorkerSpec(Role.PREFILL, "http://p:1", 8998), WorkerSpec(Role.DECODE, "http://d:1")])
     assert pool.choose_pair("abc", 0.0) is not None
     assert pool.trees == {}
+
+
+@pytest.mark.parametrize(("in_flight", "rank"), [([0], 0), ([3, 1, 2], 1), ([2, 2], 0), ([5, 0, 0, 1], 1)])
+def test_least_loaded_rank(in_flight: list[int], rank: int) -> None:
+    assert sel.least_loaded_rank(in_flight) == rank
+
+
+def test_pool_spreads_a_dp_attention_decodes_requests_over_its_ranks() -> None:
+    pool = WorkerPool(sel.Policy.CACHE_AWARE)
+    decode = WorkerSpec(Role.DECODE, "http://d:1", attn_dp_size=4)
+    pool.replace_all([WorkerSpec(Role.PREFILL, "http://p:1", 8998), decode])
+    pairs = []
+    for i in range(6):
+        pair = pool.choose_pair(f"{i}: a prompt", 0.0)
+        assert pair is not None
+        pool.dispatched(pair, 0.0)
+        pairs.append(pair)
+    assert [p.decode_dp_rank for p in pairs] == [0, 1, 2, 3, 0, 1]
+    pool.finished(pairs[2])  # rank 2 has the fewest now
+    nxt = pool.choose_pair("another prompt", 0.0)
+    assert nxt is not None
+    assert nxt.decode_dp_rank == 2
+    plain = WorkerPool(sel.Policy.CACHE_AWARE)
+    plain.replace_all([WorkerSpec(Role.PREFILL, "http://p:1", 8998), WorkerSpec(Role.DECODE, "http://d:1")])
+    one = plain.choose_pair("x", 0.0)
+    assert one is not None
+    assert one.decode_dp_rank is None  # no attention DP: the field is not sent

@@ -51,3 +51,13 @@ def load_aware_decode(candidates: Sequence[Candidate], *, kv_weight: float = 16.
         range(len(candidates)),
         key=lambda i: candidates[i].in_flight + candidates[i].queued + kv_weight * candidates[i].kv_usage,
     )
+
+
+def least_loaded_rank(in_flight: Sequence[int]) -> int:
+    """The decode attention-DP rank with the fewest of this router's requests in flight (ties: the lowest rank).
+
+    SGLang 0.5.23 sends a request with ``routed_dp_rank`` (``io_struct.GenerateReqInput``; ``data_parallel_rank``
+    is its deprecated alias) to that DP rank (``DataParallelController.maybe_external_dp_rank_routing``); without
+    it a decode spreads requests over its ranks round robin (``handle_load_balance_method``), blind to which ranks
+    hold long generations."""
+    return min(range(len(in_flight)), key=lambda r: (in_flight[r], r))
