@@ -26,6 +26,7 @@ SECTIONS: dict[str, str] = {
     "sim": "tandem_sim.bench",
     "sim-load": "tandem_sim.bench_load",
     "router": "tandem_router.bench",
+    "prefix": "tandem_router.bench_prefix",
     "operator": "tandem_operator.bench",
     "images": "tandem.images.bench",
     "autoscale": "tandem.autoscale_bench",
