@@ -47,7 +47,7 @@ class ProxyRequest:
     body: dict[str, Any]
     stream: bool
     items: int  # 0: one sequence; else one bootstrap room per item
-    prefix: str  # prompt prefix, for cache-aware prefill choice
+    prefix: str | tuple[int, ...]  # prompt prefix (text or token ids), for cache-aware prefill choice
     request_id: str
     started: float  # monotonic time the request arrived
     prompt: str = ""  # the whole prompt as text, when an observer inspects responses
@@ -207,10 +207,17 @@ class Proxy:
         )
         headers = {"Content-Type": "application/json", "X-Request-Id": req.request_id}
         request = Request.build("POST", req.route.value, orjson.dumps(body), headers)
+        # The decode's attention-DP rank goes to the decode alone: a prefill would follow it too, against its room.
+        rank = pair.decode_dp_rank
+        decode_request = (
+            request
+            if rank is None
+            else Request.build("POST", req.route.value, orjson.dumps({**body, "routed_dp_rank": rank}), headers)
+        )
         lease = self.pool.lease(pair, time.monotonic())
         self.metrics.dispatched(pair)
         prefill_task = asyncio.create_task(self._prefill(pair, request))
-        decode_task = asyncio.create_task(self._decode_head(pair, request, req.stream))
+        decode_task = asyncio.create_task(self._decode_head(pair, decode_request, req.stream))
         committed = False
         try:
             done, _ = await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -232,6 +239,7 @@ class Proxy:
             self._finish_prefill_later(lease, prefill_task)
             return Opened(lease, *head)
         finally:
+            lease.prefilled()  # the decode's first chunk follows the prefill's KV, or the attempt is over
             if not committed:
                 prefill_task.cancel()
                 if not decode_task.cancel() and not decode_task.cancelled() and decode_task.exception() is None:
