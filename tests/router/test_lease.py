@@ -39,3 +39,16 @@ def test_no_verdict_when_the_client_left_and_a_hard_failure_opens_the_worker_at_
     lease.release(2.0)
     assert pool.workers[P.key].breaker.state is BreakerState.OPEN
     assert pool.workers[D.key].breaker.state is BreakerState.CLOSED
+
+
+def test_the_prefill_token_load_is_taken_off_once_whether_or_not_prefilled_was_said() -> None:
+    pool = _pool()
+    heavy = Pair(P, D, prefill_tokens=100)
+    first, second = pool.lease(heavy, 0.0), pool.lease(heavy, 0.0)
+    assert pool.workers[P.key].prefill_tokens == 200
+    first.prefilled()
+    first.prefilled()
+    assert pool.workers[P.key].prefill_tokens == 100
+    first.release(1.0, ok=True)
+    second.release(1.0, ok=True)  # never said prefilled: released all the same
+    assert pool.workers[P.key].prefill_tokens == 0
