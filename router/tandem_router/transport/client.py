@@ -27,7 +27,11 @@ class TransportConfig:
     probe_timeout: float = 5.0
     connections_per_worker: int = 0  # 0: unbounded
     max_idle_per_worker: int = 512
-    keepalive_s: float = 30.0  # an idle connection older than this is closed rather than reused
+    # An idle connection older than this is closed rather than reused. Below SGLang's own keep-alive timeout
+    # (uvicorn's timeout_keep_alive, SGLANG_TIMEOUT_KEEP_ALIVE = 5 s in sglang/srt/environ.py, passed by
+    # sglang/srt/entrypoints/http_server.py): a request sent on a connection the worker is closing at that very
+    # moment fails before its response head, a spurious failure of the pair.
+    keepalive_s: float = 4.0
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ class Connection(asyncio.Protocol):
         self.closed = False  # connection_lost ran
         self.closing = False  # we closed it (connection_lost follows on a later loop iteration)
         self.idle_since = 0.0
+        self.counted = False  # handed out by its pool, which counts it open until it is lost
         self._parser = httptools.HttpResponseParser(self)
         self._loop = asyncio.get_running_loop()
         self._waiter: asyncio.Future[None] | None = None
@@ -184,7 +185,7 @@ class WorkerConnections:
         read_idle_timeout: float,
         limit: int = 0,
         max_idle: int = 512,
-        keepalive_s: float = 30.0,
+        keepalive_s: float = 4.0,
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -223,11 +224,15 @@ class WorkerConnections:
                 return await self.acquire()
         self.open += 1
         try:
-            return await self._connect()
+            conn = await self._connect()
         except BaseException:
+            # Also when cancelled after the socket connected: asyncio closes that connection, whose loss must
+            # then not be counted a second time (``counted`` is still False).
             self.open -= 1
             self._wake_one()
             raise
+        conn.counted = True
+        return conn
 
     async def _connect(self) -> Connection:
         loop = asyncio.get_running_loop()
@@ -259,6 +264,8 @@ class WorkerConnections:
 
     def dropped(self, conn: Connection) -> None:
         """``conn`` is closed (by either side): forget it."""
+        if not conn.counted:
+            return
         self.open -= 1
         if conn in self.idle:
             self.idle.remove(conn)
