@@ -171,6 +171,23 @@ async def test_a_response_closed_by_the_router_never_goes_back_to_the_pool() -> 
 
 
 @on_both_loops
+async def test_closing_a_released_response_leaves_the_next_exchange_on_its_connection_alone() -> None:
+    worker = ScriptedWorker(keep_alive(b"whole"))
+    t = transport()
+    async with worker as url:
+        first = await t.open_post(url, "/generate", b"{}")
+        assert await first.read() == b"whole"
+        first.release()
+        second = await t.open_post(url, "/generate", b"{}")  # on the connection the first one released
+        first.close()
+        assert await second.read() == b"whole"
+        second.release()
+        assert len(t.connections(url).idle) == 1
+        await t.close()
+    assert worker.connections == 1
+
+
+@on_both_loops
 async def test_closed_before_the_head_and_mid_body_are_closed_failures() -> None:
     async def before_head(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)

@@ -87,9 +87,11 @@ class WorkerResponse:
             self._conn.owner.release(self._conn)
 
     def close(self) -> None:
-        """Give up on the rest of the body: the connection is closed (a streaming worker stops generating)."""
-        self._conn.close()
-        self.release()
+        """Give up on the rest of the body: the connection is closed (a streaming worker stops generating).
+        Once released, the connection may already carry another request's exchange: it is left alone."""
+        if not self._released:
+            self._conn.close()
+            self.release()
 
     async def __aenter__(self) -> WorkerResponse:
         return self
