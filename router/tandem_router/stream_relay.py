@@ -13,6 +13,7 @@ error event, which says why the stream was not resumed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from tandem_router.integrity.textextract import StreamTexts
-from tandem_router.openai.responses import StreamConformer
+from tandem_router.openai.responses import StreamConformer, conformed
 from tandem_router.pool import Lease, Pair
 from tandem_router.resume import Refusal, StreamLedger
 from tandem_router.schema import Route, stream_error_event
@@ -58,6 +59,9 @@ class StreamRelay:
         if self.texts is not None and self.ledger is not None:
             self.ledger.on_event = self.texts.add  # the ledger parses every event: the texts come with it
         self.shaped = StreamConformer(req.route) if req.route is not Route.GENERATE else None
+        if self.shaped is not None and self.ledger is not None:
+            self.ledger.conform = functools.partial(conformed, req.route, stream=True)  # on the ledger's parse
+            self.shaped = None
         self.attempts = 0
         self.failed_workers: set[str] = set()
 

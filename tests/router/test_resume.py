@@ -122,6 +122,44 @@ def test_the_usage_chunk_is_dropped_unless_asked_for() -> None:
     assert ledger.feed(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"
 
 
+def test_an_event_the_ledger_does_not_change_is_relayed_as_the_worker_spelled_it() -> None:
+    """The client asked for every chunk's usage: nothing is stripped, so the bytes stay the worker's own."""
+    ledger = ChatLedger({**BODY, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    event = b'data: {"id": "a", "created": 1, "choices": [{"index": 0, "delta": {"content": "\\u00e9"}}]}\n\n'
+    assert ledger.feed(event) == event
+
+
+def test_the_relay_parses_each_event_once_for_ledger_texts_and_conformance(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Integrity on, and the client asked for every chunk's usage, whose null details OpenAI does not allow."""
+    proxy = _FakeProxy([])
+    proxy.observer = object()  # integrity on: the relay extracts the texts
+    body = {**BODY, "stream_options": {"continuous_usage_stats": True}}
+    relay = StreamRelay(
+        cast(Proxy, proxy),
+        ProxyRequest(Route.CHAT, body, True, 0, "", "rid", 0.0),
+        cast(web.Request, None),
+        ChatLedger(body),
+    )
+    loads = orjson.loads
+    parsed: list[bytes] = []
+    monkeypatch.setattr(orjson, "loads", lambda data: parsed.append(data) or loads(data))
+    chunks = [
+        _chunk("a", {"role": "assistant", "content": "Hel", "tool_calls": None}, None, 1),
+        _chunk("a", {"content": "lo"}, None, 2),
+    ]
+    out = relay._client_bytes(
+        b"".join(c.replace(b'"total_tokens"', b'"prompt_tokens_details":null,"total_tokens"') for c in chunks)
+    )
+    assert len(parsed) == 2
+    events = _events(out)
+    assert [e["choices"][0]["delta"] for e in events] == [{"role": "assistant", "content": "Hel"}, {"content": "lo"}]
+    assert [e["usage"] for e in events] == [
+        {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n} for n in (1, 2)
+    ]
+    assert relay.texts is not None
+    assert relay.texts.texts() == ["Hello"]
+
+
 class _FakeProxy:
     """What ``StreamRelay._resume`` uses of the proxy: a real pool and metrics, continuations that fail first."""
 

@@ -28,30 +28,40 @@ _STREAM_NULLS = {
 }
 
 
-def _drop_nulls(doc: dict[str, Any], *keys: str) -> None:
+def _drop_nulls(doc: dict[str, Any], *keys: str) -> bool:
+    dropped = False
     for key in keys:
         if key in doc and doc[key] is None:
             del doc[key]
+            dropped = True
+    return dropped
 
 
 def conform(route: Route, doc: Any, *, stream: bool) -> Any:
     """One response object (or stream chunk) of ``route``, as OpenAI's schema has it (changed in place)."""
-    if not isinstance(doc, dict):
-        return doc
+    if isinstance(doc, dict):
+        conformed(route, doc, stream=stream)
+    return doc
+
+
+def conformed(route: Route, doc: dict[str, Any], *, stream: bool) -> bool:
+    """Make ``doc`` conform in place; True when that changed it."""
+    changed = False
     usage = doc.get("usage")
     if isinstance(usage, dict):
-        _drop_nulls(usage, "prompt_tokens_details", "completion_tokens_details")
-    elif usage is None and route is Route.COMPLETIONS:
-        doc.pop("usage", None)
+        changed = _drop_nulls(usage, "prompt_tokens_details", "completion_tokens_details")
+    elif route is Route.COMPLETIONS:
+        changed = _drop_nulls(doc, "usage")
     choices = doc.get("choices")
     if route is Route.CHAT and isinstance(choices, list):
         for choice in choices:
             message = choice.get("delta" if stream else "message") if isinstance(choice, dict) else None
             if isinstance(message, dict):
-                _drop_nulls(message, "tool_calls")
-                if not stream:
-                    message.setdefault("refusal", None)
-    return doc
+                changed = _drop_nulls(message, "tool_calls") or changed
+                if not stream and "refusal" not in message:
+                    message["refusal"] = None
+                    changed = True
+    return changed
 
 
 def conform_body(route: Route, body: bytes) -> bytes:

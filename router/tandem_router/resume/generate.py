@@ -57,6 +57,7 @@ class GenerateLedger(StreamLedger):
         self._base_ids, self._base_text = len(self.output_ids), self.text
 
     def _shape(self, doc: dict[str, Any]) -> bool:
+        self._edited = True  # the prompt's ids the router asked for are cut out or restored in every event
         prompt_ids = doc.get("prompt_token_ids")
         if self.segment == 0 and self.prompt_ids is None and isinstance(prompt_ids, list):
             self.prompt_ids = [int(t) for t in prompt_ids]

@@ -45,6 +45,10 @@ class StreamLedger(ABC):
         self._base_tokens = 0  # output tokens relayed before the current segment
         self._events = EventSplitter()
         self.on_event: Callable[[dict[str, Any]], None] | None = None  # sees each JSON event the client gets
+        # Makes each JSON event conform to the route's schema (in place; True: it changed it). The relay sets it,
+        # so that an event is parsed once for the ledger, the integrity texts and the conformance together.
+        self.conform: Callable[[dict[str, Any]], bool] | None = None
+        self._edited = False  # ``_shape`` changed the event being shaped
 
     @property
     def refusal(self) -> Refusal | None:
@@ -82,11 +86,13 @@ class StreamLedger(ABC):
             return event
         if not isinstance(doc, dict) or "error" in doc:
             return event
+        self._edited = False
         if not self._shape(doc):
             return b""
         if self.on_event is not None:
             self.on_event(doc)
-        return _DATA + orjson.dumps(doc)
+        conformed = self.conform is not None and self.conform(doc)
+        return _DATA + orjson.dumps(doc) if self._edited or conformed else event  # unchanged: the worker's bytes
 
     @abstractmethod
     def upstream(self) -> dict[str, Any]:
@@ -98,7 +104,8 @@ class StreamLedger(ABC):
 
     @abstractmethod
     def _shape(self, doc: dict[str, Any]) -> bool:
-        """Record and rewrite one event's JSON in place; False: the client does not see it."""
+        """Record and rewrite one event's JSON in place (setting ``_edited`` when it changes it); False: the
+        client does not see it."""
 
     @abstractmethod
     def _remaining_tokens(self) -> int | None:

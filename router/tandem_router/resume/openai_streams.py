@@ -54,8 +54,9 @@ class _OpenAIStreamLedger(StreamLedger):
     def _shape(self, doc: dict[str, Any]) -> bool:
         if self.stream_id is None:
             self.stream_id, self.created = doc.get("id"), doc.get("created")
-        else:
+        elif (doc.get("id"), doc.get("created")) != (self.stream_id, self.created):
             doc["id"], doc["created"] = self.stream_id, self.created
+            self._edited = True
         choices = doc.get("choices") or []
         visible = self._usage(doc, final=not choices)
         for choice in choices:
@@ -77,15 +78,18 @@ class _OpenAIStreamLedger(StreamLedger):
                 self.prompt_tokens = usage.get("prompt_tokens")
             completion = self._base_tokens + int(usage.get("completion_tokens") or 0)
             self.sent_tokens = completion
-            prompt = self.prompt_tokens or 0
-            doc["usage"] = {**usage, "prompt_tokens": prompt, "completion_tokens": completion}
-            doc["usage"]["total_tokens"] = prompt + completion
+            counts = {"prompt_tokens": self.prompt_tokens or 0, "completion_tokens": completion}
+            counts["total_tokens"] = counts["prompt_tokens"] + completion
+            if any(usage.get(key) != value for key, value in counts.items()):
+                doc["usage"] = {**usage, **counts}
+                self._edited = True
         options = self.body.get("stream_options")
         options = options if isinstance(options, dict) else {}
         if final:
             return bool(options.get("include_usage"))
-        if not options.get("continuous_usage_stats"):
-            doc["usage"] = None
+        if not options.get("continuous_usage_stats") and usage is not None:
+            doc["usage"] = None  # the usage the router asked for, not the client
+            self._edited = True
         return True
 
     def _limit(self) -> int | None:
@@ -118,6 +122,7 @@ class ChatLedger(_OpenAIStreamLedger):
         visible = True
         if self.segment and delta.get("role") is not None:
             del delta["role"]
+            self._edited = True
             if not delta.get("content") and not delta.get("tool_calls") and choice.get("finish_reason") is None:
                 visible = False  # the new stream's opening (role only): the client had it already
         if isinstance(delta.get("content"), str):
