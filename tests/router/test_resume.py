@@ -142,7 +142,12 @@ def test_the_relay_parses_each_event_once_for_ledger_texts_and_conformance(monke
     )
     loads = orjson.loads
     parsed: list[bytes] = []
-    monkeypatch.setattr(orjson, "loads", lambda data: parsed.append(data) or loads(data))
+
+    def counted_loads(data: bytes) -> Any:
+        parsed.append(data)
+        return loads(data)
+
+    monkeypatch.setattr(orjson, "loads", counted_loads)
     chunks = [
         _chunk("a", {"role": "assistant", "content": "Hel", "tool_calls": None}, None, 1),
         _chunk("a", {"content": "lo"}, None, 2),
@@ -171,7 +176,7 @@ class _FakeProxy:
                     self.pool.upsert(WorkerSpec(role, f"http://{role.value}{i}{revision}", revision=revision))
         self.metrics = RouterMetrics(self.pool)
         self.resume_cfg = ResumeConfig()
-        self.observer = None
+        self.observer: object | None = None
         self.failures = failures
         self.tried: list[Pair] = []
 
