@@ -31,6 +31,7 @@ REASONING_SENT = Refusal(
 )
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # SGLang 0.5.23 protocol.py: CompletionRequest.max_tokens = 16
 _LIMITS = ("max_completion_tokens", "max_tokens")
+_COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")
 
 
 class _OpenAIStreamLedger(StreamLedger):
@@ -78,10 +79,10 @@ class _OpenAIStreamLedger(StreamLedger):
                 self.prompt_tokens = usage.get("prompt_tokens")
             completion = self._base_tokens + int(usage.get("completion_tokens") or 0)
             self.sent_tokens = completion
-            counts = {"prompt_tokens": self.prompt_tokens or 0, "completion_tokens": completion}
-            counts["total_tokens"] = counts["prompt_tokens"] + completion
-            if any(usage.get(key) != value for key, value in counts.items()):
-                doc["usage"] = {**usage, **counts}
+            prompt = self.prompt_tokens or 0
+            counts = (prompt, completion, prompt + completion)
+            if tuple(map(usage.get, _COUNTS)) != counts:
+                doc["usage"] = {**usage, **dict(zip(_COUNTS, counts, strict=True))}
                 self._edited = True
         options = self.body.get("stream_options")
         options = options if isinstance(options, dict) else {}
