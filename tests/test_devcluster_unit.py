@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from tandem.devcluster import components, pki
-from tandem.devcluster.cluster import STAGES
+from tandem.devcluster.cluster import STAGES, fleet_progress
 from tandem.devcluster.config import K8S_VERSION, DevClusterConfig, MissingBinariesError, require_binaries
 from tandem.devcluster.kubeconfig import kubeconfig
 from tandem.devcluster.nodes import BLOCK_LABEL, GPU_RESOURCE, KWOK_ANNOTATION, RDMA_RESOURCE, fake_nodes
@@ -212,3 +212,27 @@ def test_service_names_in_address_flags_resolve_to_the_selected_pod_ip() -> None
     plain = Launch(pod="ns/p", uid="p", host="127.10.0.9", server_args=("--dist-init-addr", "127.0.0.1:5000"))
     assert service_refs(plain) == set()
     assert resolve_services(plain, {}) == plain
+
+
+def test_large_fleets_renew_node_leases_less_often_and_the_node_monitor_waits_longer(tmp_path: Path) -> None:
+    layout = components.Layout(tmp_path, components.Ports(2379, 2380, 6443, 10257, 10259))
+    small, large = DevClusterConfig(nodes=8), DevClusterConfig(nodes=1000)
+    assert (small.node_lease_seconds, small.node_monitor_grace_seconds) == (40, 50)  # the kubelet's defaults
+    assert large.node_lease_seconds == 200  # 1,000 leases renewed every 50 s: 20 renewals/s
+    assert large.start_timeout_seconds > small.start_timeout_seconds
+    kwok = components.kwok_argv(Path("kwok"), layout, large, Path("stages.yaml"))
+    kcm = components.controller_manager_argv(Path("kcm"), layout, large)
+    assert "--node-lease-duration-seconds=200" in kwok
+    assert "--node-monitor-grace-period=210s" in kcm
+    assert "--kube-api-qps=200" in kcm
+    assert "--kube-api-qps=200" in components.scheduler_argv(Path("kube-scheduler"), layout)
+
+
+def test_fleet_progress_counts_registered_ready_and_untainted_nodes() -> None:
+    ready = {"type": "Ready", "status": "True"}
+    nodes: list[dict[str, Any]] = [
+        {"status": {}},
+        {"status": {"conditions": [ready]}, "spec": {"taints": [{"effect": "NoSchedule", "key": "not-ready"}]}},
+        {"status": {"conditions": [ready]}},
+    ]
+    assert fleet_progress(nodes) == (3, 2, 1)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import logging
 import ssl
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,9 @@ from tandem.devcluster.podnet import PodNetwork
 from tandem.procs import ManagedProcess, free_port
 
 STAGES = Path(__file__).with_name("kwok-stages.yaml")
+CREATE_THREADS = 8  # concurrent node creates (one TLS connection each); 1,000 one by one took ~10 s
+PROGRESS_EVERY_S = 5.0
+log = logging.getLogger("tandem.devcluster")
 # Identities of the components (CN = user, O = groups); the bootstrap RBAC roles of a real cluster apply to them.
 IDENTITIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "admin": ("tandem-admin", ("system:masters",)),
@@ -91,6 +96,15 @@ def node_ready(node: dict[str, Any]) -> bool:
     return ready and not any(t.get("effect") in {"NoSchedule", "NoExecute"} for t in taints)
 
 
+def fleet_progress(nodes: list[dict[str, Any]]) -> tuple[int, int, int]:
+    """(registered, Ready condition True, schedulable: Ready and the not-ready taint removed) of a node list."""
+    ready = sum(
+        any(c.get("type") == "Ready" and c.get("status") == "True" for c in n.get("status", {}).get("conditions", []))
+        for n in nodes
+    )
+    return len(nodes), ready, sum(node_ready(n) for n in nodes)
+
+
 class DevCluster:
     """One control plane under ``root``. Use as a context manager, or call ``start()`` and ``stop()``."""
 
@@ -103,6 +117,7 @@ class DevCluster:
         self.processes: list[ManagedProcess] = []
         self.pod_network: PodNetwork | None = None
         self.timings: dict[str, float] = {}
+        self._progress_at = 0.0  # when node registration progress was last logged
         self._ca: pki.CertPair | None = None
         self._api: _Api | None = None
 
@@ -150,7 +165,9 @@ class DevCluster:
         doc = kubeconfig(self.server, self.ca_cert, name, token=token, namespace=namespace)
         return write_kubeconfig(self.layout.kubeconfig(f"token-{name.replace(':', '_')}"), doc)
 
-    def start(self, timeout: float = 120.0) -> DevCluster:
+    def start(self, timeout: float | None = None) -> DevCluster:
+        """Start every component; ``timeout`` defaults to ``config.start_timeout_seconds`` (grows with nodes)."""
+        timeout = self.config.start_timeout_seconds if timeout is None else timeout
         began = time.monotonic()
         deadline = began + timeout
         try:
@@ -221,13 +238,12 @@ class DevCluster:
 
         began = time.monotonic()
         api = self._api_client()
-        for node in fake_nodes(self.config):
-            status, body = api.request("POST", "/api/v1/nodes", node)
-            if status != 201:
-                raise ClusterStartError(f"creating node {node['metadata']['name']} failed: HTTP {status} {body}")
+        self._create_nodes()
+        self._timed("nodes created", began)
         stages = self._render_stages()
         kwok = self._launch("kwok", components.kwok_argv(self.binaries["kwok"], layout, self.config, stages))
-        self._wait(kwok, "all nodes Ready", deadline, self._nodes_ready)
+        poll = 0.1 if self.config.nodes <= 100 else 1.0  # a list of 1,000 nodes is ~5 MB of JSON
+        self._wait(kwok, "all nodes Ready", deadline, self._nodes_ready, poll)
         default_sa = "/api/v1/namespaces/default/serviceaccounts/default"
         self._wait(kcm, "default ServiceAccount", deadline, lambda: api.request("GET", default_sa)[0] == 200)
         self._timed("nodes", began)
@@ -265,15 +281,36 @@ class DevCluster:
         self.processes.append(proc.start())
         return proc
 
+    def _create_nodes(self) -> None:
+        api, nodes = self._api_client(), fake_nodes(self.config)
+
+        def create(node: dict[str, Any]) -> None:
+            status, body = api.request("POST", "/api/v1/nodes", node)
+            if status != 201:
+                raise ClusterStartError(f"creating node {node['metadata']['name']} failed: HTTP {status} {body}")
+
+        with ThreadPoolExecutor(CREATE_THREADS) as pool:
+            for done, _ in enumerate(pool.map(create, nodes), 1):
+                if done % 250 == 0 and done < len(nodes):
+                    log.info("creating nodes", extra={"nodes_created": done, "nodes": len(nodes)})
+
     def _nodes_ready(self) -> bool:
-        status, body = self._api_client().request("GET", "/api/v1/nodes?labelSelector=type%3Dkwok")
+        """All nodes Ready and schedulable; logs the counts every ``PROGRESS_EVERY_S`` while they register.
+        ``resourceVersion=0`` is served from the API server's watch cache, not etcd."""
+        status, body = self._api_client().request("GET", "/api/v1/nodes?labelSelector=type%3Dkwok&resourceVersion=0")
         if status != 200:
             return False
-        items = body.get("items", [])
-        return len(items) == self.config.nodes and all(node_ready(n) for n in items)
+        registered, ready, schedulable = fleet_progress(body.get("items", []))
+        done = schedulable == self.config.nodes
+        now = time.monotonic()
+        if done or now - self._progress_at >= PROGRESS_EVERY_S:
+            self._progress_at = now
+            progress = {"nodes": self.config.nodes, "registered": registered, "ready": ready, "untainted": schedulable}
+            log.info("nodes registering", extra=progress)
+        return done
 
     @staticmethod
-    def _wait(proc: ManagedProcess, what: str, deadline: float, check: Callable[[], bool]) -> None:
+    def _wait(proc: ManagedProcess, what: str, deadline: float, check: Callable[[], bool], poll: float = 0.1) -> None:
         while time.monotonic() < deadline:
             if not proc.alive():
                 raise ClusterStartError(f"{proc.name} exited ({proc.returncode()}):\n{proc.log_tail()}")
@@ -282,7 +319,7 @@ class DevCluster:
                     return
             except OSError:
                 pass
-            time.sleep(0.1)
+            time.sleep(poll)
         raise ClusterStartError(f"{proc.name}: {what} not ready in time:\n{proc.log_tail()}")
 
 

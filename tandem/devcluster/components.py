@@ -14,6 +14,10 @@ from tandem.devcluster.config import DevClusterConfig
 from tandem.devcluster.nodes import KWOK_ANNOTATION
 
 HOST = "127.0.0.1"
+# Client-side rate limits of kube-controller-manager and kube-scheduler (defaults 20/30 and 50/100). At 1,000
+# nodes the node lifecycle controller removes 1,000 not-ready taints (a GET and a PATCH each) and the scheduler
+# binds 1,000 pods: at the defaults that alone took more than two minutes.
+CLIENT_RATE = ("--kube-api-qps=200", "--kube-api-burst=400")
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 
 
@@ -109,6 +113,8 @@ def controller_manager_argv(binary: Path, layout: Layout, config: DevClusterConf
         f"--root-ca-file={layout.pki / 'ca.crt'}",
         f"--service-cluster-ip-range={config.service_cidr}",
         "--use-service-account-credentials=true",
+        f"--node-monitor-grace-period={config.node_monitor_grace_seconds}s",
+        *CLIENT_RATE,
         "--leader-elect=false",
         "--profiling=false",
     ]
@@ -119,6 +125,7 @@ def scheduler_argv(binary: Path, layout: Layout) -> list[str]:
     return [
         str(binary),
         f"--kubeconfig={kubeconfig}",
+        *CLIENT_RATE,  # deprecated flags, still honoured without a --config file
         f"--bind-address={HOST}",
         f"--secure-port={layout.ports.scheduler}",
         f"--cert-dir={layout.root / 'scheduler-certs'}",
@@ -143,7 +150,7 @@ def kwok_argv(binary: Path, layout: Layout, config: DevClusterConfig, stages: Pa
         f"--manage-nodes-with-annotation-selector={key}={value}",
         f"--cidr={first_pod_ip_cidr(config.pod_cidr)}",
         f"--node-ip={config.node_ip_base}",
-        "--node-lease-duration-seconds=40",
+        f"--node-lease-duration-seconds={config.node_lease_seconds}",
     ]
 
 

@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 K8S_VERSION = "v1.34.4"
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "kubectl", "helm")
 LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
+KUBELET_LEASE_SECONDS = 40  # the kubelet's default nodeLeaseDurationSeconds
+LEASE_RENEWALS_PER_S = 20  # node Lease renewals per second kwok may send, at most, beyond 200 nodes
 
 
 class MissingBinariesError(RuntimeError):
@@ -42,6 +44,24 @@ class DevClusterConfig(BaseModel):
         "(the operator benchmark); otherwise the pod runner's probe decides. Such a cluster makes no pod network "
         "(no bridge), so it can run beside another dev cluster in the same namespace",
     )
+
+    @property
+    def node_lease_seconds(self) -> int:
+        """kwok's ``--node-lease-duration-seconds``; it renews each node's Lease every quarter of it. 40 s (the
+        kubelet's default) up to 200 nodes; above, it grows with the fleet so the renewals stay at
+        ``LEASE_RENEWALS_PER_S`` (1,000 nodes at 40 s would PUT 100 Leases/s on two shared cores)."""
+        return max(KUBELET_LEASE_SECONDS, 4 * self.nodes // LEASE_RENEWALS_PER_S)
+
+    @property
+    def node_monitor_grace_seconds(self) -> int:
+        """kube-controller-manager's ``--node-monitor-grace-period``: a node whose Lease is older is NotReady. The
+        default (50 s) is the kubelet's 40 s Lease plus 10 s; a longer Lease needs the same margin."""
+        return self.node_lease_seconds + 10
+
+    @property
+    def start_timeout_seconds(self) -> float:
+        """How long ``DevCluster.start`` waits by default: two minutes plus 0.3 s a node (1,000 nodes: 7 min)."""
+        return 120.0 + 0.3 * self.nodes
 
     @field_validator("pod_cidr")
     @classmethod
