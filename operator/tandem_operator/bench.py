@@ -1,11 +1,13 @@
 """``tandem bench operator``: the operator at fleet scale on the real control plane.
 
-A dev cluster (kube-apiserver, controller-manager, scheduler, etcd) with 400 kwok GPU nodes (``--quick``: 40),
-the registry in its own etcd, one ``tandem operator`` process. One PDCluster with 100 groups of 4 nodes (50
-prefill, 50 decode; ``--quick``: 10 groups). Measured: time from the create to every group Ready and to every
-group registered, the operator's peak RSS (``VmHWM``) and CPU time; then one member pod of a decode group is
-deleted and the time to its group's registry key deleted (fence), to the group re-registered with epoch + 1
-and to the cluster Ready again (recover) is taken from an etcd watch on that key.
+For each point of the scaling curve (``TANDEM_BENCH_OPERATOR_GROUPS``, default 100,250,500 groups; ``--quick``:
+10): a fresh dev cluster (kube-apiserver, controller-manager, scheduler, etcd) with 4 kwok GPU nodes per group,
+the registry in its own etcd, one ``tandem operator`` process, and one PDCluster of N groups of 4 nodes (half
+prefill, half decode). Measured: time from the create to every group Ready and to every group registered, the
+operator's peak RSS (``VmHWM``), CPU time and Kubernetes API requests, fences during the ramp
+(``bench_ramp``); then one member pod of a decode group is deleted and the time to its group's registry key
+deleted (fence), to the group re-registered with epoch + 1 and to the cluster Ready again (recover) is taken from
+an etcd watch on that key.
 
 The pods' image is not an SGLang one, so the dev cluster's pod runner would start nothing for them (and none
 runs here): 400 simulated workers would swamp two cores. So the cluster runs with ``kwok_marks_ready``: kwok marks
@@ -24,7 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,15 @@ from tandem.devcluster.config import DevClusterConfig
 from tandem.procs import ManagedProcess, free_port
 from tandem.registry_etcd import client as etcd_client
 from tandem_operator.api.common import GROUP, VERSION
+from tandem_operator.bench_ramp import (
+    CurvePoint,
+    RampFences,
+    curve_tables,
+    fence_during_ramp,
+    kube_requests,
+    load_average,
+    percentile,
+)
 from tandem_operator.crdgen import rendered_files
 
 NAMESPACE = "bench"
@@ -56,9 +67,30 @@ class Scale:
     def groups(self) -> int:
         return self.prefill_groups + self.decode_groups
 
+    @classmethod
+    def of(cls, groups: int) -> Scale:
+        return cls(nodes=groups * NODES_PER_GROUP, prefill_groups=groups // 2, decode_groups=groups - groups // 2)
 
-FULL = Scale(nodes=400, prefill_groups=50, decode_groups=50)
-QUICK = Scale(nodes=40, prefill_groups=5, decode_groups=5)
+
+POINTS_ENV = "TANDEM_BENCH_OPERATOR_GROUPS"
+CURVE = (100, 250, 500)
+QUICK = (10,)
+RAMP_FENCES, QUICK_RAMP_FENCES = 20, 3
+POD_POLL_S = 2.0  # listing 1,000 pods is ~10 MB of JSON for the API server to write and this process to read
+
+
+def points(quick: bool) -> tuple[int, ...]:
+    """Group counts to measure: ``TANDEM_BENCH_OPERATOR_GROUPS`` (comma-separated), else the curve."""
+    if quick:
+        return QUICK
+    raw = os.environ.get(POINTS_ENV, "")
+    try:
+        chosen = tuple(int(v) for v in raw.split(",") if v.strip())
+    except ValueError:
+        raise SystemExit(f"{POINTS_ENV}={raw!r}: expected comma-separated group counts, e.g. 100,250") from None
+    if any(g < 2 for g in chosen):
+        raise SystemExit(f"{POINTS_ENV}={raw!r}: every point needs at least 2 groups (a prefill and a decode)")
+    return chosen or CURVE
 
 
 def pdcluster(scale: Scale, etcd: str) -> dict[str, Any]:
@@ -91,6 +123,11 @@ class Measured:
     rss_peak_mib: float = 0.0
     rss_now_mib: float = 0.0
     cpu_ramp_s: float = 0.0
+    cluster_up_s: float = 0.0
+    requests: int = 0
+    load: float = 0.0
+    ramp: RampFences = field(default_factory=RampFences)
+    component_cpu_s: dict[str, float] = field(default_factory=dict)  # control-plane CPU, create -> all registered
     fenced_s: float = 0.0
     operator_fence_ms: float = 0.0
     reregistered_s: float = 0.0
@@ -99,11 +136,30 @@ class Measured:
 
 
 def run(args: BenchArgs) -> list[Table]:
-    scale = QUICK if args.quick else FULL
-    with tempfile.TemporaryDirectory(prefix="tandem-bench-operator-") as tmp:
-        root = Path(tmp)
-        measured = asyncio.run(_bench(root, scale))
-    return [_table(scale, measured)]
+    tables, curve = [], []
+    for groups in points(args.quick):
+        scale = Scale.of(groups)
+        fences = QUICK_RAMP_FENCES if args.quick else RAMP_FENCES
+        with tempfile.TemporaryDirectory(prefix="tandem-bench-operator-") as tmp:
+            m = asyncio.run(_bench(Path(tmp), scale, fences))
+        tables.append(_table(scale, m))
+        p99 = percentile(m.ramp.end_to_end_ms, 99)
+        ready, registered, rss = m.ready_s, m.registered_s, m.rss_peak_mib
+        curve.append(
+            CurvePoint(
+                groups,
+                scale.nodes,
+                m.cluster_up_s,
+                ready,
+                registered,
+                rss,
+                m.requests,
+                p99,
+                len(m.ramp.end_to_end_ms),
+                m.load,
+            )
+        )
+    return [*tables, *curve_tables(curve)]
 
 
 def _table(scale: Scale, m: Measured) -> Table:
@@ -120,6 +176,15 @@ def _table(scale: Scale, m: Measured) -> Table:
             ["operator peak RSS (VmHWM)", m.rss_peak_mib, "MiB"],
             ["operator RSS after the ramp (VmRSS)", m.rss_now_mib, "MiB"],
             ["operator CPU time, start -> all registered", m.cpu_ramp_s, "s"],
+            ["operator Kubernetes API requests, start -> all registered", m.requests, "requests"],
+            [
+                f"fence during the ramp, pod delete -> key deleted, p50 (n={len(m.ramp.end_to_end_ms)})",
+                percentile(m.ramp.end_to_end_ms, 50),
+                "ms",
+            ],
+            ["fence during the ramp, pod delete -> key deleted, p99", percentile(m.ramp.end_to_end_ms, 99), "ms"],
+            ["  pod delete -> seen by a watch (the benchmark's own), p99", percentile(m.ramp.watch_ms, 99), "ms"],
+            ["  pod event -> key deleted (the operator's own timing), p99", percentile(m.ramp.operator_ms, 99), "ms"],
             ["pod delete -> group's registry key deleted (fence, etcd watch)", m.fenced_s * 1000, "ms"],
             ["  of which pod event -> key deleted (operator's own timing)", m.operator_fence_ms, "ms"],
             [f"pod delete -> group re-registered, epoch {m.epochs[0]} -> {m.epochs[1]}", m.reregistered_s, "s"],
@@ -129,24 +194,34 @@ def _table(scale: Scale, m: Measured) -> Table:
             f"{pods} pods; the worker image is not SGLang's, so no simulated worker runs: kwok marks pods Ready and "
             "that readiness drives gang status, registry and fencing",
             "one kube-apiserver, controller-manager, scheduler, kwok and the operator share this machine's cores; "
-            "pod counts are polled once a second",
+            f"pod counts are polled every {POD_POLL_S:.0f} s",
+            f"dev cluster with {scale.nodes} nodes up in {m.cluster_up_s:.0f} s; load average {m.load:.1f} at the "
+            "end of the ramp",
+            f"control-plane CPU seconds, create -> all registered: {m.component_cpu_s}",
         ],
     )
 
 
-async def _bench(root: Path, scale: Scale) -> Measured:
+async def _bench(root: Path, scale: Scale, ramp_fences: int) -> Measured:
     cluster = DevCluster(root / "k8s", DevClusterConfig(nodes=scale.nodes, kwok_marks_ready=True))
     etcd = _registry_etcd(root)
     operator: ManagedProcess | None = None
     try:
-        await asyncio.to_thread(cluster.start, 300.0)
+        print(f"operator bench: starting a dev cluster with {scale.nodes} nodes", file=sys.stderr, flush=True)
+        await asyncio.to_thread(cluster.start)
         url = await asyncio.to_thread(_await_etcd, etcd)
         await _install_crds(cluster, root)
         api = await kube_config.new_client_from_config(config_file=str(cluster.kubeconfig))
         try:
             await _namespace(api)
-            operator = _operator(cluster, url, root).start()
-            return await _measure(api, operator, url, scale)
+            metrics = free_port()
+            operator = _operator(cluster, url, root, metrics).start()
+            await asyncio.to_thread(operator.wait_http, f"http://127.0.0.1:{metrics}/healthz", 60)
+            m = Measured(cluster_up_s=cluster.timings["total"])
+            cpu = {p.name: _cpu_seconds(p.pid) for p in cluster.processes}
+            await _measure(api, operator, url, scale, m, ramp_fences, f"http://127.0.0.1:{metrics}/metrics", cluster)
+            m.component_cpu_s = {name: round(t - cpu.get(name, 0.0), 1) for name, t in m.component_cpu_s.items()}
+            return m
         finally:
             await api.close()
     finally:
@@ -156,8 +231,16 @@ async def _bench(root: Path, scale: Scale) -> Measured:
         etcd.stop()
 
 
-async def _measure(api: client.ApiClient, operator: ManagedProcess, etcd: str, scale: Scale) -> Measured:
-    m = Measured()
+async def _measure(
+    api: client.ApiClient,
+    operator: ManagedProcess,
+    etcd: str,
+    scale: Scale,
+    m: Measured,
+    fences: int,
+    metrics: str,
+    cluster: DevCluster,
+) -> None:
     custom = client.CustomObjectsApi(api)
     began = time.monotonic()
     await custom.create_namespaced_custom_object(GROUP, VERSION, NAMESPACE, "pdclusters", pdcluster(scale, etcd))
@@ -173,18 +256,26 @@ async def _measure(api: client.ApiClient, operator: ManagedProcess, etcd: str, s
             return await _ready(custom, scale)
 
         pods = asyncio.create_task(_watch_pods(api, scale.groups * NODES_PER_GROUP, began, m))
+        ramp_over = asyncio.Event()
+        step = max(1, scale.prefill_groups // fences)
+        victims = [f"{CLUSTER}-prefill-{i}-1" for i in range(0, scale.prefill_groups, step)][:fences]
+        fencer = asyncio.create_task(fence_during_ramp(api, NAMESPACE, victims, m.ramp, ramp_over))
         try:
             m.ready_s = await _until(all_ready, began, 900)
             await asyncio.wait_for(pods, 60)
         finally:
+            ramp_over.set()
             pods.cancel()
+        await fencer
         m.registered_s = await _until(lambda: _equals(count_registered, scale.groups), began, 300)
         m.cpu_ramp_s = _cpu_seconds(operator.pid)
+        m.component_cpu_s = {p.name: _cpu_seconds(p.pid) for p in cluster.processes}
         m.rss_peak_mib, m.rss_now_mib = _memory_mib(operator.pid)
+        m.requests, m.load = await kube_requests(metrics), load_average()
+        m.ramp.read_log(operator.log_path)
         await _fence_and_recover(api, custom, reg, scale, m, operator)
     finally:
         await reg.close()
-    return m
 
 
 async def _fence_and_recover(
@@ -222,10 +313,11 @@ async def _fence_and_recover(
 
 
 async def _watch_pods(api: client.ApiClient, n: int, began: float, m: Measured) -> None:
-    """Record when all ``n`` pods exist and when all are Ready (raw JSON: 400 pod models are slow to build)."""
+    """Record when all ``n`` pods exist and when all are Ready (raw JSON: 1,000 pod models are slow to build; from
+    the API server's watch cache, ``resource_version="0"``)."""
     core = client.CoreV1Api(api)
     while not m.pods_ready_s:
-        response: Any = await core.list_namespaced_pod(NAMESPACE, _preload_content=False)
+        response: Any = await core.list_namespaced_pod(NAMESPACE, resource_version="0", _preload_content=False)
         items = json.loads(await response.read())["items"]
         now = time.monotonic() - began
         if len(items) >= n and not m.pods_created_s:
@@ -237,7 +329,7 @@ async def _watch_pods(api: client.ApiClient, n: int, began: float, m: Measured) 
         if ready >= n:
             m.pods_ready_s = now
             return
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(POD_POLL_S)
 
 
 async def _ready(custom: client.CustomObjectsApi, scale: Scale) -> bool:
@@ -340,7 +432,8 @@ async def _namespace(api: client.ApiClient) -> None:
     await _until(has_default_account, time.monotonic(), 60)
 
 
-def _operator(cluster: DevCluster, etcd: str, root: Path) -> ManagedProcess:
+def _operator(cluster: DevCluster, etcd: str, root: Path, metrics_port: int) -> ManagedProcess:
     argv = [sys.executable, "-m", "tandem.cli", "operator", "--kubeconfig", str(cluster.kubeconfig)]
+    argv += ["--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1"]
     argv += ["--namespace", NAMESPACE, "--etcd-endpoints", etcd, "--no-leader-election", "--identity", "bench"]
     return ManagedProcess("operator", argv, root / "operator.log")

@@ -31,7 +31,7 @@ from tandem.registry_signing import EndpointSigner
 from tandem_operator.handlers import OperatorState, build_registry
 from tandem_operator.k8s.election import LeaderElector
 from tandem_operator.k8s.kube import Kube
-from tandem_operator.metrics import LEADER, serve
+from tandem_operator.metrics import KUBE_REQUESTS, LEADER, serve
 from tandem_operator.runtime import RuntimeOptions
 
 log = logging.getLogger("tandem.operator")
@@ -153,7 +153,8 @@ async def run(args: argparse.Namespace) -> int:
     http = await serve(args.metrics_host, args.metrics_port) if args.metrics_port else None
     try:
         async with k8s_client.ApiClient(configuration) as api:
-            return await _run_operator(args, configuration, Kube(api))
+            kube = Kube(api, on_request=lambda method: KUBE_REQUESTS.labels(method).inc())
+            return await _run_operator(args, configuration, kube)
     finally:
         if http is not None:
             await http.cleanup()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+from collections.abc import Callable
 from typing import Any
 
 from tandem.registry import Endpoint
@@ -35,8 +36,16 @@ class FakeKube(Kube):
     async def get(self, path: str) -> dict[str, Any] | None:
         return self.objects.get(path)
 
-    async def list(self, api_version: str, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
-        return [o for o in self.objects.values() if (o["apiVersion"], o["kind"]) == (api_version, kind)]
+    async def list(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        selector: str,
+        keep: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    ) -> list[dict[str, Any]]:
+        found = [o for o in self.objects.values() if (o["apiVersion"], o["kind"]) == (api_version, kind)]
+        return [keep(o) for o in found] if keep is not None else found
 
     async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         self.calls.append(("post", path, body))
