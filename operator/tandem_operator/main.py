@@ -156,7 +156,7 @@ def operator_settings(settings: kopf.OperatorSettings) -> None:
     )
     settings.posting.level = logging.WARNING  # our own Events say what happened; kopf's only report failures
     settings.watching.server_timeout = 300
-    settings.watching.chunk_size = 250  # list 1,000 nodes / pods a page at a time, not as one ~5 MB answer
+    settings.watching.chunk_size = 50  # list 1,000 nodes / pods a page at a time, not as one ~5 MB answer
     settings.networking.request_timeout = 30
 
 

@@ -24,7 +24,7 @@ MERGE_PATCH = "application/merge-patch+json"
 RETRIES = 4
 BACKOFF_S = 0.2  # doubled after each try: 0.2, 0.4, 0.8 s
 TEMPORARY_STATUSES = frozenset({429, 500, 502, 503, 504})
-LIST_PAGE = 250  # objects per list page: a page is parsed and trimmed before the next one is read
+LIST_PAGE = 50  # objects per list page: a page is parsed and trimmed before the next one is read (the peak)
 
 log = logging.getLogger("tandem.operator.kube")
 
