@@ -12,6 +12,8 @@ from tandem_operator.k8s.kube import Kube
 from tandem_operator.observe import GroupKey
 from tandem_operator.registrar import Registrar
 
+Trim = Callable[[dict[str, Any]], dict[str, Any]]  # Kube.list's ``keep``
+
 
 class FakeKube(Kube):
     """Records calls as ``(verb, path or name, detail)``; ``objects`` answers ``get`` and ``list``."""
@@ -37,13 +39,8 @@ class FakeKube(Kube):
         return self.objects.get(path)
 
     async def list(
-        self,
-        api_version: str,
-        kind: str,
-        namespace: str,
-        selector: str,
-        keep: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
-    ) -> list[dict[str, Any]]:
+        self, api_version: str, kind: str, namespace: str, selector: str, keep: Trim | None = None
+    ) -> builtins.list[dict[str, Any]]:
         found = [o for o in self.objects.values() if (o["apiVersion"], o["kind"]) == (api_version, kind)]
         return [keep(o) for o in found] if keep is not None else found
 

@@ -15,6 +15,7 @@ ROWS = (
     "every group Ready",
     "every group registered",
     "peak RSS",
+    "Kubernetes API requests",
     "(fence, etcd watch)",
     "operator's own timing",
     "group re-registered, epoch 0 -> 1",
