@@ -143,6 +143,7 @@ def run(args: BenchArgs) -> list[Table]:
         with tempfile.TemporaryDirectory(prefix="tandem-bench-operator-") as tmp:
             m = asyncio.run(_bench(Path(tmp), scale, fences))
         tables.append(_table(scale, m))
+        print(tables[-1].render(), file=sys.stderr, flush=True)  # each point as it is measured (minutes each)
         p99 = percentile(m.ramp.end_to_end_ms, 99)
         ready, registered, rss = m.ready_s, m.registered_s, m.rss_peak_mib
         curve.append(
