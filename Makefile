@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: up test bootstrap setup peers k8s-binaries images images-relock lint typecheck unit bench chaos generate verify format clean
+.PHONY: up test bootstrap setup peers k8s-binaries images images-relock lint typecheck unit bench chaos chaos-dev-cluster generate verify format clean
 
 bootstrap:
 	@scripts/bootstrap.sh
@@ -69,6 +69,11 @@ bench: setup
 CHAOS_ARGS ?=
 chaos: bootstrap
 	scripts/in-netns.sh $(VENV)/bin/tandem chaos $(CHAOS_ARGS)
+
+## chaos-dev-cluster: the same on the dev cluster with the operator (2 replicas, leader election, 2 prefill + 2 decode
+## simulated pods, 3-member etcd, 2 routers), the operator leader's kill included (about 4 min).
+chaos-dev-cluster: bootstrap
+	scripts/in-netns.sh $(VENV)/bin/tandem chaos --setting dev-cluster $(CHAOS_ARGS)
 
 ## generate: rewrite every generated file from its source (one line per generator).
 GENERATED := charts/tandem/crds charts/tandem/values.yaml charts/tandem/values.schema.json charts/tandem/README.md \

@@ -26,8 +26,10 @@ SECTIONS: dict[str, str] = {
     "sim": "tandem_sim.bench",
     "sim-load": "tandem_sim.bench_load",
     "router": "tandem_router.bench",
+    "prefix": "tandem_router.bench_prefix",
     "operator": "tandem_operator.bench",
     "images": "tandem.images.bench",
+    "autoscale": "tandem.autoscale_bench",
 }
 NOT_MEASURED = "not measured"
 
@@ -57,6 +59,7 @@ class Table:
     rows: list[Sequence[object]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     plot: Plot | None = None
+    figure: Callable[[Path], None] | None = None  # draws its own PNG at the given path (instead of ``plot``)
 
     def render(self) -> str:
         cells = [[str(c) for c in self.columns]] + [[_fmt(v) for v in row] for row in self.rows]

@@ -113,10 +113,12 @@ class Results:
         docs = []
         for n, table in enumerate(tables):
             doc = table_doc(table)
-            if table.plot is not None:
-                png = self.folder / f"{section}-{n}.png"
-                if write_plot(table, table.plot, png):
-                    doc["plot"] = png.name
+            png = self.folder / f"{section}-{n}.png"
+            if table.figure is not None:
+                table.figure(png)
+                doc["plot"] = png.name
+            elif table.plot is not None and write_plot(table, table.plot, png):
+                doc["plot"] = png.name
             docs.append(doc)
         self.sections[section] = {"seconds": round(seconds, 1), "tables": docs}
 

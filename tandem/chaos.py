@@ -1,6 +1,7 @@
-"""``tandem chaos``: a bounded chaos run on the local stack, with its results saved and printed.
+"""``tandem chaos``: a bounded chaos run on the local stack (or, ``--setting dev-cluster``, on the dev cluster with
+the operator: ``tandem.chaos_devcluster``), with its results saved and printed.
 
-The stack: a 3-member etcd, 2 prefill + 2 decode simulated SGLang workers (real PD protocol, real Mooncake KV
+The local stack: a 3-member etcd, 2 prefill + 2 decode simulated SGLang workers (real PD protocol, real Mooncake KV
 transfer over TCP, restarted by the stack's supervisor when they die) and 2 routers. Clients run temperature-0
 chat streams (``--concurrency`` at a time, at most ``--streams``, for ``--duration`` seconds) over a fixed set of
 prompts whose uninterrupted answers were taken first. Meanwhile ``--faults`` faults, drawn from ``--seed``, hit
@@ -24,14 +25,14 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 
 from tandem import bench_results
-from tandem.chaos_faults import KINDS, ChaosTarget, Router
+from tandem.chaos_faults import KINDS, ChaosTarget, LocalCluster, Router
 from tandem.chaos_load import LoadSpec, Routers, reference, run_load
 from tandem.chaos_plots import plot_recovery, plot_timeline
 from tandem.chaos_report import ChaosReport, faults_table, summary_table, violations
@@ -40,6 +41,8 @@ from tandem.procs import ManagedProcess, free_port
 from tandem.registry import Role
 
 SETTING = "local stack: 3-member etcd, 2 prefill + 2 decode simulated workers, 2 routers"
+SETTINGS = ("local", "dev-cluster")
+DEV_CLUSTER_KINDS = (*KINDS, "operator")  # the operator leader killed: only where an operator runs
 
 
 @dataclass(frozen=True)
@@ -55,11 +58,13 @@ class ChaosArgs:
     prompts: int = 16
     hang_s: float = 30.0
     cap_s: float = 60.0
+    setting: str = "local"
 
     def knobs(self) -> dict[str, object]:
         return {
-            "streams": self.streams, "concurrency": self.concurrency, "duration_s": self.duration_s,
-            "seed": self.seed, "faults": self.faults, "kinds": ",".join(self.kinds), "max_tokens": self.max_tokens,
+            "setting": self.setting, "streams": self.streams, "concurrency": self.concurrency,
+            "duration_s": self.duration_s, "seed": self.seed, "faults": self.faults, "kinds": ",".join(self.kinds),
+            "max_tokens": self.max_tokens,
             "sim_inter_token_ms": self.inter_token_ms, "prompts": self.prompts, "hang_s": self.hang_s,
         }  # fmt: skip
 
@@ -103,7 +108,10 @@ async def run_chaos(args: ChaosArgs, workdir: Path) -> ChaosReport:
         await asyncio.to_thread(second.wait_http, f"{url}/readiness", 60.0)
         supervisor = asyncio.create_task(stack.supervise(stop))
         routers = [Router(stack.router_url, stack.router), Router(url, second)]
-        return await _measure(args, stack, routers)
+        cluster = LocalCluster(stack)
+        return await measure(
+            args, SETTING, MODEL, routers, lambda http: ChaosTarget(cluster, routers, http, cap_s=args.cap_s)
+        )
     finally:
         stop.set()
         if supervisor is not None:
@@ -113,15 +121,24 @@ async def run_chaos(args: ChaosArgs, workdir: Path) -> ChaosReport:
         await stack.stop()
 
 
-async def _measure(args: ChaosArgs, stack: LocalStack, routers: list[Router]) -> ChaosReport:
-    spec = LoadSpec(MODEL, args.prompts, args.max_tokens, args.concurrency, args.streams, args.duration_s,
+async def measure(
+    args: ChaosArgs,
+    setting: str,
+    model: str,
+    routers: list[Router],
+    target: Callable[[aiohttp.ClientSession], ChaosTarget],
+) -> ChaosReport:
+    """Take the reference answers, then run the load (``model``'s chat completions) through ``routers`` while
+    ``target`` injects the planned faults one after the other; judge it all. ``target`` gets the run's pooled HTTP
+    session."""
+    spec = LoadSpec(model, args.prompts, args.max_tokens, args.concurrency, args.streams, args.duration_s,
                     args.hang_s, args.seed)  # fmt: skip
-    report = ChaosReport(SETTING, args.knobs())
+    report = ChaosReport(setting, args.knobs())
     clients = Routers([r.url for r in routers])
     rng = random.Random(args.seed ^ 0xC4A05)
     try:
         async with aiohttp.ClientSession() as http:
-            target = ChaosTarget(stack, routers, http, cap_s=args.cap_s)
+            faults = target(http)
             _say(f"taking the {args.prompts} reference answers ...")
             sem = asyncio.Semaphore(args.concurrency)
 
@@ -139,15 +156,15 @@ async def _measure(args: ChaosArgs, stack: LocalStack, routers: list[Router]) ->
                 await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
                 if load.done():
                     break
-                victim = rng.choice(target.victims(kind))
+                victim = rng.choice(await faults.victims_now(kind))
                 _say(f"fault: {kind} {victim}")
-                record = await target.inject(kind, victim, t0)
+                record = await faults.inject(kind, victim, t0)
                 report.faults.append(record)
                 _say(f"  fenced {record.fenced} s, recovered {record.recovered} s ({record.note})")
             report.results = await load
             report.seconds = time.monotonic() - t0
-            await target.scrape_all()
-            report.router_counters = target.counters()
+            await faults.scrape_all()
+            report.router_counters = faults.counters()
     finally:
         await clients.close()
     return report
@@ -157,6 +174,12 @@ def save(report: ChaosReport, folder: Path, argv: Sequence[str]) -> Path:
     results = bench_results.Results.start(folder, argv)
     results.add("chaos", [summary_table(report), faults_table(report)], report.seconds)
     results.doc["violations"] = violations(report)
+    # Each stream's outcome, to tell which fault a stream that was not OK met (times: seconds into the load).
+    results.doc["streams"] = [
+        {"prompt": r.prompt, "started": round(r.started, 3), "first_byte": r.first_byte and round(r.first_byte, 3),
+         "ended": round(r.ended, 3), "verdict": verdict.value, "error": r.error[:200], "failovers": r.failovers}
+        for r, verdict in zip(report.results, report.verdicts(), strict=True)
+    ]  # fmt: skip
     plot_timeline(report, folder / "timeline.png")
     plot_recovery(report, folder / "recovery.png")
     return results.save()
@@ -165,12 +188,22 @@ def save(report: ChaosReport, folder: Path, argv: Sequence[str]) -> Path:
 def _parser() -> argparse.ArgumentParser:
     d = ChaosArgs()
     p = argparse.ArgumentParser(prog="tandem chaos", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--setting",
+        choices=SETTINGS,
+        default=d.setting,
+        help="where: the local stack, or the dev cluster with the operator (2 replicas, leader election)",
+    )
     p.add_argument("--streams", type=int, default=d.streams, help="at most this many streams (N)")
     p.add_argument("--concurrency", type=int, default=d.concurrency, help="streams at a time (C)")
     p.add_argument("--duration", type=float, default=d.duration_s, help="seconds of load")
     p.add_argument("--seed", type=int, default=d.seed, help="draws the faults, victims and prompts")
-    p.add_argument("--faults", type=int, default=d.faults, help="faults to inject, one after the other")
-    p.add_argument("--kinds", default=",".join(d.kinds), help=f"fault kinds to draw from: {','.join(KINDS)}")
+    p.add_argument("--faults", type=int, help="faults to inject, one after the other (default: one per kind)")
+    p.add_argument(
+        "--kinds",
+        help=f"fault kinds to draw from (default: all of the setting's): {','.join(KINDS)}, "
+        "and on the dev cluster operator",
+    )
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens per stream")
     p.add_argument("--inter-token-ms", type=float, default=d.inter_token_ms, help="the simulated decode step")
     p.add_argument("--prompts", type=int, default=d.prompts, help="distinct prompts")
@@ -183,20 +216,22 @@ def _parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str]) -> tuple[ChaosArgs, Path | None]:
     p = _parser()
     ns = p.parse_args(argv)
-    kinds = tuple(k for k in ns.kinds.split(",") if k)
-    unknown = [k for k in kinds if k not in KINDS]
+    known = DEV_CLUSTER_KINDS if ns.setting == "dev-cluster" else KINDS
+    kinds = tuple(k for k in (ns.kinds or ",".join(known)).split(",") if k)
+    unknown = [k for k in kinds if k not in known]
     if unknown or not kinds:
-        p.error(f"--kinds: unknown kind(s) {unknown or kinds!r}; known: {','.join(KINDS)}")
+        p.error(f"--kinds: unknown kind(s) {unknown or kinds!r} for --setting {ns.setting}; known: {','.join(known)}")
     for name in ("streams", "concurrency", "prompts", "max_tokens"):
         if getattr(ns, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     for name in ("duration", "hang_s", "cap_s"):
         if getattr(ns, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
-    if ns.faults < 0 or ns.inter_token_ms < 0:
+    faults = len(kinds) if ns.faults is None else ns.faults
+    if faults < 0 or ns.inter_token_ms < 0:
         p.error("--faults and --inter-token-ms must not be negative")
-    args = ChaosArgs(ns.streams, ns.concurrency, ns.duration, ns.seed, ns.faults, kinds, ns.max_tokens,
-                     ns.inter_token_ms, ns.prompts, ns.hang_s, ns.cap_s)  # fmt: skip
+    args = ChaosArgs(ns.streams, ns.concurrency, ns.duration, ns.seed, faults, kinds, ns.max_tokens,
+                     ns.inter_token_ms, ns.prompts, ns.hang_s, ns.cap_s, ns.setting)  # fmt: skip
     return args, ns.results_dir
 
 
@@ -206,8 +241,14 @@ def main(argv: Sequence[str]) -> int:
     folder = folder or Path("build") / "chaos" / re.sub(r"[-:]", "", started)
     folder.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="tandem-chaos-"))
-    _say(f"{SETTING}; process logs in {workdir}")
-    report = asyncio.run(run_chaos(args, workdir))
+    if args.setting == "dev-cluster":
+        from tandem import chaos_devcluster  # it imports this module
+
+        _say(f"{chaos_devcluster.SETTING}; process logs in {workdir}")
+        report = asyncio.run(chaos_devcluster.run_devcluster_chaos(args, workdir))
+    else:
+        _say(f"{SETTING}; process logs in {workdir}")
+        report = asyncio.run(run_chaos(args, workdir))
     print(summary_table(report).render())
     print(faults_table(report).render())
     saved = save(report, folder, argv)

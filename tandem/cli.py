@@ -23,7 +23,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "render": ("tandem_operator.render", "main", "print every manifest the operator would create for a PDCluster"),
     "up": ("tandem.local_stack", "main", "run the embedded local stack: etcd, workers, router on :8000"),
     "bench": ("tandem.bench", "main", "run the benchmarks and print tables"),
-    "chaos": ("tandem.chaos", "main", "a bounded chaos run on the local stack: faults under load, table + plots"),
+    "chaos": (
+        "tandem.chaos",
+        "main",
+        "a bounded chaos run (local stack, or --setting dev-cluster): faults under load, table + plots",
+    ),
     "etcd-auth": ("tandem.etcd_auth", "main", "create the registry etcd's users and roles and turn its auth on"),
     "dev-cluster": (
         "tandem.devcluster.cli",

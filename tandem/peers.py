@@ -96,15 +96,19 @@ def smg_version() -> str:
 
 
 def smg_argv(
-    prefills: Sequence[tuple[str, int | None]], decodes: Sequence[str], port: int, metrics_port: int
+    prefills: Sequence[tuple[str, int | None]],
+    decodes: Sequence[str],
+    port: int,
+    metrics_port: int,
+    policy: str = "round_robin",
 ) -> list[str]:
-    """``smg`` in PD mode on 127.0.0.1: every (prefill URL, bootstrap port) and decode URL, round robin."""
+    """``smg`` in PD mode on 127.0.0.1: every (prefill URL, bootstrap port) and decode URL, with ``policy``."""
     argv = [str(require("smg")), "-m", "smg.launch_router", "--pd-disaggregation"]
     for url, bootstrap in prefills:
         argv += ["--prefill", url, "none" if bootstrap is None else str(bootstrap)]
     for url in decodes:
         argv += ["--decode", url]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin"]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--policy", policy]
     return [*argv, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]  # default 0.0.0.0:29000
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tandem.chaos import ChaosArgs, parse_args, plan, run_chaos, save
+from tandem.chaos import DEV_CLUSTER_KINDS, ChaosArgs, parse_args, plan, run_chaos, save
 from tandem.chaos_report import ChaosReport, FaultRecord, StreamResult, Verdict, judge, timeline, violations
 
 REF = "the sea is wide"
@@ -69,6 +69,8 @@ def test_the_plan_covers_every_kind_before_repeating_and_is_seeded() -> None:
     ("argv", "message"),
     [
         (["--kinds", "decode,meteor"], "--kinds: unknown kind(s) ['meteor']"),
+        (["--kinds", "operator"], "--kinds: unknown kind(s) ['operator'] for --setting local"),
+        (["--setting", "moon"], "--setting: invalid choice: 'moon'"),
         (["--concurrency", "0"], "--concurrency must be at least 1"),
         (["--duration", "0"], "--duration must be positive"),
     ],
@@ -79,6 +81,15 @@ def test_bad_flags_are_refused_naming_the_flag(
     with pytest.raises(SystemExit):
         parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_the_dev_cluster_setting_adds_the_operator_leader_kill() -> None:
+    local, _ = parse_args([])
+    dev, _ = parse_args(["--setting", "dev-cluster"])
+    assert "operator" not in local.kinds
+    assert dev.kinds == DEV_CLUSTER_KINDS
+    assert dev.knobs()["setting"] == "dev-cluster"
+    assert parse_args(["--setting", "dev-cluster", "--kinds", "operator,decode"])[0].kinds == ("operator", "decode")
 
 
 @pytest.mark.netns

@@ -20,6 +20,7 @@ import pydantic
 
 from tandem.registry import IntegrityReport
 from tandem_operator.api.pdcluster import PDClusterSpec, PDClusterStatus
+from tandem_operator.autoscale.loop import Autoscaler
 from tandem_operator.desired.naming import ClusterRef
 from tandem_operator.drain import POLL_S as DRAIN_POLL_S
 from tandem_operator.fencing import Fence, FenceReason, fence_decision, unroute_decision
@@ -58,6 +59,8 @@ class ClusterRuntime:
         self.executor = self.reconciler.executor
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.autoscaler = Autoscaler(self.state, kube, self.executor.worker_metrics)
+        self._autoscale_task: asyncio.Task[None] | None = None
         self.reconciled = asyncio.Event()  # set after each successful pass (tests wait on it)
         self._integrity = IntegrityWatcher(
             registrar.endpoints, ref.namespace, ref.name, self._on_integrity, tls=registrar.tls
@@ -83,15 +86,17 @@ class ClusterRuntime:
         self.state.adopted = await self.registrar.list_endpoints(self.ref.namespace, self.ref.name)
         self.registrar.on_lease_lost(self.executor.reregister)
         self._task = asyncio.create_task(self._loop(), name=f"reconcile-{self.ref.namespace}/{self.ref.name}")
+        self._autoscale_task = asyncio.create_task(self.autoscaler.run(), name=f"autoscale-{self.ref.name}")
         self._integrity.start()
         self.kick()
 
     async def stop(self, *, unregister: bool) -> None:
         await self._integrity.stop()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._autoscale_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.executor.close()
         if unregister:
             await self.registrar.remove_cluster(self.ref.namespace, self.ref.name)

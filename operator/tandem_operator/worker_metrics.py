@@ -26,6 +26,14 @@ class WorkerMetrics:
         except (aiohttp.ClientError, TimeoutError):
             return None
 
+    async def text(self, url: str) -> str | None:
+        """The body ``url`` answers with 200 (a ``/metrics`` exposition); None on any other answer or none."""
+        try:
+            async with self._client().get(url) as resp:
+                return await resp.text() if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+
     async def healthy(self, url: str) -> bool:
         """The worker at ``url`` answers ``/health`` with 200 (what a router's health check asks)."""
         try:

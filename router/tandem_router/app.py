@@ -45,6 +45,7 @@ from tandem_router.schema import (
     error_body,
     item_count,
     prompt_text,
+    routing_key,
 )
 from tandem_router.transport import Transport, TransportConfig
 
@@ -53,7 +54,7 @@ log = logging.getLogger("tandem.router")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _PROXIED = frozenset(r.value for r in Route)
 PROMPT_CHARS_INSPECTED = 65536  # prompt text kept for the prompt-leak detector, per request
-PREFIX_CHARS = 1024  # prompt prefix that keys cache-aware prefill choice
+PREFIX_UNITS = 32768  # prompt prefix (characters or token ids) that keys cache-aware prefill choice
 
 
 @dataclass
@@ -120,7 +121,10 @@ def build_app(settings: RouterSettings, gates: tuple[PairGate, ...] = ()) -> web
         monitor = IntegrityMonitor(integrity_config(settings), CollectorRegistry())
         extra_gates = (*gates, monitor)
     pool = WorkerPool(
-        settings.policy, BreakerConfig(settings.breaker_threshold, settings.breaker_cooldown_s), gates=extra_gates
+        settings.policy,
+        BreakerConfig(settings.breaker_threshold, settings.breaker_cooldown_s),
+        gates=extra_gates,
+        cache_cfg=settings.cache_aware_config,
     )
     metrics = RouterMetrics(pool)
     retry_cfg = RetryConfig(settings.retry_max_attempts, settings.retry_initial_backoff_s)
@@ -262,13 +266,13 @@ def _proxied(route: Route) -> Handler:
                 404, f"The model '{model}' does not exist", ErrorType.NOT_FOUND, code="model_not_found", param="model"
             )
         # One pass over the prompt: the routing prefix is its start (and all of it the leak detector needs).
-        prompt = prompt_text(route, body, limit=PROMPT_CHARS_INSPECTED if s.integrity is not None else PREFIX_CHARS)
+        prompt = prompt_text(route, body, limit=PROMPT_CHARS_INSPECTED if s.integrity is not None else PREFIX_UNITS)
         req = ProxyRequest(
             route=route,
             body=body,
             stream=body.get("stream") is True,
             items=item_count(route, body),
-            prefix=prompt[:PREFIX_CHARS],
+            prefix=routing_key(route, body, prompt, PREFIX_UNITS),
             prompt=prompt if s.integrity is not None else "",
             request_id=request.headers.get("X-Request-Id") or uuid.uuid4().hex,
             started=started,

@@ -45,7 +45,8 @@ def _body(i: int) -> dict[str, object]:
             "stream": True}  # fmt: skip
 
 
-async def _stream_ttft(http: aiohttp.ClientSession, url: str, body: dict[str, object]) -> float:
+async def stream_ttft(http: aiohttp.ClientSession, url: str, body: dict[str, object]) -> float:
+    """POST a streamed request to ``url``: ms to its first chunk (after reading it all). Raises on an error."""
     started = time.perf_counter()
     async with http.post(url, json=body) as resp:
         if resp.status != 200:
@@ -91,12 +92,12 @@ async def _measure(prefill: str, bootstrap_port: int, decode: str, router: str, 
                     await resp.read()
 
             prefill_task = asyncio.create_task(to_prefill())
-            ttft = await _stream_ttft(http, f"{decode}/v1/completions", body)
+            ttft = await stream_ttft(http, f"{decode}/v1/completions", body)
             await prefill_task
             return ttft
 
         async def routed(i: int) -> float:
-            return await _stream_ttft(http, f"{router}/v1/completions", _body(i))
+            return await stream_ttft(http, f"{router}/v1/completions", _body(i))
 
         table = Table(
             "end to end on simulated workers (1 prefill + 1 decode, 16 tokens, stream): router vs client-side PD",

@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tandem.registry import EtcdTLS
 from tandem.registry_signing import EndpointVerifier
+from tandem_router.policy.cache_aware import CacheAwareConfig
 from tandem_router.policy.selection import Policy
 
 
@@ -37,6 +38,18 @@ class RouterSettings(BaseSettings):
     port: int = Field(default=8000, ge=0, le=65535)
     workers: int = Field(default=1, ge=1, le=64, description="Router processes sharing the port (SO_REUSEPORT).")
     policy: Policy = Policy.CACHE_AWARE
+    cache_threshold: float = Field(
+        default=0.5, ge=0, le=1, description="cache_aware: share of the prompt the best prefix match must exceed."
+    )
+    balance_abs_threshold: int = Field(
+        default=4096, ge=0, description="cache_aware: prefill work (tokens) beyond the cheapest that drops affinity."
+    )
+    balance_rel_threshold: float = Field(
+        default=1.1, ge=1, description="cache_aware: ...and the ratio to the cheapest prefill's work it must exceed."
+    )
+    cache_max_tree_units: int = Field(
+        default=1 << 20, ge=1, description="cache_aware: token ids or characters remembered per prefill (LRU)."
+    )
     prefill: list[PrefillSpec] = Field(default_factory=list)
     decode: list[str] = Field(default_factory=list)
     model_names: list[str] = Field(default_factory=list, description="Served model names; else learned from workers.")
@@ -108,6 +121,12 @@ class RouterSettings(BaseSettings):
     log_level: str = "info"
 
     @property
+    def cache_aware_config(self) -> CacheAwareConfig:
+        return CacheAwareConfig(
+            self.cache_threshold, self.balance_abs_threshold, self.balance_rel_threshold, self.cache_max_tree_units
+        )
+
+    @property
     def etcd_tls(self) -> EtcdTLS:
         files = {"ca_file": self.etcd_ca_file, "cert_file": self.etcd_cert_file, "key_file": self.etcd_key_file}
         return EtcdTLS(**{k: str(v) for k, v in files.items() if v is not None}, server_name=self.etcd_server_name)
@@ -143,6 +162,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int)
     p.add_argument("--workers", type=int, help="router processes sharing the port (SO_REUSEPORT)")
     p.add_argument("--policy", choices=[x.value for x in Policy])
+    p.add_argument("--cache-threshold", type=float, help="cache_aware: prefix match share for affinity (0.5)")
+    p.add_argument("--balance-abs-threshold", type=int, help="cache_aware: prefill token spread that drops affinity")
+    p.add_argument("--balance-rel-threshold", type=float, help="cache_aware: prefill token ratio that drops it (1.1)")
+    p.add_argument("--cache-max-tree-units", type=int, help="cache_aware: ids or characters kept per prefill")
     p.add_argument("--prefill", nargs="+", action="append", metavar="URL [BOOTSTRAP_PORT]")
     p.add_argument("--decode", action="append", metavar="URL")
     p.add_argument("--pd-disaggregation", action="store_true", help="accepted for SGLang-router compatibility")

@@ -19,8 +19,10 @@ from typing import Protocol
 
 from tandem.registry import Role
 from tandem_router.policy import breaker as br
+from tandem_router.policy import cache_aware as ca
 from tandem_router.policy import selection as sel
 from tandem_router.policy.load import WorkerLoad
+from tandem_router.policy.prefix_tree import PrefixTree, RoutingKey
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,11 @@ class WorkerState:
     breaker: br.Breaker = field(default_factory=br.Breaker)
     models: frozenset[str] = frozenset()
     unreachable: bool = False  # its last failure was a refused connection: the process was gone
+    prefill_tokens: int = 0  # prefill: estimated uncached prompt tokens of the requests it is prefilling now
+    rank_in_flight: list[int] = field(default_factory=list)  # decode with attention DP: requests per DP rank
+
+    def __post_init__(self) -> None:
+        self.rank_in_flight = [0] * self.spec.attn_dp_size if self.spec.attn_dp_size > 1 else []
 
     def candidate(self) -> sel.Candidate:
         return sel.Candidate(self.spec.key, self.in_flight, self.load.kv_usage, int(self.load.queued))
@@ -57,6 +64,11 @@ class WorkerState:
 class Pair:
     prefill: WorkerSpec
     decode: WorkerSpec
+    # The request's estimated uncached prompt tokens on this prefill: its prefill load while the pair is dispatched.
+    prefill_tokens: int = field(default=0, compare=False)
+    # The decode's attention-DP rank for the request (sent to the decode alone as ``routed_dp_rank``); None: the
+    # decode has no attention DP, or the policy leaves the rank to the decode.
+    decode_dp_rank: int | None = field(default=None, compare=False)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -111,8 +123,11 @@ class WorkerPool:
         breaker_cfg: br.BreakerConfig | None = None,
         rng: random.Random | None = None,
         gates: Sequence[PairGate] = (),
+        cache_cfg: ca.CacheAwareConfig | None = None,
     ) -> None:
         self.policy = policy
+        self.cache_cfg = cache_cfg or ca.CacheAwareConfig()
+        self.trees: dict[str, PrefixTree] = {}  # prefill key -> what it was sent (cache_aware only)
         self.breaker_cfg = breaker_cfg or br.BreakerConfig()
         self.rng = rng or random.Random()
         self.workers: dict[str, WorkerState] = {}
@@ -130,10 +145,12 @@ class WorkerPool:
         if current is None or current.spec != spec:
             self.workers[spec.key] = WorkerState(spec)
             self.pair_breakers.forget(spec.key)
+            self.trees.pop(spec.key, None)  # a new process (or group) starts with an empty prefix cache
 
     def remove(self, key: str) -> None:
         self.workers.pop(key, None)
         self.pair_breakers.forget(key)
+        self.trees.pop(key, None)
 
     def replace_all(self, specs: Iterable[WorkerSpec]) -> None:
         wanted = {s.key: s for s in specs}
@@ -175,25 +192,55 @@ class WorkerPool:
             for d in self.available(Role.DECODE, now)
         )
 
-    def choose_pair(self, prefix: str, now: float, exclude: frozenset[tuple[str, str]] = frozenset()) -> Pair | None:
+    def choose_pair(
+        self, key: RoutingKey, now: float, exclude: frozenset[tuple[str, str]] = frozenset()
+    ) -> Pair | None:
         """Pick a pair neither of whose workers is open-circuited, that every gate allows and that is not in
-        ``exclude`` (the pairs this request already failed on). None when there is none: never decode alone."""
+        ``exclude`` (the pairs this request already failed on). None when there is none: never decode alone.
+        ``key`` is the request's prompt prefix (token ids or text) for the cache-aware prefill choice."""
         prefills = self.available(Role.PREFILL, now)
         decodes = self.available(Role.DECODE, now)
+        matched = self._matches(prefills, key)
         while prefills and decodes:
-            p = prefills[self._pick(Role.PREFILL, prefills, prefix)]
+            i = self._pick_prefill(prefills, matched, key)
+            p = prefills[i]
             allowed = [d for d in decodes if (p.spec.key, d.spec.key) not in exclude]
             allowed = [d for d in allowed if self._pair_allowed(Pair(p.spec, d.spec), now)]
             if allowed:
-                d = allowed[self._pick(Role.DECODE, allowed, prefix)]
-                return Pair(p.spec, d.spec)
-            prefills.remove(p)
+                d = allowed[self._pick(Role.DECODE, allowed)]
+                if self.policy is not sel.Policy.CACHE_AWARE:
+                    return Pair(p.spec, d.spec)
+                self._tree(p.spec.key).insert(key)
+                rank = sel.least_loaded_rank(d.rank_in_flight) if d.rank_in_flight else None
+                return Pair(p.spec, d.spec, ca.uncached_tokens(key, matched[i]), rank)
+            del prefills[i], matched[i]
         return None
+
+    def _tree(self, prefill_key: str) -> PrefixTree:
+        tree = self.trees.get(prefill_key)
+        if tree is None:
+            tree = self.trees[prefill_key] = PrefixTree(self.cache_cfg.max_tree_units)
+        return tree
+
+    def _matches(self, prefills: Sequence[WorkerState], key: RoutingKey) -> list[int]:
+        """Units of ``key`` each prefill's tree matches (0 for all unless cache_aware)."""
+        if self.policy is not sel.Policy.CACHE_AWARE:
+            return [0] * len(prefills)
+        return [self._tree(p.spec.key).match(key) for p in prefills]
+
+    def _pick_prefill(self, prefills: Sequence[WorkerState], matched: Sequence[int], key: RoutingKey) -> int:
+        if self.policy is not sel.Policy.CACHE_AWARE:
+            return self._pick(Role.PREFILL, prefills)
+        views = [
+            ca.PrefillView(m, p.prefill_tokens, self._tree(p.spec.key).units)
+            for p, m in zip(prefills, matched, strict=True)
+        ]
+        return ca.choose_prefill(views, key, self.cache_cfg)
 
     def _pair_allowed(self, pair: Pair, now: float) -> bool:
         return same_revision(pair) and all(gate.allows(pair, now) for gate in self.gates)
 
-    def _pick(self, role: Role, workers: Sequence[WorkerState], prefix: str) -> int:
+    def _pick(self, role: Role, workers: Sequence[WorkerState]) -> int:
         candidates = [w.candidate() for w in workers]
         if self.policy is sel.Policy.ROUND_ROBIN:
             # Pair counter k: prefill k % P, decode (k // P) % D, so every P * D successive requests walk each
@@ -207,24 +254,38 @@ class WorkerPool:
             return self.rng.randrange(len(candidates))
         if self.policy is sel.Policy.POWER_OF_TWO:
             return sel.power_of_two(candidates, self.rng)
-        if role is Role.PREFILL:
-            return sel.prefix_affinity(candidates, prefix)
-        return sel.load_aware_decode(candidates)
+        return sel.load_aware_decode(candidates)  # cache_aware: its prefill is chosen by _pick_prefill
 
     # -- outcomes ----------------------------------------------------------------------------------------------
     def dispatched(self, pair: Pair, now: float) -> None:
+        """``pair`` took a request: both workers have one more in flight, the prefill its tokens to compute."""
         for spec in (pair.prefill, pair.decode):
             w = self.workers.get(spec.key)
             if w is not None:
                 w.in_flight += 1
                 w.breaker = br.on_dispatch(w.breaker, now)
+        if (p := self.workers.get(pair.prefill.key)) is not None:
+            p.prefill_tokens += pair.prefill_tokens
+        self._count_rank(pair, +1)
         self.pair_breakers.dispatched(pair, now)
+
+    def _count_rank(self, pair: Pair, delta: int) -> None:
+        d = self.workers.get(pair.decode.key)
+        if pair.decode_dp_rank is not None and d is not None and pair.decode_dp_rank < len(d.rank_in_flight):
+            d.rank_in_flight[pair.decode_dp_rank] = max(0, d.rank_in_flight[pair.decode_dp_rank] + delta)
+
+    def prefilled(self, pair: Pair) -> None:
+        """The prefill part of a request dispatched to ``pair`` is over (the decode's first chunk came, or the
+        attempt ended): its tokens no longer load the prefill."""
+        if (p := self.workers.get(pair.prefill.key)) is not None:
+            p.prefill_tokens = max(0, p.prefill_tokens - pair.prefill_tokens)
 
     def finished(self, pair: Pair) -> None:
         for spec in (pair.prefill, pair.decode):
             w = self.workers.get(spec.key)
             if w is not None:
                 w.in_flight = max(0, w.in_flight - 1)
+        self._count_rank(pair, -1)
 
     def record_worker(self, spec: WorkerSpec, ok: bool, now: float, *, hard: bool = False) -> None:
         """A worker's outcome. ``hard`` failures (connection refused, failed health probe) open it at once.

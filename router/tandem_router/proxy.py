@@ -47,7 +47,7 @@ class ProxyRequest:
     body: dict[str, Any]
     stream: bool
     items: int  # 0: one sequence; else one bootstrap room per item
-    prefix: str  # prompt prefix, for cache-aware prefill choice
+    prefix: str | tuple[int, ...]  # prompt prefix (text or token ids), for cache-aware prefill choice
     request_id: str
     started: float  # monotonic time the request arrived
     prompt: str = ""  # the whole prompt as text, when an observer inspects responses
@@ -204,13 +204,16 @@ class Proxy:
             dp_size=pair.prefill.attn_dp_size,
         )
         data = orjson.dumps(body)
+        # The decode's attention-DP rank goes to the decode alone: a prefill would follow it too, against its room.
+        rank = pair.decode_dp_rank
+        decode_data = data if rank is None else orjson.dumps({**body, "routed_dp_rank": rank})
         headers = {"Content-Type": "application/json", "X-Request-Id": req.request_id}
         path = req.route.value
         now = time.monotonic()
         self.pool.dispatched(pair, now)
         self.metrics.dispatched(pair)
         prefill_task = asyncio.create_task(self._prefill(pair, path, data, headers))
-        decode_task = asyncio.create_task(self._decode_head(pair, path, data, headers, req.stream))
+        decode_task = asyncio.create_task(self._decode_head(pair, path, decode_data, headers, req.stream))
         committed = False
         try:
             done, _ = await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -232,6 +235,7 @@ class Proxy:
             self._finish_prefill_later(pair, prefill_task)
             return head
         finally:
+            self.pool.prefilled(pair)  # the decode's first chunk follows the prefill's KV, or the attempt is over
             if not committed:
                 for task in (prefill_task, decode_task):
                     task.cancel()

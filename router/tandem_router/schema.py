@@ -185,3 +185,15 @@ def prompt_text(route: Route, body: dict[str, Any], limit: int = 1024) -> str:
     if isinstance(value, list) and value and isinstance(value[0], (str, list)):
         value = value[0]
     return (value if isinstance(value, str) else str(value))[:limit]
+
+
+def routing_key(route: Route, body: dict[str, Any], text: str, limit: int) -> str | tuple[int, ...]:
+    """The key of cache-aware prefill choice: the prompt's first ``limit`` token ids when the request carries ids
+    (``/generate`` ``input_ids``, a completions prompt of ids; a batch: its first item), else the first ``limit``
+    characters of ``text`` (the prompt as ``prompt_text`` gives it)."""
+    ids = {Route.GENERATE: body.get("input_ids"), Route.COMPLETIONS: body.get("prompt")}.get(route)
+    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+        ids = ids[0]
+    if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids[:limit]):
+        return tuple(ids[:limit])
+    return text[:limit]

@@ -23,6 +23,7 @@ from tandem_sim.requests import (
     bootstrap_list,
     item_rids,
     prompt_tokens,
+    routed_dp_rank,
     sampling_params,
 )
 from tandem_sim.sglang_fields import CHAT_FIELDS, COMPLETION_FIELDS, ignored_fields
@@ -171,6 +172,7 @@ def parse_openai(body: Any, *, chat: bool, mode: str, context_length: int) -> Op
     rids = item_rids(body.get("rid"), count)
     stream = bool(body.get("stream", False))
     items = []
+    rank = routed_dp_rank(body)
     for p, (prompt, _) in enumerate(prompts):
         params = sampling_params(
             _openai_sampling(body),
@@ -179,7 +181,7 @@ def parse_openai(body: Any, *, chat: bool, mode: str, context_length: int) -> Op
             default_max=context_length,
         )
         items += [
-            GenerateInput(rids[p * n + i], prompt, model.replace_sample(params, i), stream, rooms[p * n + i])
+            GenerateInput(rids[p * n + i], prompt, model.replace_sample(params, i), stream, rooms[p * n + i], rank)
             for i in range(n)
         ]
     echo = tuple(text for _, text in prompts for _ in range(n)) if not chat and body.get("echo") else ()

@@ -37,6 +37,7 @@ class GenerateInput:
     params: model.SamplingParams
     stream: bool
     bootstrap: Bootstrap | None
+    routed_dp_rank: int | None = None  # the attention-DP rank the client asked for (decode and aggregated only)
 
     @property
     def input_ids(self) -> list[int]:
@@ -206,6 +207,18 @@ def _nested(input_ids: Any) -> bool:
     return isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
 
 
+def routed_dp_rank(body: dict[str, Any]) -> int | None:
+    """``routed_dp_rank``, or its deprecated alias ``data_parallel_rank`` (SGLang 0.5.23 ``io_struct``
+    ``GenerateReqInput.__post_init__``, ``protocol.py``): an integer, else None."""
+    rank = body.get("routed_dp_rank")
+    rank = body.get("data_parallel_rank") if rank is None else rank
+    if rank is None:
+        return None
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise BadRequestError(f"routed_dp_rank must be an integer, got {rank!r}")
+    return rank
+
+
 def parse_generate(body: Any, *, mode: str, context_length: int) -> ParsedRequest:
     if not isinstance(body, dict):
         raise BadRequestError("Request body must be a JSON object")
@@ -233,8 +246,9 @@ def parse_generate(body: Any, *, mode: str, context_length: int) -> ParsedReques
     rooms = bootstrap_list(body, mode, count)
     rids = item_rids(body.get("rid"), count)
     stream = bool(body.get("stream", False))
+    rank = routed_dp_rank(body)
     items = [
-        GenerateInput(rid, prompt, params, stream, room)
+        GenerateInput(rid, prompt, params, stream, room, rank)
         for rid, (prompt, params), room in zip(rids, expanded, rooms, strict=True)
     ]
     ignored = ignored_fields(body, GENERATE_FIELDS)

@@ -157,9 +157,19 @@ class Worker:
             ) from None
         out.finish_reason = {"type": "length", "length": 0}
 
+    def _decode_rank(self, routed: int | None) -> int:
+        """The client's ``routed_dp_rank`` (checked as SGLang 0.5.23 ``TokenizerManager.generate_request`` does:
+        0 without attention DP is ignored, otherwise out of range is a 400), else the next group round robin."""
+        size = self.cfg.attn_dp_size
+        if routed is None or (size <= 1 and routed == 0):
+            return next(self._turn)
+        if not 0 <= routed < size:
+            raise GenerationError(f"routed_dp_rank={routed} out of range [0, {size})", 400)
+        return routed
+
     async def _run_decode(self, inp: GenerateInput, out: Outcome, on_progress: OnProgress | None) -> None:
         req = RunningRequest(inp.rid, inp.prompt, inp.params)
-        dp_rank = next(self._turn)
+        dp_rank = self._decode_rank(inp.routed_dp_rank)
         engine = self.engines[dp_rank]
         try:
             await engine.admit(req)

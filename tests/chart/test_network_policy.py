@@ -116,6 +116,7 @@ FLOWS: list[tuple[str, str, str, int | str, bool]] = [
     ("ingress controller -> router", "ingress", "router", "http", True),
     ("helm test -> router", "helm-test", "router", "http", True),
     ("prometheus -> router metrics", "prometheus", "router", "http", True),
+    ("operator -> router metrics (autoscaling)", "operator", "router", "http", True),
     ("pod in the release namespace -> router", "rogue", "router", "http", False),
     ("ingress-labelled pod elsewhere -> router", "faker", "router", "http", False),
     ("grafana (monitoring, not prometheus) -> router", "grafana", "router", "http", False),

@@ -18,6 +18,7 @@ from kubernetes_asyncio import client
 
 from tandem import registry
 from tandem.devcluster.cluster import DevCluster
+from tandem.devcluster.operator_proc import operator_process as devcluster_operator
 from tandem.devcluster.podrunner import PodRunner
 from tandem.procs import ManagedProcess, free_port
 from tandem.registry import Endpoint
@@ -74,25 +75,10 @@ async def run_tool(cluster: DevCluster, tool: str, *args: str, check: bool = Tru
 def operator_process(
     cluster: DevCluster, namespace: str, etcd: str, log_dir: Path, identity: str, *, leader_election: bool = False
 ) -> ManagedProcess:
-    """``tandem operator`` serving one namespace (the test's), the registry in the test etcd."""
-    argv = [
-        sys.executable,
-        "-m",
-        "tandem.cli",
-        "operator",
-        "--kubeconfig",
-        str(cluster.kubeconfig),
-        "--namespace",
-        namespace,
-        "--etcd-endpoints",
-        etcd,
-        "--identity",
-        identity,
-        "--resync",
-        "5",
-    ]
-    argv += ["--leader-election-namespace", namespace] if leader_election else ["--no-leader-election"]
-    return ManagedProcess(f"operator-{identity}", argv, log_dir / f"operator-{identity}.log")
+    """``tandem operator`` serving one namespace (the test's), the registry in the test etcd, resync every 5 s."""
+    return devcluster_operator(
+        cluster.kubeconfig, namespace, etcd, log_dir, identity, leader_election=leader_election, resync_s=5
+    )
 
 
 def router_process(etcd: str, namespace: str, cluster: str, port: int, log_dir: Path) -> ManagedProcess:

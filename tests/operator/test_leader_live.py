@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 from kubernetes_asyncio import client
-from kubernetes_asyncio.client.exceptions import ApiException
 
+from tandem.devcluster.operator_proc import lease_holder
 from tandem_operator.main import parse_args
 from tests.devcluster_fixtures import eventually
 from tests.operator.live import (
@@ -33,22 +33,10 @@ from tests.operator.live import (
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(180)]
 
-LEASE = "tandem-operator"
 DEFAULTS = parse_args([])  # the shipped timings are the ones under test
 # Worst case after a kill: the Lease was renewed just before it, lasts its duration, and the standby's next
 # attempt comes up to one retry later; the margin covers API round trips on a shared 2-core machine.
 FAILOVER_BOUND_S = DEFAULTS.leader_lease_duration + DEFAULTS.leader_retry + 2.0
-
-
-async def lease_holder(api: client.ApiClient, namespace: str) -> str | None:
-    try:
-        lease = await client.CoordinationV1Api(api).read_namespaced_lease(LEASE, namespace)
-    except ApiException as err:
-        if err.status == 404:
-            return None
-        raise
-    holder: str | None = lease.spec.holder_identity
-    return holder
 
 
 async def event_reporters(api: client.ApiClient, namespace: str) -> dict[str, set[str]]:

@@ -44,20 +44,6 @@ def test_power_of_two_picks_the_less_loaded_of_two(loads: list[int], expected: s
         assert 1800 < counts[1] < 2200
 
 
-def test_prefix_affinity_is_sticky_spread_and_yields_to_load() -> None:
-    cands = [C(f"prefill:{i}") for i in range(4)]
-    system = "You are a helpful assistant. " * 20
-    chosen = sel.prefix_affinity(cands, system + "question one")
-    assert sel.prefix_affinity(cands, system + "a different question") == chosen  # shared 256-char prefix
-    spread = Counter(sel.prefix_affinity(cands, f"prompt {i}") for i in range(400))
-    assert len(spread) == 4
-    assert min(spread.values()) > 50
-    loaded = [C(c.key, in_flight=20 if i == chosen else 0) for i, c in enumerate(cands)]
-    assert sel.prefix_affinity(loaded, system) != chosen
-    mild = [C(c.key, in_flight=5 if i == chosen else 0) for i, c in enumerate(cands)]
-    assert sel.prefix_affinity(mild, system) == chosen  # within the slack: affinity wins
-
-
 @pytest.mark.parametrize(
     ("cands", "expected"),
     [

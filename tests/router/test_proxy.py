@@ -9,6 +9,9 @@ import orjson
 import pytest
 
 from tandem.procs import free_port
+from tandem.registry import Role
+from tandem_router.policy.selection import Policy
+from tandem_router.pool import WorkerSpec
 from tests.router.helpers import stack
 
 CHAT = {"model": "instant-model", "messages": [{"role": "user", "content": "hello"}]}
@@ -371,3 +374,17 @@ async def test_what_tandem_does_not_serve_is_refused_by_name(path: str, body: di
         assert status == 400, raw
         assert _openai_error(raw)["param"] == param
         assert await s.received(s.decodes[0]) == []
+
+
+async def test_a_dp_attention_decode_alone_gets_routed_dp_rank() -> None:
+    async with stack(1, 1, policy=Policy.CACHE_AWARE) as s:
+        decode = s.state.pool.of_role(Role.DECODE)[0].spec
+        s.state.pool.upsert(WorkerSpec(Role.DECODE, decode.url, attn_dp_size=2, epoch=1))
+        for _ in range(2):
+            status, _ = await s.post("/v1/chat/completions", CHAT)
+            assert status == 200
+        prefill_bodies = [r["body"] for r in await s.received(s.prefills[0])]
+        decode_bodies = [r["body"] for r in await s.received(s.decodes[0])]
+        assert all("routed_dp_rank" not in b for b in prefill_bodies)  # the prefill follows its room
+        assert [b["routed_dp_rank"] for b in decode_bodies] == [0, 0]  # sequential: rank 0 is free again each time
+        assert {k: v for k, v in decode_bodies[0].items() if k != "routed_dp_rank"} == prefill_bodies[0]

@@ -25,7 +25,7 @@ def test_only_equal_revisions_pair_during_a_rollout() -> None:
             _spec(Role.DECODE, 1, "new"),
         ]
     )
-    chosen = [pool.choose_pair(f"prompt {i}", 0.0) for i in range(50)]
+    chosen = [pool.choose_pair(f"{i}: a prompt", 0.0) for i in range(50)]
     pairs = {(p.prefill.revision, p.decode.revision) for p in chosen if p is not None}
     assert pairs == {("old", "old"), ("new", "new")}
     pool.remove(_spec(Role.DECODE, 1, "new").key)  # the new decode not up yet: new prefills get nothing

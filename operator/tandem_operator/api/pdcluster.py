@@ -22,6 +22,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, StringConstraints
 
 from tandem.registry import Role
+from tandem_operator.api.autoscaling import AutoscalingSpec, AutoscalingStatus
 from tandem_operator.api.common import (
     CONDITIONS_LIST,
     Condition,
@@ -397,6 +398,11 @@ class PDClusterSpec(CrdModel):
     lifecycle: LifecycleSpec = Field(default_factory=LifecycleSpec)
     jit_cache: JitCacheSpec = Field(default_factory=JitCacheSpec)
     scheduling: GangSchedulingSpec = Field(default_factory=GangSchedulingSpec)
+    autoscaling: AutoscalingSpec | None = Field(
+        default=None,
+        description="SLO-driven autoscaling: when set, the operator owns both PDPools' replicas (a kubectl scale "
+        "is only a new starting point that later decisions move; do not add an HPA).",
+    )
 
     cel_rules = (
         *(
@@ -515,3 +521,4 @@ class PDClusterStatus(CrdModel):
     last_recovery_seconds: float | None = Field(
         default=None, ge=0, description="From the death of a member to its group registered again."
     )
+    autoscaling: AutoscalingStatus | None = Field(default=None, description="The autoscaler's last decision.")

@@ -6,7 +6,6 @@ here only ranks them. Randomness comes in as a ``random.Random`` so tests are de
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from enum import StrEnum
 class Policy(StrEnum):
     ROUND_ROBIN = "round_robin"
     POWER_OF_TWO = "power_of_two"
-    CACHE_AWARE = "cache_aware"  # prefill by prefix affinity, decode by load
+    CACHE_AWARE = "cache_aware"  # prefill by approximate prefix cache and token load (cache_aware.py), decode by load
     RANDOM = "random"
 
 
@@ -43,29 +42,6 @@ def power_of_two(candidates: Sequence[Candidate], rng: random.Random) -> int:
     return b if candidates[b].in_flight < candidates[a].in_flight else a
 
 
-def prefix_affinity(
-    candidates: Sequence[Candidate], prefix: str, *, block_chars: int = 256, balance_slack: int = 8
-) -> int:
-    """Cache-aware prefill choice: the same prompt prefix goes to the same prefill, unless it is overloaded.
-
-    The first ``block_chars`` characters of the prompt are hashed against every candidate (rendezvous hashing),
-    so prompts sharing a system prompt land where their prefix KV is already cached, and removing a worker only
-    moves that worker's prefixes. If the preferred worker has more than ``balance_slack`` requests in flight
-    above the least loaded one, the least loaded one wins: affinity never overrides load balance by much.
-    """
-    block = prefix[:block_chars].encode()
-    preferred = max(range(len(candidates)), key=lambda i: _rendezvous_score(candidates[i].key, block))
-    least = least_loaded(candidates)
-    if candidates[preferred].in_flight - candidates[least].in_flight > balance_slack:
-        return least
-    return preferred
-
-
-def least_loaded(candidates: Sequence[Candidate]) -> int:
-    """Fewest requests in flight (ties: lowest index)."""
-    return min(range(len(candidates)), key=lambda i: candidates[i].in_flight)
-
-
 def load_aware_decode(candidates: Sequence[Candidate], *, kv_weight: float = 16.0) -> int:
     """Decode choice by load: requests in flight and queued, plus KV pool usage weighted as ``kv_weight`` requests.
 
@@ -77,6 +53,11 @@ def load_aware_decode(candidates: Sequence[Candidate], *, kv_weight: float = 16.
     )
 
 
-def _rendezvous_score(key: str, block: bytes) -> int:
-    digest = hashlib.blake2b(block, key=key.encode()[:64], digest_size=8).digest()
-    return int.from_bytes(digest, "big")
+def least_loaded_rank(in_flight: Sequence[int]) -> int:
+    """The decode attention-DP rank with the fewest of this router's requests in flight (ties: the lowest rank).
+
+    SGLang 0.5.23 sends a request with ``routed_dp_rank`` (``io_struct.GenerateReqInput``; ``data_parallel_rank``
+    is its deprecated alias) to that DP rank (``DataParallelController.maybe_external_dp_rank_routing``); without
+    it a decode spreads requests over its ranks round robin (``handle_load_balance_method``), blind to which ranks
+    hold long generations."""
+    return min(range(len(in_flight)), key=lambda r: (in_flight[r], r))

@@ -1,0 +1,1 @@
+"""SLO-driven autoscaling: pure signals and decider, the loop that scrapes and scales (``loop``)."""

@@ -1,0 +1,60 @@
+"""``tandem chaos --setting dev-cluster``, tiny: the operator as 2 replicas with leader election, 2 prefill + 2
+decode simulated pods, a 3-member registry etcd, 2 routers; one fault of each kind but one, the operator leader's
+included, under load. The run's report must keep every invariant: nothing garbled or hung, nothing lost before its
+first byte, every fault recovered, and the Lease taken over by the other replica after the leader's kill.
+
+Left out: a prefill's kill (``KNOWN_HANG``). Recreated within seconds on the same pod IP and bootstrap port, the
+new prefill meets decodes that never missed two heartbeats and still hand rooms to the dead incarnation's rank port;
+those requests wait for KV until SGLang's waiting timeout (300 s) and their streams hang (README.md, "Chaos", dev
+cluster). Until the operator rotates the bootstrap port per epoch, this test would fail on that known bug whenever a
+stream lands on such a decode; ``tandem chaos --setting dev-cluster`` still injects it and reports what it does.
+
+Generous bounds (``cap_s``): the machine is shared and loaded; the numbers are published by ``tandem chaos``.
+"""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from tandem.chaos import DEV_CLUSTER_KINDS, ChaosArgs, save
+from tandem.chaos_devcluster import run_on_cluster
+from tandem.chaos_report import Verdict, violations
+from tests.operator.live import Live
+
+KNOWN_HANG = "prefill"
+pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.procs, pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+async def test_a_tiny_dev_cluster_chaos_run_keeps_every_invariant_and_the_leader_fails_over(live: Live) -> None:
+    kinds = tuple(kind for kind in DEV_CLUSTER_KINDS if kind != KNOWN_HANG)
+    args = ChaosArgs(
+        concurrency=4, duration_s=120.0, faults=len(kinds), kinds=kinds, max_tokens=60, prompts=6, seed=1,
+        cap_s=120.0, setting="dev-cluster",
+    )  # fmt: skip
+    report = await run_on_cluster(args, live.cluster, live.api, live.ns, live.tmp)
+    counts = report.counts()
+    print(dict(counts), report.router_counters, *report.faults, sep="\n")
+    # A stream whose router is killed between the status line and its first whole event is lost before its first
+    # byte (a race of milliseconds, seen once at seed 1 from the CLI): the router kill's own casualty, allowed.
+    kills = [f.at for f in report.faults if f.kind == "router"]
+    casualties = [
+        r for r, verdict in zip(report.results, report.verdicts(), strict=True)
+        if verdict is Verdict.LOST and r.error.startswith("transport:") and any(0 <= r.ended - at < 2 for at in kills)
+    ]  # fmt: skip
+    assert violations(report, allow_lost=len(casualties)) == []
+    assert counts[Verdict.OK] >= len(report.results) // 2 > 0
+    injected = [f.kind for f in report.faults]
+    assert "operator" in injected, injected  # the plan reached the leader kill before the load ended
+    (leader,) = [f for f in report.faults if f.kind == "operator"]
+    assert leader.fenced is not None  # the other replica took the Lease
+    assert leader.recovered is not None
+    assert leader.fenced < leader.recovered  # the decode killed after the takeover was recovered by the new leader
+    for fault in report.faults:
+        if fault.kind in ("decode", "transfer"):  # transfer: the routers saw the broken link fail
+            assert fault.fenced is not None, fault
+            assert fault.recovered is not None, fault
+    saved = orjson.loads(save(report, live.tmp / "out", ["--setting", "dev-cluster"]).read_bytes())
+    assert saved["violations"] == []
+    assert saved["sections"]["chaos"]["tables"][0]["title"].startswith("chaos (dev cluster")
+    assert (live.tmp / "out" / "timeline.png").stat().st_size > 1000
