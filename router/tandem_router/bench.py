@@ -1,9 +1,11 @@
 """``tandem bench router``: the router's own cost, side by side in one run.
 
 The same *instant* PD workers (prefill answers at once, decode streams 16 SSE chunks) are reached directly,
-through Tandem's router and through SGLang's Rust gateway ``smg`` (pinned, installed by ``make peers`` into its
-own venv under ``~/.cache/tandem/``: tandem.peers). Throughput comes from ``wrk`` (C, with a Lua body) at 32
-connections; TTFT at concurrency 1 from a blocking socket client that timestamps the first body byte. Every
+through Tandem's router (1, 2 and 4 processes, and without integrity checks) and through SGLang's Rust gateway
+``smg`` (pinned, installed by ``make peers`` into its own venv under ``~/.cache/tandem/``: tandem.peers).
+Throughput comes from ``wrk`` (C, with a Lua body) at 1, 8, 32 and 128 connections (a table and a plot of
+throughput against concurrency); CPU per request from /proc at 32; wrk's own CPU is reported to show it is not
+the limit. TTFT at concurrency 1 from a blocking socket client that timestamps the first body byte. Every
 process is started here and stopped by process group. A peer that cannot run fails the section unless
 ``--allow-missing-peers`` (then its row says "not measured").
 """
@@ -13,13 +15,14 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import resource
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,29 +45,49 @@ class Target:
     proc: ManagedProcess | None = None  # the process group whose CPU time a request costs (None: direct)
 
 
+COST_AT = 32  # connections of the cost table's row
+
+
 @dataclass
 class Result:
-    cpu_us: float  # router CPU time (user + system, whole process group) per request, from /proc
+    cpu_us: float  # router CPU time (user + system, whole process group) per request at COST_AT, from /proc
+    at32: Load
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    curve: dict[int, float]  # req/s by connections
+
+
+TANDEM = "tandem router"
+NO_INTEGRITY = "tandem router --no-integrity"
+ROUTERS: list[tuple[str, list[str]]] = [
+    (TANDEM, []),
+    (NO_INTEGRITY, ["--no-integrity"]),
+    ("tandem router --workers 2", ["--workers", "2"]),
+    ("tandem router --workers 4", ["--workers", "4"]),
+]
+
+
+@dataclass
+class Load:
+    """One wrk run."""
+
     rps: float
     p50_ms: float
     p99_ms: float
-    errors: int
-    ttft_p50_ms: float
-    ttft_p99_ms: float
+    errors: int  # non-2xx responses and socket errors
+    total: int  # requests completed
+    wrk_cpu: float  # wrk's own CPU time over the run's wall time (1.0: one core busy: wrk would be the limit)
 
 
-NO_INTEGRITY = "tandem router --no-integrity"
-
-
-def wrk(
-    url: str, body: dict[str, object], connections: int, seconds: int, workdir: Path
-) -> tuple[float, float, float, int, int]:
-    """Requests/s, latency p50 and p99 (ms), non-2xx count, requests completed."""
+def wrk(url: str, body: dict[str, object], connections: int, seconds: int, workdir: Path) -> Load:
+    """Run wrk (one thread) against ``url`` for ``seconds``."""
     script = workdir / "post.lua"
     script.write_text(
         'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
         f"wrk.body = [[{orjson.dumps(body).decode()}]]\n"
     )
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.monotonic()
     out = subprocess.run(
         ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "-s", str(script), url + PATH],
         check=True,
@@ -72,11 +95,14 @@ def wrk(
         text=True,
         timeout=seconds + 30,
     ).stdout
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
     errors = int(m.group(1)) if (m := re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)) else 0
     errors += sum(int(x) for x in re.findall(r"(?:connect|read|write|timeout) (\d+)", out))
     total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
-    return rps, _wrk_pct(out, "50%"), _wrk_pct(out, "99%"), errors, total
+    wall = time.monotonic() - started
+    return Load(rps, _wrk_pct(out, "50%"), _wrk_pct(out, "99%"), errors, total, cpu / wall)
 
 
 def group_cpu_seconds(pgid: int) -> float:
@@ -165,27 +191,11 @@ def _processes(
             "--policy",
             "round_robin",
         ]
-        t_port = free_port()
-        tandem = start(
-            "tandem",
-            [py, "-m", "tandem.cli", "router", "--port", str(t_port), *router_args],
-            f"http://127.0.0.1:{t_port}/readiness",
-        )
-        targets.append(Target("tandem router", f"http://127.0.0.1:{t_port}", BODY, tandem))
-        off_port = free_port()
-        tandem_off = start(
-            "tandem-no-integrity",
-            [py, "-m", "tandem.cli", "router", "--port", str(off_port), "--no-integrity", *router_args],
-            f"http://127.0.0.1:{off_port}/readiness",
-        )
-        targets.append(Target(NO_INTEGRITY, f"http://127.0.0.1:{off_port}", BODY, tandem_off))
-        t2_port = free_port()
-        tandem2 = start(
-            "tandem2",
-            [py, "-m", "tandem.cli", "router", "--port", str(t2_port), "--workers", "2", *router_args],
-            f"http://127.0.0.1:{t2_port}/readiness",
-        )
-        targets.append(Target("tandem router --workers 2", f"http://127.0.0.1:{t2_port}", BODY, tandem2))
+        for name, extra in ROUTERS:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            argv = [py, "-m", "tandem.cli", "router", "--port", str(port), *extra, *router_args]
+            targets.append(Target(name, url, BODY, start(name.replace(" ", "_"), argv, url + "/readiness")))
         smg_name = f"smg {peers.smg_version()}"
         try:
             s_port = free_port()
@@ -204,10 +214,11 @@ def _processes(
 
 
 def run(args: BenchArgs) -> list[Table]:
-    """The router tables: its own cost on instant workers, end to end on simulated workers, the resume gap."""
+    """The router tables: its own cost on instant workers (and against concurrency), end to end on simulated
+    workers, the resume gap."""
     from tandem_router import bench_e2e, bench_resume
 
-    tables = [router_cost(args)]
+    tables = router_cost(args)
     with tempfile.TemporaryDirectory(prefix="tandem-bench-e2e-") as tmp:
         tables.append(bench_e2e.run(args, Path(tmp)))
     with tempfile.TemporaryDirectory(prefix="tandem-bench-resume-") as tmp:
@@ -215,31 +226,41 @@ def run(args: BenchArgs) -> list[Table]:
     return tables
 
 
-def router_cost(args: BenchArgs) -> Table:
+def _measure(t: Target, levels: Sequence[int], seconds: int, n_ttft: int, workdir: Path) -> Result:
+    """wrk at every concurrency in ``levels`` (CPU per request at 32), then TTFT at concurrency 1."""
+    wrk(t.url, t.body, 8, 1, workdir)  # warm up connections and caches
+    curve: dict[int, float] = {}
+    at32: Load | None = None
+    cpu = float("nan")
+    for connections in levels:
+        cpu0 = group_cpu_seconds(t.proc.pid) if t.proc else 0.0
+        load = wrk(t.url, t.body, connections, seconds, workdir)
+        curve[connections] = load.rps
+        if connections == COST_AT:
+            at32 = load
+            if t.proc:
+                cpu = (group_cpu_seconds(t.proc.pid) - cpu0) / max(load.total, 1) * 1e6
+    assert at32 is not None
+    t50, t99 = ttft(t.url, t.body, n_ttft)
+    return Result(cpu, at32, t50, t99, curve)
+
+
+def router_cost(args: BenchArgs) -> list[Table]:
     seconds = 2 if args.quick else 8
     n_ttft = 50 if args.quick else 300
+    levels = (8, COST_AT) if args.quick else (1, 8, COST_AT, 128)
     peers.require("wrk")  # every row is measured with wrk
     if not args.allow_missing_peers:
         peers.require("smg")  # fail before starting anything
     results: dict[str, Result | None] = {}
+    load_start = os.getloadavg()
     with (
         tempfile.TemporaryDirectory(prefix="tandem-bench-router-") as tmp,
-        _processes(Path(tmp), args.allow_missing_peers) as (
-            targets,
-            _,
-            notes,
-        ),
+        _processes(Path(tmp), args.allow_missing_peers) as (targets, _, notes),
     ):
         for t in targets:
-            if not t.url:
-                results[t.name] = None
-                continue
-            wrk(t.url, t.body, 8, 1, Path(tmp))  # warm up connections and caches
-            cpu0 = group_cpu_seconds(t.proc.pid) if t.proc else 0.0
-            rps, p50, p99, errors, total = wrk(t.url, t.body, 32, seconds, Path(tmp))
-            cpu = (group_cpu_seconds(t.proc.pid) - cpu0) / max(total, 1) * 1e6 if t.proc else float("nan")
-            t50, t99 = ttft(t.url, t.body, n_ttft)
-            results[t.name] = Result(cpu, rps, p50, p99, errors, t50, t99)
+            results[t.name] = _measure(t, levels, seconds, n_ttft, Path(tmp)) if t.url else None
+    load_end = os.getloadavg()
     direct = results["direct to decode"]
     assert direct is not None
     smg = next((r for name, r in results.items() if name.startswith("smg")), None)
@@ -248,47 +269,67 @@ def router_cost(args: BenchArgs) -> Table:
         [
             "target",
             "CPU us/req",
+            "CPU vs smg",
             "req/s @32",
             "vs smg",
             "lat p50 ms",
             "lat p99 ms",
             "errors",
+            "wrk CPU",
             "TTFT p50 ms",
             "TTFT p99 ms",
             "TTFT p50 over direct ms",
+            "TTFT overhead vs smg",
         ],
         plot=Plot("bar", "target", ["req/s @32"], "requests/s at 32 connections"),
     )
+    smg_overhead = smg.ttft_p50_ms - direct.ttft_p50_ms if smg else float("nan")
     for name, r in results.items():
         if r is None:
             table.rows.append([name, *[NOT_MEASURED] * (len(table.columns) - 1)])
             continue
+        overhead = r.ttft_p50_ms - direct.ttft_p50_ms
         table.rows.append(
             [
                 name,
                 "-" if r is direct else r.cpu_us,
-                r.rps,
-                f"{r.rps / smg.rps:.2f}x" if smg else NOT_MEASURED,
-                r.p50_ms,
-                r.p99_ms,
-                r.errors,
+                "-" if r is direct else _ratio(r.cpu_us, smg.cpu_us if smg else None),
+                r.at32.rps,
+                _ratio(r.at32.rps, smg.at32.rps if smg else None),
+                r.at32.p50_ms,
+                r.at32.p99_ms,
+                r.at32.errors,
+                f"{r.at32.wrk_cpu:.0%}",
                 r.ttft_p50_ms,
                 r.ttft_p99_ms,
-                "-" if r is direct else f"{r.ttft_p50_ms - direct.ttft_p50_ms:+.3f}",
+                "-" if r is direct else f"{overhead:+.3f}",
+                "-" if r is direct else _ratio(overhead, smg_overhead if smg else None),
             ]
         )
     table.notes += notes
-    on, off = results.get("tandem router"), results.get(NO_INTEGRITY)
+    on, off = results.get(TANDEM), results.get(NO_INTEGRITY)
     if on and off:
         table.notes.append(
             f"output-integrity checks (detectors on every response, canaries): {on.cpu_us - off.cpu_us:+.0f} us CPU "
-            f"per request, throughput {on.rps / off.rps:.2f}x of the router without them (same run)"
+            f"per request, throughput {on.at32.rps / off.at32.rps:.2f}x of the router without them (same run)"
         )
-    table.notes.append(
-        "CPU us/req: the router's own CPU time (all its processes) per request, from /proc; unlike req/s it hardly "
-        "depends on what else this shared machine runs"
+    table.notes += [
+        "CPU us/req: the router's own CPU time (all its processes) per request at 32 connections, from /proc; "
+        "unlike req/s it hardly depends on what else this shared machine runs",
+        "wrk CPU: wrk's own CPU time over the run's wall time (100% = the one core its thread can use: wrk would be "
+        "the limit); 'direct to decode' is the ceiling the workers allow",
+        f"load average (1 min) {load_start[0]:.1f} at start, {load_end[0]:.1f} at end, on {os.cpu_count()} cores; "
+        f"{seconds}s per wrk run, {n_ttft} sequential requests for TTFT; all processes share these cores",
+    ]
+    curve = Table(
+        "router throughput against concurrency (req/s, instant PD workers, wrk)",
+        ["connections", *results],
+        plot=Plot("line", "connections", [n for n, r in results.items() if r is not None], "requests/s"),
     )
-    table.notes.append(
-        f"{seconds}s per wrk run, {n_ttft} sequential requests for TTFT; all processes share this machine's cores"
-    )
-    return table
+    for connections in levels:
+        curve.rows.append([connections, *(r.curve[connections] if r else NOT_MEASURED for r in results.values())])
+    return [table, curve]
+
+
+def _ratio(value: float, base: float | None) -> str:
+    return f"{value / base:.2f}x" if base else NOT_MEASURED

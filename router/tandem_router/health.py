@@ -18,7 +18,7 @@ import orjson
 from tandem.registry import Role
 from tandem_router.policy.load import parse_sglang_metrics
 from tandem_router.pool import WorkerPool, WorkerState
-from tandem_router.transport import Transport, WorkerError, WorkerUnreachableError
+from tandem_router.transport import Transport, WorkerError
 
 log = logging.getLogger("tandem.router.health")
 
@@ -40,6 +40,7 @@ class HealthChecker:
                 await self._task
 
     async def check_all(self) -> None:
+        self.transport.retain({w.spec.url for w in self.pool.workers.values()})  # drop connections to removed ones
         await asyncio.gather(*(self.check(w) for w in list(self.pool.workers.values())))
 
     async def check(self, worker: WorkerState) -> None:
@@ -48,10 +49,8 @@ class HealthChecker:
         try:
             status, _ = await self.transport.get(spec.url, "/health")
             ok = status == 200
-        except WorkerUnreachableError:
-            ok, hard = False, True
         except WorkerError as err:
-            ok = False  # e.g. a probe timeout: a busy worker is slow, not dead
+            ok, hard = False, err.hard  # a probe timeout is soft: a busy worker is slow, not dead
             log.debug("health probe failed", extra={"worker": spec.url, "error": str(err)})
         if spec.key not in self.pool.workers:
             return  # removed while we probed

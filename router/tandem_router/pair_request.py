@@ -11,13 +11,12 @@ import logging
 import random
 from typing import Any
 
-import aiohttp
 import orjson
 
 from tandem_router.integrity.textextract import body_texts
 from tandem_router.policy import bootstrap
 from tandem_router.pool import Pair
-from tandem_router.transport import Transport, WorkerError
+from tandem_router.transport import Request, Transport, WorkerError
 
 log = logging.getLogger("tandem.router.integrity")
 
@@ -42,17 +41,16 @@ async def texts_from_pair(
             dp_size=pair.prefill.attn_dp_size,
         )
     )
-    headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+    request = Request.build("POST", path, data, {"Content-Type": "application/json", "X-Request-Id": request_id})
 
     async def post(url: str) -> tuple[int, bytes]:
-        resp = await transport.open_post(url, path, data, headers)
-        async with resp:
+        async with await transport.open(url, request) as resp:
             return resp.status, await resp.read()
 
     try:
         async with asyncio.timeout(timeout_s):
             (p_status, _), (d_status, d_body) = await asyncio.gather(post(pair.prefill.url), post(pair.decode.url))
-    except (TimeoutError, WorkerError, aiohttp.ClientError, OSError) as err:
+    except (TimeoutError, WorkerError) as err:
         log.info("integrity request not answered", extra={"request_id": request_id, "error": repr(err)})
         return None
     if p_status != 200 or d_status != 200:

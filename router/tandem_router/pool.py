@@ -116,6 +116,46 @@ class PairBreakers:
             del self.breakers[key]
 
 
+class Lease:
+    """One dispatch of a pair: counted in flight from ``WorkerPool.lease`` until ``release``, and the one way its
+    outcomes reach the worker and pair breakers and the gates."""
+
+    def __init__(self, pool: WorkerPool, pair: Pair, now: float) -> None:
+        self.pool = pool
+        self.pair = pair
+        self._held = True
+        self._prefilling = True
+        pool.dispatched(pair, now)
+
+    def failed(self, role: Role, now: float, *, hard: bool = False) -> None:
+        """The ``role`` side failed this dispatch: that worker and the pair count a failure (``hard``: the worker is
+        gone, its breaker opens at once)."""
+        self.pool.record_worker(self.pair.prefill if role is Role.PREFILL else self.pair.decode, False, now, hard=hard)
+        self.pool.record_pair(self.pair, False, now)
+
+    def prefilled(self) -> None:
+        """The prefill part is over (the decode's first chunk came, or the attempt ended); only the first call
+        counts."""
+        if self._prefilling:
+            self._prefilling = False
+            self.pool.prefilled(self.pair)
+
+    def prefill_ok(self, now: float) -> None:
+        self.pool.record_worker(self.pair.prefill, True, now)
+
+    def release(self, now: float, *, ok: bool | None = None) -> None:
+        """The dispatch is over (only the first call counts). ``ok``: the decode and the pair served (True) or failed
+        (False); None: no verdict (it never started, or the client left)."""
+        if not self._held:
+            return
+        self._held = False
+        self.prefilled()
+        self.pool.finished(self.pair)
+        if ok is not None:
+            self.pool.record_worker(self.pair.decode, ok, now)
+            self.pool.record_pair(self.pair, ok, now)
+
+
 class WorkerPool:
     def __init__(
         self,
@@ -257,6 +297,10 @@ class WorkerPool:
         return sel.load_aware_decode(candidates)  # cache_aware: its prefill is chosen by _pick_prefill
 
     # -- outcomes ----------------------------------------------------------------------------------------------
+    def lease(self, pair: Pair, now: float) -> Lease:
+        """Dispatch a request to ``pair``: what the proxy holds until the request is over."""
+        return Lease(self, pair, now)
+
     def dispatched(self, pair: Pair, now: float) -> None:
         """``pair`` took a request: both workers have one more in flight, the prefill its tokens to compute."""
         for spec in (pair.prefill, pair.decode):

@@ -17,24 +17,24 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import aiohttp
 import orjson
 from aiohttp import web
 
+from tandem.registry import Role
 from tandem_router.integrity.textextract import body_texts
 from tandem_router.metrics import RouterMetrics
 from tandem_router.openai.errors import client_error_body, stream_error_status
 from tandem_router.openai.responses import conform_body
 from tandem_router.policy import bootstrap, retry
-from tandem_router.pool import Pair, WorkerPool
+from tandem_router.pool import Lease, Pair, WorkerPool
 from tandem_router.resume import RESUME_OFF, Refusal, ResumeConfig, StreamLedger, new_ledger
 from tandem_router.schema import ErrorType, Route, error_body
-from tandem_router.stream_relay import StreamRelay
-from tandem_router.transport import Transport, WorkerError, WorkerUnreachableError
+from tandem_router.stream_relay import Opened, StreamRelay
+from tandem_router.transport import Request, Transport, WorkerError, WorkerResponse
 
 log = logging.getLogger("tandem.router.proxy")
 
@@ -61,6 +61,7 @@ class _Failure:
     status: int = 502
     body: bytes | None = None  # the worker's own error body (a client error's message)
     detail: str = ""
+    hard: bool = False  # the worker is gone (its connection was refused): open its breaker at once
 
     @property
     def client_error(self) -> bool:
@@ -77,6 +78,18 @@ def _http_failure(side: str, status: int, body: bytes) -> _Failure:
     return _Failure(f"{side}_http_{status}", retryable, status, body)
 
 
+def _failed(lease: Lease, failure: _Failure, role: Role) -> _Failure:
+    """A failure of ``role``'s side before the first byte: a retryable one scores that worker and the pair."""
+    if failure.retryable:
+        lease.failed(role, time.monotonic(), hard=failure.hard)
+    return failure
+
+
+def _transport_failure(side: str, err: WorkerError) -> _Failure:
+    """No answer from a worker (retryable); a refused connection is hard: the worker is gone."""
+    return _Failure(f"{side}_{err.reason.value}", True, hard=err.hard, detail=str(err))
+
+
 class ResponseObserver(Protocol):
     """Sees every request's prompt and the text the client received (the integrity monitor)."""
 
@@ -85,14 +98,6 @@ class ResponseObserver(Protocol):
     def finished(self, pair: tuple[str, str], request_id: str, prompt: str, outputs: list[str]) -> object: ...
 
     def released(self, request_id: str) -> None: ...
-
-
-class _CommittedError(Exception):
-    """Internal: the response was handed to the client; nothing more to try."""
-
-    def __init__(self, response: web.StreamResponse) -> None:
-        super().__init__("committed")
-        self.response = response
 
 
 class Proxy:
@@ -144,10 +149,10 @@ class Proxy:
                 break
             attempt += 1
             tried.add(pair.key)
-            try:
-                failure = await self._attempt(pair, req, http)
-            except _CommittedError as done:
-                return done.response
+            outcome = await self._attempt(pair, req, http)
+            if not isinstance(outcome, _Failure):
+                return outcome  # relayed to the client: nothing more to try
+            failure = outcome
             if failure.client_error:
                 break
             self.metrics.pair_failure(pair, failure.reason)
@@ -181,20 +186,17 @@ class Proxy:
             failure.status, f"all {attempt} attempt(s) failed; last: {failure.reason}", ErrorType.SERVER, req.request_id
         )
 
-    async def _attempt(self, pair: Pair, req: ProxyRequest, http: web.Request) -> _Failure:
-        """One try on one pair: returns the failure, or raises ``_CommittedError`` with the client's response."""
+    async def _attempt(self, pair: Pair, req: ProxyRequest, http: web.Request) -> web.StreamResponse | _Failure:
+        """One try on one pair: the client's response once relayed, or why this pair could not serve it."""
         ledger = new_ledger(req.route, req.body) if self.resume_cfg.max_attempts else RESUME_OFF
         opened = await self.open_pair(pair, req, ledger.upstream() if isinstance(ledger, StreamLedger) else req.body)
         if isinstance(opened, _Failure):
             return opened
-        resp, first = opened
-        raise _CommittedError(await self._relay(pair, req, http, resp, first, ledger))
+        return await self._relay(opened, req, http, ledger)
 
-    async def open_pair(
-        self, pair: Pair, req: ProxyRequest, request_body: dict[str, Any]
-    ) -> tuple[aiohttp.ClientResponse, bytes] | _Failure:
+    async def open_pair(self, pair: Pair, req: ProxyRequest, request_body: dict[str, Any]) -> Opened | _Failure:
         """Send to both workers of ``pair``: the decode's response and first chunk, or why there is none. On
-        success the pair stays dispatched (the caller finishes it) and the prefill is settled in the background."""
+        success the pair's lease stays held (``settle`` releases it) and the prefill is settled in the background."""
         body = bootstrap.inject(
             request_body,
             host=bootstrap.bootstrap_host(pair.prefill.url),
@@ -203,17 +205,19 @@ class Proxy:
             rng=self.rng,
             dp_size=pair.prefill.attn_dp_size,
         )
-        data = orjson.dumps(body)
+        headers = {"Content-Type": "application/json", "X-Request-Id": req.request_id}
+        request = Request.build("POST", req.route.value, orjson.dumps(body), headers)
         # The decode's attention-DP rank goes to the decode alone: a prefill would follow it too, against its room.
         rank = pair.decode_dp_rank
-        decode_data = data if rank is None else orjson.dumps({**body, "routed_dp_rank": rank})
-        headers = {"Content-Type": "application/json", "X-Request-Id": req.request_id}
-        path = req.route.value
-        now = time.monotonic()
-        self.pool.dispatched(pair, now)
+        decode_request = (
+            request
+            if rank is None
+            else Request.build("POST", req.route.value, orjson.dumps({**body, "routed_dp_rank": rank}), headers)
+        )
+        lease = self.pool.lease(pair, time.monotonic())
         self.metrics.dispatched(pair)
-        prefill_task = asyncio.create_task(self._prefill(pair, path, data, headers))
-        decode_task = asyncio.create_task(self._decode_head(pair, path, decode_data, headers, req.stream))
+        prefill_task = asyncio.create_task(self._prefill(pair, request))
+        decode_task = asyncio.create_task(self._decode_head(pair, decode_request, req.stream))
         committed = False
         try:
             done, _ = await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -221,7 +225,7 @@ class Proxy:
                 prefill_failure = prefill_task.result()
                 if prefill_failure is not None:
                     decode_task.cancel()
-                    return self._failed(pair, prefill_failure, prefill_side=True)
+                    return _failed(lease, prefill_failure, Role.PREFILL)
             head = await decode_task
             if isinstance(head, _Failure):
                 if head.retryable and prefill_task.done():
@@ -230,47 +234,43 @@ class Proxy:
                     if prefill_failure is not None and prefill_failure.client_error:
                         return prefill_failure
                 prefill_task.cancel()
-                return self._failed(pair, head, prefill_side=False)
+                return _failed(lease, head, Role.DECODE)
             committed = True
-            self._finish_prefill_later(pair, prefill_task)
-            return head
+            self._finish_prefill_later(lease, prefill_task)
+            return Opened(lease, *head)
         finally:
-            self.pool.prefilled(pair)  # the decode's first chunk follows the prefill's KV, or the attempt is over
+            lease.prefilled()  # the decode's first chunk follows the prefill's KV, or the attempt is over
             if not committed:
-                for task in (prefill_task, decode_task):
-                    task.cancel()
-                self.pool.finished(pair)
+                prefill_task.cancel()
+                if not decode_task.cancel() and not decode_task.cancelled() and decode_task.exception() is None:
+                    outcome = decode_task.result()  # it answered just as this attempt was given up
+                    if isinstance(outcome, tuple):
+                        outcome[0].close()
+                lease.release(time.monotonic())
 
-    async def _prefill(self, pair: Pair, path: str, data: bytes, headers: Mapping[str, str]) -> _Failure | None:
+    async def _prefill(self, pair: Pair, request: Request) -> _Failure | None:
         """Send to the prefill and drain its body: None when it finished (its KV transfer succeeded)."""
         try:
-            resp = await self.transport.open_post(pair.prefill.url, path, data, headers)
-            async with resp:
+            async with await self.transport.open(pair.prefill.url, request) as resp:
                 body = await resp.read()
                 if resp.status >= 400:
                     return _http_failure("prefill", resp.status, body)
                 return None
-        except WorkerUnreachableError as err:
-            return _Failure("prefill_unreachable", True, detail=str(err))
-        except (TimeoutError, WorkerError, aiohttp.ClientError) as err:
-            return _Failure("prefill_transport", True, detail=str(err))
+        except WorkerError as err:
+            return _transport_failure("prefill", err)
 
-    async def _decode_head(
-        self, pair: Pair, path: str, data: bytes, headers: Mapping[str, str], stream: bool
-    ) -> tuple[aiohttp.ClientResponse, bytes] | _Failure:
+    async def _decode_head(self, pair: Pair, request: Request, stream: bool) -> tuple[WorkerResponse, bytes] | _Failure:
         """The decode's response head and its first chunk (the whole body when not streaming)."""
         try:
-            resp = await self.transport.open_post(pair.decode.url, path, data, headers)
-        except WorkerUnreachableError as err:
-            return _Failure("decode_unreachable", True, detail=str(err))
+            resp = await self.transport.open(pair.decode.url, request)
         except WorkerError as err:
-            return _Failure("decode_transport", True, detail=str(err))
+            return _transport_failure("decode", err)
         try:
             if resp.status != 200:
                 body = await resp.read()
                 resp.release()
                 return _http_failure("decode", resp.status, body)
-            first = await resp.content.readany() if stream else await resp.read()
+            first = await resp.next_chunk() if stream else await resp.read()
             if stream and (not first or first.startswith(_ERROR_EVENT)):
                 # An empty stream or an error event before any token (e.g. the KV transfer failed): nothing has
                 # reached the client yet, so this is retryable like an HTTP error, unless the event is a 4xx.
@@ -280,77 +280,58 @@ class Proxy:
                     return _Failure("decode_stream_error", False, status, first.split(b"\n\n", 1)[0][6:])
                 return _Failure("decode_stream_error", True, detail=first[:300].decode(errors="replace"))
             return resp, first
-        except (TimeoutError, aiohttp.ClientError) as err:
+        except WorkerError as err:
             resp.close()
-            return _Failure("decode_transport", True, detail=str(err))
+            return _transport_failure("decode", err)
         except asyncio.CancelledError:
             resp.close()
             raise
 
-    def _failed(self, pair: Pair, failure: _Failure, *, prefill_side: bool) -> _Failure:
-        now = time.monotonic()
-        worker = pair.prefill if prefill_side else pair.decode
-        hard = failure.reason.endswith("unreachable")
-        if failure.retryable:
-            self.pool.record_worker(worker, False, now, hard=hard)
-            self.pool.record_pair(pair, False, now)
-        return failure
-
-    def _finish_prefill_later(self, pair: Pair, task: asyncio.Task[_Failure | None]) -> None:
+    def _finish_prefill_later(self, lease: Lease, task: asyncio.Task[_Failure | None]) -> None:
         """The prefill's outcome still scores the pair, but nobody waits for it."""
 
         async def settle() -> None:
             failure = await task
-            now = time.monotonic()
             if failure is None:
-                self.pool.record_worker(pair.prefill, True, now)
+                lease.prefill_ok(time.monotonic())
             elif not failure.client_error:
-                self._failed(pair, failure, prefill_side=True)
-                self.metrics.pair_failure(pair, failure.reason)
+                _failed(lease, failure, Role.PREFILL)
+                self.metrics.pair_failure(lease.pair, failure.reason)
 
         bg = asyncio.create_task(settle())
         self._background.add(bg)
         bg.add_done_callback(self._background.discard)
 
     async def _relay(
-        self,
-        pair: Pair,
-        req: ProxyRequest,
-        http: web.Request,
-        resp: aiohttp.ClientResponse,
-        first: bytes,
-        ledger: StreamLedger | Refusal,
+        self, opened: Opened, req: ProxyRequest, http: web.Request, ledger: StreamLedger | Refusal
     ) -> web.StreamResponse:
         if req.stream:
-            return await StreamRelay(self, req, http, ledger).run(pair, resp, first)
+            return await StreamRelay(self, req, http, ledger).run(opened)
         route = req.route.value
         try:
             if self.observer is not None:
-                self.report_texts(pair, req, body_texts(route, first))
+                self.report_texts(opened.pair, req, body_texts(route, opened.first))
             self.metrics.ttft.labels(route).observe(time.monotonic() - req.started)
             return web.Response(
-                body=conform_body(req.route, first),
+                body=conform_body(req.route, opened.first),
                 status=200,
                 headers={
-                    "Content-Type": resp.headers.get("Content-Type", "application/json"),
+                    "Content-Type": opened.resp.headers.get("content-type", "application/json"),
                     "X-Request-Id": req.request_id,
                 },
             )
         finally:
-            self.settle(pair, resp, ok=True, client_gone=False)
+            self.settle(opened, ok=True, client_gone=False)
             self.metrics.e2e.labels(route).observe(time.monotonic() - req.started)
 
-    def settle(self, pair: Pair, resp: aiohttp.ClientResponse, *, ok: bool, client_gone: bool) -> None:
-        """A relay from ``pair`` ended: its connection released (closed unless clean), the pair scored."""
+    def settle(self, opened: Opened, *, ok: bool, client_gone: bool) -> None:
+        """A relay ended: the decode's connection released (closed unless clean), the lease released and scored
+        (not when the client left: that says nothing about the pair)."""
         if ok:
-            resp.release()
+            opened.resp.release()
         else:
-            resp.close()
-        self.pool.finished(pair)
-        now = time.monotonic()
-        if not client_gone:
-            self.pool.record_worker(pair.decode, ok, now)
-            self.pool.record_pair(pair, ok, now)
+            opened.resp.close()
+        opened.lease.release(time.monotonic(), ok=None if client_gone else ok)
 
     def report_texts(self, pair: Pair, req: ProxyRequest, texts: list[str]) -> None:
         if self.observer is not None:

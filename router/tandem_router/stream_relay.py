@@ -16,21 +16,35 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import aiohttp
 from aiohttp import web
 
 from tandem_router.integrity.textextract import StreamTexts
 from tandem_router.openai.responses import StreamConformer
-from tandem_router.pool import Pair
+from tandem_router.pool import Lease, Pair
 from tandem_router.resume import Refusal, StreamLedger
 from tandem_router.schema import Route, stream_error_event
+from tandem_router.transport import WorkerError, WorkerResponse
 
 if TYPE_CHECKING:
     from tandem_router.proxy import Proxy, ProxyRequest
 
 log = logging.getLogger("tandem.router.proxy")
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A pair that answered: its lease (held until the relay settles it), the decode's response and first chunk."""
+
+    lease: Lease
+    resp: WorkerResponse
+    first: bytes
+
+    @property
+    def pair(self) -> Pair:
+        return self.lease.pair
 
 
 class StreamRelay:
@@ -41,6 +55,8 @@ class StreamRelay:
         self.ledger = ledger if isinstance(ledger, StreamLedger) else None
         self.refusal: Refusal | None = ledger if isinstance(ledger, Refusal) else None  # why a break is final
         self.texts = StreamTexts(req.route.value) if proxy.observer is not None else None
+        if self.texts is not None and self.ledger is not None:
+            self.ledger.on_event = self.texts.add  # the ledger parses every event: the texts come with it
         self.shaped = StreamConformer(req.route) if req.route is not Route.GENERATE else None
         self.attempts = 0
         self.failed_workers: set[str] = set()
@@ -48,12 +64,13 @@ class StreamRelay:
     def _client_bytes(self, raw: bytes) -> bytes:
         if self.ledger is not None:
             raw = self.ledger.feed(raw)
-        if self.texts is not None:
+        elif self.texts is not None:
             self.texts.feed(raw)
         return raw if self.shaped is None else self.shaped.feed(raw)
 
-    async def run(self, pair: Pair, resp: aiohttp.ClientResponse, first: bytes) -> web.StreamResponse:
+    async def run(self, opened: Opened) -> web.StreamResponse:
         proxy, req = self.proxy, self.req
+        pair, resp, first = opened.pair, opened.resp, opened.first
         route = req.route.value
         metrics = proxy.metrics
         out = web.StreamResponse(
@@ -73,9 +90,9 @@ class StreamRelay:
             metrics.ttft.labels(route).observe(last - req.started)
             itl = metrics.itl.labels(route)
             while True:
-                error: BaseException | None = None
+                error: WorkerError | None = None
                 async for chunk in _chunks(resp):
-                    if isinstance(chunk, BaseException):
+                    if isinstance(chunk, WorkerError):
                         error = chunk
                         break
                     try:
@@ -99,7 +116,7 @@ class StreamRelay:
                     "decode stream broke after the first byte",
                     extra={"request_id": req.request_id, "decode": pair.decode.url, "error": repr(error)},
                 )
-                proxy.settle(pair, resp, ok=False, client_gone=False)
+                proxy.settle(opened, ok=False, client_gone=False)
                 settled = True
                 resumed = await self._resume(pair, time.monotonic())
                 if resumed is None:
@@ -108,7 +125,8 @@ class StreamRelay:
                     with contextlib.suppress(ConnectionResetError):
                         await out.write(stream_error_event(message))
                     break
-                pair, resp, first = resumed
+                opened = resumed
+                pair, resp, first = opened.pair, opened.resp, opened.first
                 settled = False
                 try:
                     await out.write(self._client_bytes(first))
@@ -121,10 +139,10 @@ class StreamRelay:
             return out
         finally:
             if not settled:
-                proxy.settle(pair, resp, ok=ok, client_gone=client_gone)
+                proxy.settle(opened, ok=ok, client_gone=client_gone)
             metrics.e2e.labels(route).observe(time.monotonic() - req.started)
 
-    async def _resume(self, failed: Pair, broke_at: float) -> tuple[Pair, aiohttp.ClientResponse, bytes] | None:
+    async def _resume(self, failed: Pair, broke_at: float) -> Opened | None:
         """A fresh pair's continuation of the stream (its response and first chunk), or None: give up."""
         proxy, req, ledger = self.proxy, self.req, self.ledger
         self.refusal = self.refusal if ledger is None else ledger.refusal
@@ -144,7 +162,7 @@ class StreamRelay:
             self.attempts += 1
             ledger.next_segment()
             opened = await proxy.open_pair(pair, req, ledger.continuation())
-            if isinstance(opened, tuple):
+            if isinstance(opened, Opened):
                 proxy.metrics.resumed.labels(req.route.value, reason).inc()
                 proxy.metrics.resume_gap.observe(time.monotonic() - broke_at)
                 log.info(
@@ -159,7 +177,7 @@ class StreamRelay:
                         "decode": pair.decode.url,
                     },
                 )
-                return pair, opened[0], opened[1]
+                return opened
             if opened.client_error:
                 self.refusal = Refusal(
                     "continuation_refused", f"a fresh pair refused the continuation ({opened.status})"
@@ -183,10 +201,10 @@ class StreamRelay:
         return why
 
 
-async def _chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes | BaseException]:
+async def _chunks(resp: WorkerResponse) -> AsyncIterator[bytes | WorkerError]:
     """The response's chunks; a transport error is yielded (as the last item) instead of raised."""
     try:
-        async for chunk in resp.content.iter_any():
+        async for chunk in resp:
             yield chunk
-    except (TimeoutError, aiohttp.ClientError) as err:
+    except WorkerError as err:
         yield err

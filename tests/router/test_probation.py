@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -17,7 +16,7 @@ from tandem_router.pool import Pair, WorkerPool, WorkerSpec
 from tandem_router.probation import ProbationMirror, load_target, mirror_targets
 from tandem_router.proxy import ProxyRequest
 from tandem_router.schema import Route
-from tandem_router.transport import Transport
+from tandem_router.transport import Request, Transport
 
 P = [WorkerSpec(Role.PREFILL, f"http://p{i}:1", 8998) for i in range(2)]
 D = [WorkerSpec(Role.DECODE, f"http://d{i}:2") for i in range(2)]
@@ -74,7 +73,7 @@ class FakeWorkers(Transport):
         self.texts = texts
         self.sent: Counter[str] = Counter()
 
-    async def open_post(self, base_url: str, path: str, body: bytes, headers: Mapping[str, str]) -> Any:
+    async def open(self, base_url: str, request: Request) -> Any:
         await asyncio.sleep(0.001)
         self.sent[base_url] += 1
         return _Answer(self.texts.get(base_url, ""))

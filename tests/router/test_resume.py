@@ -17,7 +17,8 @@ from tandem_router.proxy import Proxy, ProxyRequest, _Failure
 from tandem_router.resume import ResumeConfig
 from tandem_router.resume.openai_streams import ChatLedger
 from tandem_router.schema import Route
-from tandem_router.stream_relay import StreamRelay
+from tandem_router.stream_relay import Opened, StreamRelay
+from tandem_router.transport import WorkerResponse
 
 BODY: dict[str, Any] = {
     "model": "m",
@@ -138,10 +139,11 @@ class _FakeProxy:
 
     async def open_pair(self, pair: Pair, req: object, body: dict[str, Any]) -> Any:
         self.tried.append(pair)
-        self.pool.finished(pair)
+        lease = self.pool.lease(pair, 0.0)
         if self.failures:
+            lease.release(0.0)
             return _Failure(self.failures.pop(0), True)
-        return ("response", b"first")
+        return Opened(lease, cast(WorkerResponse, None), b"first")
 
 
 def _relay(proxy: _FakeProxy) -> StreamRelay:

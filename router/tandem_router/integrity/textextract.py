@@ -45,12 +45,14 @@ def body_texts(route: str, body: bytes) -> list[str]:
 
 
 class StreamTexts:
-    """Accumulates the text of each choice/index from SSE chunks."""
+    """Accumulates the text of each choice/index from SSE chunks (``feed``), or from events another reader of the
+    stream parsed already (``add``: the resume ledger parses every event anyway; parsing it twice would double
+    the relay's cost)."""
 
     def __init__(self, route: str) -> None:
         self.route = route
         self._pending = b""
-        self._texts: dict[int, str] = {}
+        self._parts: dict[int, list[str]] = {}  # per choice: the deltas (OpenAI) or the latest whole text
 
     def feed(self, chunk: bytes) -> None:
         self._pending += chunk
@@ -67,17 +69,19 @@ class StreamTexts:
             doc = orjson.loads(data)
         except orjson.JSONDecodeError:
             return
-        if not isinstance(doc, dict) or "error" in doc:
-            return
+        if isinstance(doc, dict) and "error" not in doc:
+            self.add(doc)
+
+    def add(self, doc: dict[str, Any]) -> None:
+        """One parsed ``data:`` event (not an error event)."""
         if self.route == GENERATE:
             index = doc.get("index", 0)
             if isinstance(index, int) and isinstance(doc.get("text"), str):
-                self._texts[index] = doc["text"]
+                self._parts[index] = [doc["text"]]
             return
-        for choice in doc.get("choices") or []:
-            if isinstance(choice, dict) and isinstance(choice.get("index", 0), int):
-                i = choice.get("index", 0)
-                self._texts[i] = self._texts.get(i, "") + _choice_text(self.route, choice, delta=self.route == CHAT)
+        for choice in doc.get("choices") or ():
+            if isinstance(choice, dict) and isinstance(i := choice.get("index", 0), int):
+                self._parts.setdefault(i, []).append(_choice_text(self.route, choice, delta=self.route == CHAT))
 
     def texts(self) -> list[str]:
-        return [self._texts[i] for i in sorted(self._texts)]
+        return ["".join(self._parts[i]) for i in sorted(self._parts)]

@@ -9,6 +9,7 @@ request that does. The route-specific parts are in ``openai_streams`` (chat, com
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,7 @@ class StreamLedger(ABC):
         self.sent_tokens = 0  # output tokens relayed so far
         self._base_tokens = 0  # output tokens relayed before the current segment
         self._events = EventSplitter()
+        self.on_event: Callable[[dict[str, Any]], None] | None = None  # sees each JSON event the client gets
 
     @property
     def refusal(self) -> Refusal | None:
@@ -80,8 +82,11 @@ class StreamLedger(ABC):
             return event
         if not isinstance(doc, dict) or "error" in doc:
             return event
-        keep = self._shape(doc)
-        return _DATA + orjson.dumps(doc) if keep else b""
+        if not self._shape(doc):
+            return b""
+        if self.on_event is not None:
+            self.on_event(doc)
+        return _DATA + orjson.dumps(doc)
 
     @abstractmethod
     def upstream(self) -> dict[str, Any]:

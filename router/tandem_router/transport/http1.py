@@ -1,0 +1,281 @@
+"""A lean HTTP/1.1 client connection: an asyncio protocol (uvloop in the router) with llhttp parsing responses.
+
+One ``Connection`` carries one exchange at a time (no pipelining). The request head and body go out in one
+``writelines``; the response is parsed by ``httptools.HttpResponseParser`` (llhttp, the parser of Node.js) as the
+bytes arrive, and its body is handed to the reader exactly as parsed: chunked transfer framing is removed, the
+payload (e.g. SSE events) is not touched. Bodies may be content-length, chunked or delimited by the worker
+closing the connection. Whoever waits for a response's next bytes waits at most ``read_idle_timeout``; a silent
+worker, a malformed response or a connection lost before the response ended is a ``WorkerError`` and the
+connection is never reused. Reading is paused while more than ``HIGH_WATER`` body bytes wait for a slow reader.
+
+``WorkerConnections`` is one worker's keep-alive pool: a connection goes back to it only when its response was
+read to the end and the worker kept it alive; the newest idle connection is reused first, idle ones older than
+``keepalive_s`` are closed, and at most ``max_idle`` are kept. ``limit`` bounds the open connections (0: none);
+a request waits for a free one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ssl
+import time
+from typing import cast
+from urllib.parse import urlsplit
+
+import httptools
+
+from tandem_router.transport.errors import FailureReason, WorkerError
+
+HIGH_WATER = 256 * 1024
+
+
+class Connection(asyncio.Protocol):
+    def __init__(self, owner: WorkerConnections, read_idle_timeout: float) -> None:
+        self.owner = owner
+        self.read_idle_timeout = read_idle_timeout
+        self.transport: asyncio.Transport | None = None
+        self.closed = False  # connection_lost ran
+        self.closing = False  # we closed it (connection_lost follows on a later loop iteration)
+        self.idle_since = 0.0
+        self._parser = httptools.HttpResponseParser(self)
+        self._loop = asyncio.get_running_loop()
+        self._waiter: asyncio.Future[None] | None = None
+        self._paused = False
+        self._start_exchange()
+
+    def _start_exchange(self) -> None:
+        self.status = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.head_done = False
+        self.complete = False
+        self.keep_alive = False
+        self.error: WorkerError | None = None
+        self._body: list[bytes] = []
+        self._buffered = 0
+
+    # -- the exchange -------------------------------------------------------------------------------------------
+    def send(self, parts: list[bytes]) -> None:
+        self._start_exchange()
+        assert self.transport is not None
+        try:
+            self.transport.writelines(parts)
+        except (RuntimeError, OSError) as err:  # the transport closed under us
+            raise WorkerError(
+                FailureReason.CLOSED, f"{self.owner.url}: connection closed before sending ({err})"
+            ) from err
+
+    async def read_head(self) -> None:
+        while not self.head_done:
+            if self.error is not None:
+                raise self.error
+            await self._wait()
+
+    async def next_chunk(self) -> bytes:
+        """Body bytes received so far and not yet read (waiting for some); b"" once the body ended."""
+        while True:
+            if self._body:
+                data = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+                self._body.clear()
+                self._buffered = 0
+                if self._paused and self.transport is not None and not self.closed:
+                    self._paused = False
+                    self.transport.resume_reading()
+                return data
+            if self.complete:
+                return b""
+            if self.error is not None:
+                raise self.error
+            await self._wait()
+
+    @property
+    def reusable(self) -> bool:
+        return self.complete and self.keep_alive and self.error is None and not self.closing and not self._body
+
+    def close(self) -> None:
+        self.closing = True
+        if self.transport is not None and not self.closed:
+            self.transport.close()
+
+    async def _wait(self) -> None:
+        waiter = self._waiter = self._loop.create_future()
+        timer = self._loop.call_later(self.read_idle_timeout, self._idle_expired, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+    def _idle_expired(self, waiter: asyncio.Future[None]) -> None:
+        if not waiter.done():
+            self._fail(FailureReason.READ_TIMEOUT, f"no byte from the worker in {self.read_idle_timeout:g} s")
+            self.close()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, reason: FailureReason, detail: str) -> None:
+        if self.error is None and not self.complete:
+            self.error = WorkerError(reason, f"{self.owner.url}: {detail}")
+        self._wake()
+
+    # -- asyncio.Protocol ---------------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as err:
+            self._fail(FailureReason.PROTOCOL, f"malformed response: {err}")
+            self.close()
+            return
+        if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = self.closing = True
+        if self.head_done and not self.complete and self._close_delimited():
+            self.complete = True  # the body was delimited by the worker closing the connection
+        elif not self.complete:
+            where = "mid-body" if self.head_done else "before the response head"
+            self._fail(FailureReason.CLOSED, f"connection closed {where}" + (f" ({exc})" if exc else ""))
+        self._wake()
+        self.owner.dropped(self)
+
+    def _close_delimited(self) -> bool:
+        names = {name.lower() for name, _ in self.raw_headers}
+        return b"content-length" not in names and b"transfer-encoding" not in names
+
+    # -- httptools callbacks -----------------------------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self._parser.get_status_code()
+        self.head_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+        self._buffered += len(body)
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self.keep_alive = self._parser.should_keep_alive()
+        self._wake()
+
+
+class WorkerConnections:
+    """One worker's keep-alive connections."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        connect_timeout: float,
+        read_idle_timeout: float,
+        limit: int = 0,
+        max_idle: int = 512,
+        keepalive_s: float = 30.0,
+    ) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"worker URL must be http(s)://host[:port]: {url!r}")
+        self.url = url
+        self.host = parts.hostname
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.ssl: ssl.SSLContext | None = ssl.create_default_context() if parts.scheme == "https" else None
+        self.host_line = f"Host: {parts.netloc}\r\n".encode("latin-1")
+        self.connect_timeout = connect_timeout
+        self.read_idle_timeout = read_idle_timeout
+        self.limit = limit
+        self.max_idle = max_idle
+        self.keepalive_s = keepalive_s
+        self.idle: collections.deque[Connection] = collections.deque()
+        self.open = 0  # connections made and not yet lost (idle + busy)
+        self._free: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._closed = False
+
+    async def acquire(self) -> Connection:
+        now = time.monotonic()
+        self._reap(now)
+        while self.idle:
+            conn = self.idle.pop()  # the most recently used: warmest, least likely closed by the worker
+            if not conn.closing:
+                return conn
+        while self.limit and self.open >= self.limit:
+            free = asyncio.get_running_loop().create_future()
+            self._free.append(free)
+            try:
+                await free
+            finally:
+                if free in self._free:
+                    self._free.remove(free)
+            if self.idle:
+                return await self.acquire()
+        self.open += 1
+        try:
+            return await self._connect()
+        except BaseException:
+            self.open -= 1
+            self._wake_one()
+            raise
+
+    async def _connect(self) -> Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await loop.create_connection(
+                    lambda: Connection(self, self.read_idle_timeout),
+                    self.host,
+                    self.port,
+                    ssl=self.ssl,
+                    server_hostname=self.host if self.ssl else None,
+                )
+        except TimeoutError as err:
+            raise WorkerError(
+                FailureReason.CONNECT_TIMEOUT, f"{self.url}: no connection in {self.connect_timeout:g} s"
+            ) from err
+        except OSError as err:  # refused, unreachable, name not resolved, TLS handshake
+            raise WorkerError(FailureReason.UNREACHABLE, f"{self.url}: {err}") from err
+        return conn
+
+    def release(self, conn: Connection) -> None:
+        """The exchange on ``conn`` is over: keep it for the next one when it can be, else close it."""
+        if conn.reusable and not self._closed and len(self.idle) < self.max_idle:
+            conn.idle_since = time.monotonic()
+            self.idle.append(conn)
+            self._wake_one()
+        else:
+            conn.close()
+
+    def dropped(self, conn: Connection) -> None:
+        """``conn`` is closed (by either side): forget it."""
+        self.open -= 1
+        if conn in self.idle:
+            self.idle.remove(conn)
+        self._wake_one()
+
+    def _reap(self, now: float) -> None:
+        while self.idle and now - self.idle[0].idle_since > self.keepalive_s:
+            self.idle.popleft().close()
+
+    def _wake_one(self) -> None:
+        while self._free:
+            free = self._free.popleft()
+            if not free.done():
+                free.set_result(None)
+                return
+
+    def close(self) -> None:
+        self._closed = True
+        while self.idle:
+            self.idle.pop().close()
