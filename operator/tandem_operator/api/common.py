@@ -117,9 +117,9 @@ class PortSet(CrdModel):
 
         SGLang's decode keeps a bootstrap address's rank ports in ``CommonKVReceiver``'s class-level
         ``connection_pool`` (keyed by ``bootstrap_addr``, ``sglang/srt/disaggregation/common/conn.py``) and drops them
-        only after two failed ``/health`` heartbeats (``MooncakeKVManager.heartbeat_checker``,
-        ``disaggregation/mooncake/conn.py``). A new incarnation on a new port is a new key, so decodes fetch its rank
-        ports afresh; the dead one's entry ages out by its failed heartbeats.
+        only after two failed ``/health`` heartbeats (``_start_heartbeat_checker_thread`` -> ``_handle_node_failure``,
+        ``SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL`` 5 s). A new incarnation on a new port is a new key, so decodes
+        fetch its rank ports afresh; the dead one's entry ages out by its failed heartbeats.
         """
         return self.bootstrap + epoch % self.bootstrap_ports
 
