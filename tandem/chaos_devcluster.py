@@ -263,7 +263,7 @@ async def run_devcluster_chaos(args: ChaosArgs, workdir: Path) -> ChaosReport:
     try:
         await asyncio.to_thread(cluster.start)
         await _kubectl(cluster, "apply", "--server-side", "-f", str(CRDS))
-        await _kubectl(cluster, "wait", "--for=condition=Established", "--timeout=60s", "-f", str(CRDS))
+        await asyncio.to_thread(cluster.wait_established, [path.stem for path in CRDS.glob("*.yaml")])
         api = await kube_config.new_client_from_config(config_file=str(cluster.kubeconfig))
         try:
             core = client.CoreV1Api(api)

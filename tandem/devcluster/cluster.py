@@ -15,7 +15,7 @@ import ssl
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -193,6 +193,26 @@ class DevCluster:
         self.stop()
 
     # -- startup ----------------------------------------------------------------------------------------------
+    def wait_established(self, crds: Iterable[str], timeout: float = 60.0) -> None:
+        """Block until every named CRD (``pdclusters.tandem.dev``, ...) has condition Established=True.
+
+        ``kubectl wait --for=condition=Established`` fails at once ("accessor error: <nil>") when it reads a CRD
+        before the API server wrote its first status, which a loaded machine makes likely right after an apply.
+        """
+        deadline = time.monotonic() + timeout
+        pending = list(crds)
+        while pending:
+            status, body = self._api_client().request(
+                "GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{pending[0]}"
+            )
+            conditions = (body.get("status") or {}).get("conditions") or [] if isinstance(body, dict) else []
+            if status == 200 and any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions):
+                pending.pop(0)
+                continue
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"CRD {pending[0]} not Established after {timeout:.0f} s (last: {status} {body})")
+            time.sleep(0.2)
+
     def _require_ca(self) -> pki.CertPair:
         if self._ca is None:
             raise ClusterStartError("the cluster's CA does not exist yet: start() the cluster first")

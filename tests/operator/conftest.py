@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -80,7 +81,7 @@ def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 async def tandem_crds(k8s_cluster: DevCluster) -> None:
     """The generated CRDs applied once per session and Established."""
     await run_tool(k8s_cluster, "kubectl", "apply", "--server-side", "-f", str(CRDS))
-    await run_tool(k8s_cluster, "kubectl", "wait", "--for=condition=Established", "--timeout=60s", "-f", str(CRDS))
+    await asyncio.to_thread(k8s_cluster.wait_established, [path.stem for path in CRDS.glob("*.yaml")])
 
 
 @pytest.fixture
