@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.procs import ManagedProcess
+from tandem_dev.procs import ManagedProcess
 from tests.netns import HOW, interfaces, loopback_only
 
 
@@ -52,4 +52,4 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> Genera
             terminalreporter.write_line(f"FAILING {nodeid}")
 
 
-pytest_plugins = ["tests.devcluster_fixtures", "pytester", "tests.ci_skips"]
+pytest_plugins = ["tests.tandem_dev.devcluster.devcluster_fixtures", "pytester", "tests.ci_skips"]

@@ -12,7 +12,7 @@ import aiohttp
 import yaml
 from kubernetes_asyncio import client
 
-from tandem.procs import ManagedProcess, free_port
+from tandem_dev.procs import ManagedProcess, free_port
 from tests.chart.stack import CHART
 
 ALERTS = CHART / "alerts" / "tandem-rules.yaml"

@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from tandem.devcluster.config import default_bin_dir, require_binaries
+from tandem_dev.devcluster.config import default_bin_dir, require_binaries
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "tandem"

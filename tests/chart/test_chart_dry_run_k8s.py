@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 import yaml
 
-from tandem.devcluster.cluster import DevCluster
+from tandem_dev.devcluster.cluster import DevCluster
 from tandem_operator.render import render, to_yaml
 from tests.chart.stack import CHART, DEPLOY, tool
 

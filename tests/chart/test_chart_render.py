@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tandem.chart import generate
-from tandem.chart.dashboard import PANELS
+from tandem_dev.chart import generate
+from tandem_dev.chart.dashboard import PANELS
 from tests.chart.render import CHART, ROOT, VALUES_FILES, helm
 
 

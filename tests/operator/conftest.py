@@ -12,9 +12,9 @@ import pytest
 import pytest_asyncio
 from kubernetes_asyncio import client
 
-from tandem.devcluster.cluster import DevCluster
-from tandem.devcluster.podrunner import Launch, PodRunner
-from tandem.procs import ManagedProcess, free_port
+from tandem_dev.devcluster.cluster import DevCluster
+from tandem_dev.devcluster.podrunner import Launch, PodRunner
+from tandem_dev.procs import ManagedProcess, free_port
 from tandem_operator.api.pdcluster import PDClusterSpec
 from tandem_operator.desired.drain_hook import DRAIN_GAUGES
 from tests.operator.live import CRDS, Live, run_tool

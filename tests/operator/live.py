@@ -17,13 +17,13 @@ import openai
 from kubernetes_asyncio import client
 
 from tandem import registry
-from tandem.devcluster.cluster import DevCluster
-from tandem.devcluster.operator_proc import operator_process as devcluster_operator
-from tandem.devcluster.podrunner import PodRunner
-from tandem.procs import ManagedProcess, free_port
 from tandem.registry import Endpoint
 from tandem.registry_etcd import client as etcd_client
-from tests.devcluster_fixtures import eventually
+from tandem_dev.devcluster.cluster import DevCluster
+from tandem_dev.devcluster.operator_proc import operator_process as devcluster_operator
+from tandem_dev.devcluster.podrunner import PodRunner
+from tandem_dev.procs import ManagedProcess, free_port
+from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
 REPO = Path(__file__).resolve().parents[2]
 CRDS = REPO / "charts" / "tandem" / "crds"

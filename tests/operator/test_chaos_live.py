@@ -16,9 +16,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from tandem.chaos import DEV_CLUSTER_KINDS, ChaosArgs, save
-from tandem.chaos_devcluster import run_on_cluster
-from tandem.chaos_report import Verdict, violations
+from tandem_dev.chaos import DEV_CLUSTER_KINDS, ChaosArgs, save
+from tandem_dev.chaos_devcluster import run_on_cluster
+from tandem_dev.chaos_report import Verdict, violations
 from tests.operator.live import Live
 
 pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.procs, pytest.mark.slow, pytest.mark.timeout(900)]

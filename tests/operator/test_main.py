@@ -6,7 +6,7 @@ import aiohttp
 import kopf
 import pytest
 
-from tandem.procs import free_port
+from tandem_dev.procs import free_port
 from tandem_operator.main import CustomResourceDiffBase, parse_args
 from tandem_operator.metrics import FENCES, serve
 
