@@ -44,4 +44,8 @@ if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; th
   .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
   echo "$want" > "$stamp"
 fi
+# tandem_dev (dev cluster, benches, chaos, local stack, test helpers) is not in the tandem wheel, so the runtime
+# image leaves it out; the development venv imports it from this checkout.
+site="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
+[ "$(cat "$site/tandem_dev.pth" 2>/dev/null)" = "$PWD" ] || echo "$PWD" > "$site/tandem_dev.pth"
 echo "bootstrap: ready"
