@@ -13,7 +13,7 @@ import yaml
 from kubernetes_asyncio import client
 
 from tandem_dev.procs import ManagedProcess, free_port
-from tests.chart.stack import CHART
+from tests.chart.render import CHART
 
 ALERTS = CHART / "alerts" / "tandem-rules.yaml"
 
