@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import openai
 from kubernetes_asyncio import client
 
 from tandem import registry
@@ -152,6 +151,9 @@ async def start_load(
 
 async def serves(base_url: str, model: str) -> bool:
     """One streamed completion through the router succeeds."""
+    import openai  # here, not at the top: this module is imported by the operator's conftest, and the openai SDK
+    # takes over a second of CPU to import in every pure test session that never calls this
+
     async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=30) as sdk:
         try:
             stream = await sdk.chat.completions.create(
