@@ -41,14 +41,13 @@ images-relock: bootstrap
 test: setup lint typecheck
 	scripts/in-netns.sh $(PY) -m pytest $(PYTEST_ARGS)
 
-## unit: the pure tests only (no netns, k8s, slow or process-starting tests), under 30 s; no netns needed. Two
+## unit: the pure tests only (no netns, k8s, slow or process-starting tests); no netns needed. Two
 ## xdist workers (helm renders and Python overlap on 2 cores); modules that -m deselects whole are not even imported
-## (tests/markfilter.py), and the plugins only the fuzz tests use (schemathesis, hypothesis, anyio) are not loaded.
+## (tests/markfilter.py).
 UNIT_MARKERS := not (netns or k8s or slow or procs)
 UNIT_WORKERS ?= 2
 unit: bootstrap
-	$(PY) -m pytest -m "$(UNIT_MARKERS)" -n $(UNIT_WORKERS) -p no:cacheprovider -p no:schemathesis \
-		-p no:hypothesispytest -p no:anyio $(PYTEST_ARGS)
+	$(PY) -m pytest -m "$(UNIT_MARKERS)" -n $(UNIT_WORKERS) -p no:cacheprovider $(PYTEST_ARGS)
 
 lint: bootstrap
 	$(VENV)/bin/ruff check .
