@@ -15,7 +15,7 @@ up: bootstrap
 ## peers: install the pinned benchmark/conformance peers (smg, the sglang wheel, a venv with SGLang's real argument
 ## parser and torch) into ~/.cache/tandem/, outside the network namespace where PyPI is reachable; a rerun only checks.
 peers: bootstrap
-	$(PY) -m tandem.peers install
+	$(PY) -m tandem_dev.peers install
 
 ## k8s-binaries: build the test control plane (kube-apiserver, controller-manager, scheduler, etcd, kwok) and
 ## unpack helm/kubectl when missing; cached in ~/.cache/tandem/k8s/<version>/bin, so a rerun only checks.
@@ -32,19 +32,22 @@ setup: bootstrap
 ## Debian packages (images/tandem/debian.lock) when the mirror has moved on; then `make generate` and commit.
 images: bootstrap
 	@scripts/bootstrap.sh --images
-	$(PY) -m tandem.images.build
+	$(PY) -m tandem_dev.images.build
 images-relock: bootstrap
 	@scripts/bootstrap.sh --images
-	$(PY) -m tandem.images.build --relock
+	$(PY) -m tandem_dev.images.build --relock
 
 ## test: install everything, then lint, type-check and run every test (inside a loopback-only netns).
 test: setup lint typecheck
 	scripts/in-netns.sh $(PY) -m pytest $(PYTEST_ARGS)
 
-## unit: the pure tests only (no netns, k8s, slow or process-starting tests), in well under 30 s; no netns needed.
+## unit: the pure tests only (no netns, k8s, slow or process-starting tests); no netns needed. Two
+## xdist workers (helm renders and Python overlap on 2 cores); modules that -m deselects whole are not even imported
+## (tests/markfilter.py).
 UNIT_MARKERS := not (netns or k8s or slow or procs)
+UNIT_WORKERS ?= 2
 unit: bootstrap
-	$(PY) -m pytest -m "$(UNIT_MARKERS)" -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -m "$(UNIT_MARKERS)" -n $(UNIT_WORKERS) -p no:cacheprovider $(PYTEST_ARGS)
 
 lint: bootstrap
 	$(VENV)/bin/ruff check .
@@ -80,9 +83,9 @@ GENERATED := charts/tandem/crds charts/tandem/values.yaml charts/tandem/values.s
 	charts/tandem/dashboards deploy/dashboards tandem/data images/tandem/Dockerfile
 generate: bootstrap
 	$(PY) -m tandem_operator.crdgen
-	$(PY) -m tandem.chart.generate
+	$(PY) -m tandem_dev.chart.generate
 	$(PY) scripts/gen_sglang_flags.py
-	$(PY) -m tandem.images.dockerfile
+	$(PY) -m tandem_dev.images.dockerfile
 
 ## verify: regenerate, then fail if any generated file differs from what git has committed.
 verify: generate

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 # libibverbs1/librdmacm1/libnuma1: shared libraries the Mooncake transfer engine loads even for TCP.
 # etcd-server: the registry of the local stack and tests. wrk: the benchmarks' load generator.
 # iproute2 + util-linux: loopback-only network namespaces for the tests (Mooncake listens on all interfaces).
-# openssl: certificates of the test Kubernetes control plane (tandem/devcluster/pki.py).
+# openssl: certificates of the test Kubernetes control plane (tandem_dev/devcluster/pki.py).
 # prometheus (+ promtool): the chart tests scrape the running stack and run every dashboard query and alert rule.
 DEB_PACKAGES=(libibverbs1 librdmacm1 libnuma1 etcd-server wrk iproute2 util-linux openssl prometheus)
 # debootstrap (pinned, the version bookworm ships): `make images` builds the tandem image's root filesystem with it.
@@ -44,4 +44,8 @@ if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; th
   .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
   echo "$want" > "$stamp"
 fi
+# tandem_dev (dev cluster, benches, chaos, local stack, test helpers) is not in the tandem wheel, so the runtime
+# image leaves it out; the development venv imports it from this checkout.
+site="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
+[ "$(cat "$site/tandem_dev.pth" 2>/dev/null)" = "$PWD" ] || echo "$PWD" > "$site/tandem_dev.pth"
 echo "bootstrap: ready"

@@ -20,7 +20,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from tandem import peers
+from tandem_dev import peers
 
 VERSION = peers.SGLANG_VERSION
 ROOT = Path(__file__).resolve().parent.parent

@@ -2,6 +2,8 @@
 
 Each subcommand lives in its own package and is imported lazily, so ``tandem sim`` does not pay for importing
 the operator's Kubernetes client, and a broken optional dependency only breaks the subcommand that needs it.
+The development commands (``up``, ``bench``, ``chaos``, ``dev-cluster``) live in ``tandem_dev``, which the runtime
+wheel and image leave out: there they fail with a message naming the missing package.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 
+DEV_PACKAGE = "tandem_dev"
 # subcommand -> (module, function, one-line help). The function takes argv (without the subcommand) and
 # returns an exit code.
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
@@ -21,16 +24,16 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "router": ("tandem_router.main", "main", "OpenAI-compatible prefill/decode router"),
     "operator": ("tandem_operator.main", "main", "Kubernetes operator for PDCluster/PDPool"),
     "render": ("tandem_operator.render", "main", "print every manifest the operator would create for a PDCluster"),
-    "up": ("tandem.local_stack", "main", "run the embedded local stack: etcd, workers, router on :8000"),
-    "bench": ("tandem.bench", "main", "run the benchmarks and print tables"),
+    "up": ("tandem_dev.local_stack", "main", "run the embedded local stack: etcd, workers, router on :8000"),
+    "bench": ("tandem_dev.bench", "main", "run the benchmarks and print tables"),
     "chaos": (
-        "tandem.chaos",
+        "tandem_dev.chaos",
         "main",
         "a bounded chaos run (local stack, or --setting dev-cluster): faults under load, table + plots",
     ),
     "etcd-auth": ("tandem.etcd_auth", "main", "create the registry etcd's users and roles and turn its auth on"),
     "dev-cluster": (
-        "tandem.devcluster.cli",
+        "tandem_dev.devcluster.cli",
         "main",
         "start a real Kubernetes control plane with fake GPU nodes",
     ),
@@ -60,7 +63,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tandem: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module_name, func_name, _ = SUBCOMMANDS[name]
-    func: Callable[[list[str]], int] = getattr(importlib.import_module(module_name), func_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name != DEV_PACKAGE:
+            raise
+        print(
+            f"tandem {name}: needs the development package {DEV_PACKAGE!r}, which this installation does not have "
+            "(the runtime wheel and image ship only runtime code); run it from a source checkout after "
+            "scripts/bootstrap.sh",
+            file=sys.stderr,
+        )
+        return 2
+    func: Callable[[list[str]], int] = getattr(module, func_name)
     return func(args[1:])
 
 

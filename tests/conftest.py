@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.procs import ManagedProcess
+from tandem_dev.procs import ManagedProcess
+from tests.markfilter import deselected_whole
 from tests.netns import HOW, interfaces, loopback_only
 
 
@@ -26,6 +27,14 @@ def proc_factory(tmp_path: Path) -> Iterator[list[ManagedProcess]]:
     yield procs
     for proc in reversed(procs):
         proc.stop()
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """With ``-m`` (``make unit``), a test module whose every test the expression deselects is not imported."""
+    markexpr = config.getoption("markexpr")
+    if markexpr and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        return deselected_whole(collection_path, markexpr) or None
+    return None
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -52,4 +61,4 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> Genera
             terminalreporter.write_line(f"FAILING {nodeid}")
 
 
-pytest_plugins = ["tests.devcluster_fixtures", "pytester", "tests.ci_skips"]
+pytest_plugins = ["tests.tandem_dev.devcluster.devcluster_fixtures", "pytester", "tests.ci_skips"]

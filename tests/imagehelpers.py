@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem.images.build import cached_archive
-from tandem.images.run import Unpacked, unpacked_image
-from tandem.images.spec import UID, ImageSpec
+from tandem_dev.images.build import cached_archive
+from tandem_dev.images.run import Unpacked, unpacked_image
+from tandem_dev.images.spec import UID, ImageSpec
 
 
 @pytest.fixture(scope="session")

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import aiohttp
 
-from tandem.local_stack import MODEL, RECOVERY_ENV, sim_worker_argv
-from tandem.procs import ManagedProcess, free_port
 from tandem.registry import Role
+from tandem_dev.local_stack import MODEL, RECOVERY_ENV, sim_worker_argv
+from tandem_dev.procs import ManagedProcess, free_port
 
 HOST = "127.0.0.1"
 CLIENTS = 8

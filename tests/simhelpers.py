@@ -10,9 +10,9 @@ from typing import Any
 
 import aiohttp
 
-from tandem.procs import free_port
+from tandem_dev.procs import free_port
+from tandem_dev.sim.testing import HOST, SimWorker, pd_fields, start_worker
 from tandem_sim import model
-from tandem_sim.testing import HOST, SimWorker, pd_fields, start_worker
 
 # Rare words only: the simulated model never makes these up, so one in an output was copied from some context.
 WORDS = model.vocabulary()[model.COMMON_WORDS_END :]

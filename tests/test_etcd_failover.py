@@ -19,22 +19,22 @@ import aiohttp
 import pytest
 
 from tandem import registry
-from tandem.local_stack import (
+from tandem.registry import Endpoint, IntegrityReport, Role
+from tandem.registry_etcd import EndpointWatcher, client
+from tandem_dev.local_stack import (
     MODEL,
     LocalStack,
     instant_worker_argv,
     start_etcd,
     start_etcd_cluster,
 )
-from tandem.procs import ManagedProcess
-from tandem.registry import Endpoint, IntegrityReport, Role
-from tandem.registry_etcd import EndpointWatcher, client
-from tandem.stack_fixture import running_stack
+from tandem_dev.procs import ManagedProcess
+from tandem_dev.stack_fixture import running_stack
 from tandem_operator.integrity_watch import IntegrityWatcher
 from tandem_operator.observe import GroupKey
 from tandem_operator.registrar import Registrar
-from tests.devcluster_fixtures import eventually
 from tests.routermetrics import scrape
+from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
 pytestmark = pytest.mark.procs
 NS, CL = "ns", "c1"

@@ -20,19 +20,19 @@ from aetcd.exceptions import ClientError, ConnectionFailedError
 
 from tandem import registry
 from tandem.etcd_auth import OPERATOR_USER, ROOT_USER, ROUTER_USER, Access, Grant, auth_plan, prefix_end, setup_auth
-from tandem.etcd_pki import EtcdPki
-from tandem.local_stack import CLUSTER, MODEL, NAMESPACE, etcd_pki_of, instant_worker_argv, start_etcd
 from tandem.registry import Endpoint, EtcdTLS, Role
 from tandem.registry_etcd import client
 from tandem.registry_signing import EndpointSigner, EndpointVerifier, write_keypair
-from tandem.stack_fixture import running_stack
+from tandem_dev.etcd_pki import EtcdPki
+from tandem_dev.local_stack import CLUSTER, MODEL, NAMESPACE, etcd_pki_of, instant_worker_argv, start_etcd
+from tandem_dev.stack_fixture import running_stack
 from tandem_operator.fencing import StaleKeys
 from tandem_operator.main import parse_args as operator_args
 from tandem_operator.observe import GroupKey
 from tandem_operator.registrar import Registrar
 from tandem_router.config import RouterSettings
-from tests.devcluster_fixtures import eventually
 from tests.routermetrics import scrape
+from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
 NS, CL = "ns", "c1"
 

@@ -1,5 +1,5 @@
 """Smoke tests of the built ``tandem`` image: its own entrypoint, user, env and working directory, run from the
-unpacked image (tandem.images.run: private mounts + chroot as uid 65532) in the test's loopback-only namespace.
+unpacked image (tandem_dev.images.run: private mounts + chroot as uid 65532) in the test's loopback-only namespace.
 The simulated workers run outside the image, as SGLang pods would next to the router's pod.
 """
 
@@ -13,10 +13,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tandem.images.run import Unpacked, container_argv
-from tandem.images.spec import ROOT, project_version, read_debian_lock
-from tandem.procs import ManagedProcess, free_port
-from tandem_sim.testing import start_decode, start_prefill
+from tandem_dev.images.run import Unpacked, container_argv
+from tandem_dev.images.spec import ROOT, project_version, read_debian_lock
+from tandem_dev.procs import ManagedProcess, free_port
+from tandem_dev.sim.testing import start_decode, start_prefill
 from tests.imagehelpers import UID, process_ids, tandem_image
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(180)]

@@ -19,8 +19,8 @@ import aiohttp
 import orjson
 import pytest
 
-from tandem.procs import ManagedProcess, free_port
-from tandem_sim.testing import SimWorker, start_decode, start_prefill, start_worker
+from tandem_dev.procs import ManagedProcess, free_port
+from tandem_dev.sim.testing import SimWorker, start_decode, start_prefill, start_worker
 from tests.simhelpers import bounded, metric_sum, prompts
 
 # A small decode pool (pages reused constantly) with 16-token pages, so a reused page holds a run of another

@@ -18,11 +18,11 @@ import pytest
 from kubernetes_asyncio import client
 from kubernetes_asyncio import config as kube_config
 
-from tandem.devcluster.cluster import DevCluster
-from tandem.devcluster.components import SERVICE_ACCOUNT_ISSUER
-from tandem.devcluster.config import K8S_VERSION
-from tandem.devcluster.nodes import BLOCK_LABEL, GPU_RESOURCE, RDMA_RESOURCE
-from tests.devcluster_fixtures import CLUSTER_NODES, create, eventually
+from tandem_dev.devcluster.cluster import DevCluster
+from tandem_dev.devcluster.components import SERVICE_ACCOUNT_ISSUER
+from tandem_dev.devcluster.config import K8S_VERSION
+from tandem_dev.devcluster.nodes import BLOCK_LABEL, GPU_RESOURCE, RDMA_RESOURCE
+from tests.tandem_dev.devcluster.devcluster_fixtures import CLUSTER_NODES, create, eventually
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(240)]
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.devcluster.cluster import ClusterStartError, DevCluster
-from tandem.devcluster.config import BINARIES, DevClusterConfig, default_bin_dir, require_binaries
+from tandem_dev.devcluster.cluster import ClusterStartError, DevCluster
+from tandem_dev.devcluster.config import BINARIES, DevClusterConfig, default_bin_dir, require_binaries
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(240)]
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.local_stack import RECOVERY_ENV
 from tandem.registry import Role
+from tandem_dev.local_stack import RECOVERY_ENV
 from tandem_operator.api.pdcluster import TransferSpec
 from tandem_operator.desired.pods import RoleContext, group_pod
 from tests.operator.conftest import kimi_spec

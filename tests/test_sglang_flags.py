@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem import peers
 from tandem.sglang_args import load_flags, validate_command
+from tandem_dev import peers
 from tandem_sim.config import ConfigError, parse
 
 ROOT = Path(__file__).resolve().parent.parent

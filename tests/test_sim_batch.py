@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tandem_sim.testing import HOST, SimWorker, start_decode, start_prefill, start_worker
+from tandem_dev.sim.testing import HOST, SimWorker, start_decode, start_prefill, start_worker
 from tests.simhelpers import prompts
 
 pytestmark = pytest.mark.procs

@@ -13,8 +13,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tandem.procs import ManagedProcess
-from tandem_sim.testing import SimWorker, start_decode, start_prefill, start_worker
+from tandem_dev.procs import ManagedProcess
+from tandem_dev.sim.testing import SimWorker, start_decode, start_prefill, start_worker
 from tests.simhelpers import pd_generate, prompts
 
 FAST_PD_ENV = {

@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tandem_sim.testing import start_worker
+from tandem_dev.sim.testing import start_worker
 
 pytestmark = pytest.mark.procs
 

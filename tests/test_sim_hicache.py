@@ -16,8 +16,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tandem.procs import ManagedProcess
-from tandem_sim.testing import SimWorker, start_decode, start_prefill, start_worker
+from tandem_dev.procs import ManagedProcess
+from tandem_dev.sim.testing import SimWorker, start_decode, start_prefill, start_worker
 from tests.simhelpers import REAL_WORDS, bounded, metric_sum, pd_generate
 from tests.test_sim_integrity import DECODE_POOL
 

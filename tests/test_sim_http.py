@@ -11,8 +11,8 @@ import aiohttp
 import openai
 import pytest
 
-from tandem.procs import ManagedProcess
-from tandem_sim.testing import SimWorker, start_worker
+from tandem_dev.procs import ManagedProcess
+from tandem_dev.sim.testing import SimWorker, start_worker
 from tests.simhelpers import prompts
 
 pytestmark = pytest.mark.procs
@@ -266,7 +266,7 @@ async def test_concurrent_requests_and_abort(worker: SimWorker) -> None:
 
 
 def test_multinode_group_rank0_waits_for_ranks_and_dies_with_them(tmp_path: Path) -> None:
-    from tandem.procs import free_port
+    from tandem_dev.procs import free_port
 
     addr = f"127.0.0.1:{free_port()}"
     group = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr]

@@ -13,9 +13,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tandem.procs import ManagedProcess
+from tandem_dev.procs import ManagedProcess
+from tandem_dev.sim.testing import SimWorker, start_decode, start_prefill, start_worker
 from tandem_router.integrity.detectors import PromptLeakIndex, find_bad_text, find_repetition_loop
-from tandem_sim.testing import SimWorker, start_decode, start_prefill, start_worker
 from tests.simhelpers import REAL_WORDS, bounded, metric_sum, pd_generate, prompts
 
 N_REQUESTS = 500

@@ -66,7 +66,7 @@ class Executor:
         state = self.state
         state.fenced[decision.group] = FenceRecord(decision.epoch, decision.reason.value, received)
         await self.unregister(decision.group)
-        fenced_s = time.monotonic() - received
+        fenced_s, fenced_at = time.monotonic() - received, time.time()
         self._background_task(self._record_fence(decision))
         stale = await self.clean([*state.members(decision.group), *extra])
         timing = FenceTiming(
@@ -84,6 +84,7 @@ class Executor:
                 "reason": decision.reason.value,
                 "pod": decision.pod,
                 "fenced_ms": round(fenced_s * 1000, 1),
+                "fenced_at": round(fenced_at, 4),  # wall clock: the benchmark times pod delete -> key deleted
                 "cleaned_ms": round(timing.cleaned_s * 1000, 1),
                 "stale_keys": stale,
             },

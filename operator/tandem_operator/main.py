@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from tandem.registry_signing import EndpointSigner
 from tandem_operator.handlers import OperatorState, build_registry
 from tandem_operator.k8s.election import LeaderElector
 from tandem_operator.k8s.kube import Kube
-from tandem_operator.metrics import LEADER, serve
+from tandem_operator.metrics import KUBE_REQUESTS, LEADER, serve
 from tandem_operator.runtime import RuntimeOptions
 
 log = logging.getLogger("tandem.operator")
@@ -138,13 +138,25 @@ def connection_info(configuration: k8s_client.Configuration) -> kopf.ConnectionI
     )
 
 
+class CustomResourceDiffBase(kopf.AnnotationsDiffBaseStorage):
+    """kopf builds a diff base (a deep copy of the whole body) for every event of every watched resource, though
+    only the PDCluster's create/update handlers compare one. For pods and nodes (raw-event handlers) it is skipped:
+    those copies were a quarter of the operator's CPU while a 1,000-pod fleet ramped up (py-spy)."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Iterable[Any] | None = None) -> kopf.BodyEssence:
+        if body.get("apiVersion") == "v1":  # Pod, Node: no change-detecting handler
+            return kopf.BodyEssence()
+        return super().build(body=body, extra_fields=extra_fields)
+
+
 def operator_settings(settings: kopf.OperatorSettings) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="operator.tandem.dev")
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+    settings.persistence.diffbase_storage = CustomResourceDiffBase(
         prefix="operator.tandem.dev", key="last-handled-spec"
     )
     settings.posting.level = logging.WARNING  # our own Events say what happened; kopf's only report failures
     settings.watching.server_timeout = 300
+    settings.watching.chunk_size = 50  # list 1,000 nodes / pods a page at a time, not as one ~5 MB answer
     settings.networking.request_timeout = 30
 
 
@@ -153,7 +165,8 @@ async def run(args: argparse.Namespace) -> int:
     http = await serve(args.metrics_host, args.metrics_port) if args.metrics_port else None
     try:
         async with k8s_client.ApiClient(configuration) as api:
-            return await _run_operator(args, configuration, Kube(api))
+            kube = Kube(api, on_request=lambda method: KUBE_REQUESTS.labels(method).inc())
+            return await _run_operator(args, configuration, kube)
     finally:
         if http is not None:
             await http.cleanup()

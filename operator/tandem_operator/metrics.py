@@ -29,6 +29,12 @@ RECOVERY_SECONDS = Histogram(
     buckets=(1, 2, 5, 10, 30, 60, 120, 300, 600, 1800),
     registry=REGISTRY,
 )
+KUBE_REQUESTS = Counter(
+    "tandem_operator_kube_requests",
+    "Kubernetes API requests sent by the reconcile and fence paths",
+    ["method"],
+    registry=REGISTRY,
+)
 LEADER = Gauge("tandem_operator_leader", "1 while this replica holds the leader Lease", registry=REGISTRY)
 
 

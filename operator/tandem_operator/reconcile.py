@@ -31,7 +31,7 @@ from tandem_operator.integrity import CONDITION_TYPE as INTEGRITY_CONDITION
 from tandem_operator.integrity import integrity_condition
 from tandem_operator.k8s.apply import INITIAL_SIZE_MANAGER, object_path
 from tandem_operator.k8s.kube import ConflictError, Kube
-from tandem_operator.observe import GroupKey, GroupState, GroupView, group_views
+from tandem_operator.observe import GroupKey, GroupState, GroupView, group_views, slim_pod
 from tandem_operator.planner import CreatePods, DeletePods, Observed, plan, steps
 from tandem_operator.recovery import (
     FenceRecord,
@@ -112,7 +112,7 @@ class Reconciler:
         ref, spec = state.ref, state.spec
         pools = await self.ensure_pools()
         selector = selector_string({LABEL_CLUSTER: ref.name})
-        pods = await self.kube.list("v1", "Pod", ref.namespace, selector)
+        pods = await self.kube.list("v1", "Pod", ref.namespace, selector, keep=slim_pod)
         services = await self.kube.list("v1", "Service", ref.namespace, selector)
         state.pods = {p["metadata"]["name"]: p for p in pods}
         svc_epochs, pod_epochs = service_epochs(services), group_epochs(pods)

@@ -1,8 +1,8 @@
 """Registry entries desired from observed pods, and the changes that bring etcd there. Pure.
 
 Every READY group (``status.group_views``) is advertised by one ``tandem.registry.Endpoint`` built from its rank-0
-pod: the SGLang URL ``http://<pod ip>:<http port>``, the prefill bootstrap port, the Mooncake session ids every
-member pod may take (``<pod ip>:<port>`` for each port of its epoch's window), the RDMA devices, the pod's
+pod: the SGLang URL ``http://<pod ip>:<http port>``, the prefill bootstrap port of its epoch, the Mooncake session ids
+every member pod may take (``<pod ip>:<port>`` for each port of its epoch's window), the RDMA devices, the pod's
 compatibility revision and its epoch (the group's incarnation). A group fenced at its current
 epoch is not advertised again until it is recreated with a higher epoch.
 """
@@ -42,7 +42,7 @@ def leader_endpoint(spec: PDClusterSpec, role: Role, leader: Pod, members: Itera
         role=role,
         group=facts.group.name,
         url=f"http://{facts.ip}:{ports.http}",
-        bootstrap_port=ports.bootstrap if role is Role.PREFILL else None,
+        bootstrap_port=ports.bootstrap_at(facts.epoch) if role is Role.PREFILL else None,
         mooncake_sessions=session_ids(m for m in members or [leader] if _epoch_of(m) == facts.epoch),
         ib_devices=tuple(spec.transfer.ib_devices) if spec.transfer.protocol is TransferProtocol.RDMA else (),
         attn_dp_size=spec.role(role).attn_dp_size,

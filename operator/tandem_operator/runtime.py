@@ -27,7 +27,7 @@ from tandem_operator.fencing import Fence, FenceReason, fence_decision, unroute_
 from tandem_operator.integrity import integrity_decision, integrity_recreations
 from tandem_operator.integrity_watch import IntegrityWatcher
 from tandem_operator.k8s.kube import Kube
-from tandem_operator.observe import Pod
+from tandem_operator.observe import Pod, slim_pod
 from tandem_operator.reasons import EventType, Reason
 from tandem_operator.reconcile import Reconciler
 from tandem_operator.registrar import Registrar
@@ -108,7 +108,8 @@ class ClusterRuntime:
     async def on_pod_event(self, event_type: str, pod: Pod) -> Fence | None:
         received = time.monotonic()
         state = self.state
-        name = (pod.get("metadata") or {}).get("name", "")
+        pod = slim_pod(pod)
+        name = pod["metadata"].get("name", "")
         if event_type == "DELETED":
             state.pods.pop(name, None)
         else:
@@ -168,15 +169,21 @@ class ClusterRuntime:
 
     # -- the reconcile loop ----------------------------------------------------------------------------------
     async def _loop(self) -> None:
+        last_pass_s = 0.0
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._kick.wait(), self.options.resync_seconds)
-            await asyncio.sleep(self.options.debounce_seconds)  # coalesce a burst of events into one pass
+            # Coalesce a burst of events into one pass, and leave the event loop (the fast path) and the API server
+            # at least as long between passes as the last pass took: while a 1,000-pod fleet ramps up every pod
+            # event kicks, and back-to-back passes each listed every pod.
+            await asyncio.sleep(max(self.options.debounce_seconds, last_pass_s))
             self._kick.clear()
+            began = time.monotonic()
             try:
                 if await self.reconciler.reconcile_once():  # groups still draining: look again soon
                     asyncio.get_running_loop().call_later(DRAIN_POLL_S, self.kick)
                 self.reconciled.set()
+                last_pass_s = time.monotonic() - began
             except asyncio.CancelledError:
                 raise
             except Exception:

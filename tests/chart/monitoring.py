@@ -15,11 +15,11 @@ from urllib.parse import urlsplit
 from kubernetes_asyncio import client
 from openai import AsyncOpenAI, OpenAIError
 
-from tandem.chart.dashboard import PANELS
-from tandem.devcluster.podrunner import PodRunner
-from tandem.procs import ManagedProcess
+from tandem_dev.chart.dashboard import PANELS
+from tandem_dev.devcluster.podrunner import PodRunner
+from tandem_dev.procs import ManagedProcess
 from tests.chart.prom import Prometheus, binary, rules_file
-from tests.devcluster_fixtures import eventually
+from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
 DECODE_LEADER = "sim-decode-0-0"
 # Panels whose value must be positive after this phase, not just present.

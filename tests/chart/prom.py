@@ -12,8 +12,8 @@ import aiohttp
 import yaml
 from kubernetes_asyncio import client
 
-from tandem.procs import ManagedProcess, free_port
-from tests.chart.stack import CHART
+from tandem_dev.procs import ManagedProcess, free_port
+from tests.chart.render import CHART
 
 ALERTS = CHART / "alerts" / "tandem-rules.yaml"
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from tandem.devcluster.config import default_bin_dir, require_binaries
+from tandem_dev.devcluster.config import default_bin_dir, require_binaries
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "tandem"
@@ -24,10 +26,24 @@ def helm(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def render(*args: str, release: str = "t") -> list[dict[str, Any]]:
-    """The documents ``helm template`` renders (hooks and tests included) with extra ``args`` (-f, --set)."""
+    """The documents ``helm template`` renders (hooks and tests included) with extra ``args`` (-f, --set).
+
+    The chart does not change during a session, so each distinct command (with the contents of its ``-f`` files)
+    runs helm once (about 0.5 s of CPU each); every call parses its own fresh documents, which tests may edit."""
+    return [doc for doc in yaml.load_all(template(release, *args), Loader=yaml.CSafeLoader) if doc]
+
+
+def template(release: str, *args: str) -> str:
+    """``helm template`` output; fails the test with helm's message when it fails."""
+    files = [Path(args[i + 1]) for i, arg in enumerate(args[:-1]) if arg in {"-f", "--values"}]
+    return _template(release, args, tuple(hashlib.sha256(f.read_bytes()).hexdigest() for f in files))
+
+
+@functools.cache
+def _template(release: str, args: tuple[str, ...], _values_digests: tuple[str, ...]) -> str:
     result = helm("template", release, str(CHART), "--namespace", NAMESPACE, *args)
     assert result.returncode == 0, result.stderr
-    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    return result.stdout
 
 
 def pod_templates(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

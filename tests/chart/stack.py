@@ -25,9 +25,9 @@ from typing import Any
 from kubernetes_asyncio import client
 from openai import AsyncOpenAI, OpenAIError
 
-from tandem.devcluster.cluster import DevCluster
-from tandem.devcluster.podrunner import PodRunner
-from tandem.procs import ManagedProcess, free_port
+from tandem_dev.devcluster.cluster import DevCluster
+from tandem_dev.devcluster.podrunner import PodRunner
+from tandem_dev.procs import ManagedProcess, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "tandem"

@@ -9,13 +9,14 @@ version and metadata are); the PrometheusRule's rules are checked by ``promtool`
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 import pytest_asyncio
 import yaml
 
-from tandem.devcluster.cluster import DevCluster
+from tandem_dev.devcluster.cluster import DevCluster
 from tandem_operator.render import render, to_yaml
 from tests.chart.stack import CHART, DEPLOY, tool
 
@@ -72,7 +73,7 @@ async def test_crds_and_deploy_examples_are_accepted(k8s_cluster: DevCluster, k8
     await _dry_run(k8s_cluster, crds)
     # The examples need the kinds to exist: install the CRDs as `helm install` would (it creates missing CRDs).
     await tool(k8s_cluster, "kubectl", "apply", "--server-side", "-f", str(CHART / "crds"))
-    await tool(k8s_cluster, "kubectl", "wait", "--for=condition=Established", "crd/pdclusters.tandem.dev")
+    await asyncio.to_thread(k8s_cluster.wait_established, ["pdclusters.tandem.dev", "pdpools.tandem.dev"])
     examples = []
     for path in (DEPLOY / "kimi-k26-h200.yaml", DEPLOY / "sim-small.yaml"):
         doc = yaml.safe_load(path.read_text())

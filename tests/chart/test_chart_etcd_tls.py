@@ -19,10 +19,10 @@ import pytest
 from aetcd.exceptions import ClientError
 
 from tandem import etcd_auth, registry
-from tandem.procs import ManagedProcess, free_port
 from tandem.registry import Endpoint, EtcdTLS, Role
 from tandem.registry_etcd import client
 from tandem.registry_signing import EndpointSigner, EndpointVerifier
+from tandem_dev.procs import ManagedProcess, free_port
 from tests.chart.render import render
 
 

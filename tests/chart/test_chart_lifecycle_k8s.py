@@ -21,8 +21,8 @@ import yaml
 from kubernetes_asyncio import client
 from openai import AsyncOpenAI
 
-from tandem.devcluster.cluster import DevCluster
-from tandem.procs import ManagedProcess
+from tandem_dev.devcluster.cluster import DevCluster
+from tandem_dev.procs import ManagedProcess
 from tandem_operator.main import parse_args
 from tests.chart.monitoring import exercise_and_query
 from tests.chart.stack import (
@@ -40,7 +40,7 @@ from tests.chart.stack import (
     start_etcd,
     tool,
 )
-from tests.devcluster_fixtures import eventually
+from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
 pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(300)]
 

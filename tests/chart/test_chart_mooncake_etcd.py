@@ -17,8 +17,8 @@ import pydantic
 import pytest
 import yaml
 
-from tandem.procs import ManagedProcess, free_port
 from tandem.registry_etcd import client
+from tandem_dev.procs import ManagedProcess, free_port
 from tandem_operator.api.pdcluster import PDClusterSpec
 from tests.chart.render import CHART, NAMESPACE, ROOT, helm, render
 

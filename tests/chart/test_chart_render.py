@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tandem.chart import generate
-from tandem.chart.dashboard import PANELS
-from tests.chart.render import CHART, ROOT, VALUES_FILES, helm
+from tandem_dev.chart import generate
+from tandem_dev.chart.dashboard import PANELS
+from tests.chart.render import CHART, ROOT, VALUES_FILES, helm, render
 
 
 def test_generated_files_are_current() -> None:
@@ -36,9 +36,7 @@ def test_lint_and_template(values: Path | None) -> None:
     extra = [] if values is None else ["-f", str(values)]
     lint = helm("lint", str(CHART), "--strict", *extra)
     assert lint.returncode == 0, lint.stdout + lint.stderr
-    rendered = helm("template", "t", str(CHART), "--namespace", "serving", *extra)
-    assert rendered.returncode == 0, rendered.stderr
-    kinds = {doc["kind"] for doc in yaml.safe_load_all(rendered.stdout) if doc}
+    kinds = {doc["kind"] for doc in render(*extra)}
     assert {"Deployment", "Service", "ClusterRole"} <= kinds
 
 

@@ -12,9 +12,9 @@ import re
 import pytest
 from kubernetes_asyncio import client
 
-from tandem.devcluster.cluster import DevCluster
+from tandem_dev.devcluster.cluster import DevCluster
 from tests.chart.stack import CHART, cluster_objects_of_release, namespace_objects, tool
-from tests.devcluster_fixtures import eventually
+from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(180)]
 

@@ -1,6 +1,6 @@
 """Run SGLang 0.5.23's own ``/generate`` contract gate (``generate_contract_error``) on bodies (JSON list on stdin).
 
-Runs under the ``sglang-parser`` peer's Python (tandem.peers); prints a JSON list with, per body, SGLang's 400
+Runs under the ``sglang-parser`` peer's Python (tandem_dev.peers); prints a JSON list with, per body, SGLang's 400
 message or null when SGLang admits it.
 """
 

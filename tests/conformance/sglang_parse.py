@@ -1,6 +1,6 @@
 """Run SGLang 0.5.23's own ``prepare_server_args`` on command lines (JSON list of argv lists on stdin).
 
-Runs under the ``sglang-parser`` peer's Python (tandem.peers), never under Tandem's venv: it imports only sglang
+Runs under the ``sglang-parser`` peer's Python (tandem_dev.peers), never under Tandem's venv: it imports only sglang
 and the standard library. Prints one JSON object per argv: ``{"ok": true, "args": {...}}`` with the parsed values
 of a few fields, or ``{"ok": false, "error": "<what argparse printed>"}`` when SGLang exits (status 2).
 

@@ -4,7 +4,7 @@ The command lines: the operator's golden pod manifests, every PDCluster example 
 README tells users to apply) rendered by the operator's desired-state code (``group_manifests``: every pod of a
 group of each role), and the spec variants of tests/operator/test_sglang_args.py. They all go through
 ``prepare_server_args`` from the pinned ``sglang==0.5.23`` wheel in the ``sglang-parser`` peer venv
-(``make peers``; tandem.peers), in one subprocess.
+(``make peers``; tandem_dev.peers), in one subprocess.
 What that does and does not check: tests/conformance/sglang_parse.py.
 """
 
@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tandem import peers
 from tandem.registry import Role
+from tandem_dev import peers
 from tandem_operator.api.pdcluster import PDClusterSpec
 from tandem_operator.desired.args import LAUNCH
 from tandem_operator.desired.naming import ClusterRef, OwnerRef

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tandem import peers
+from tandem_dev import peers
 from tandem_sim import contract, sglang_fields
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(300)]  # the peer venv imports torch (10-60 s on a loaded machine)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -11,9 +12,9 @@ import pytest
 import pytest_asyncio
 from kubernetes_asyncio import client
 
-from tandem.devcluster.cluster import DevCluster
-from tandem.devcluster.podrunner import Launch, PodRunner
-from tandem.procs import ManagedProcess, free_port
+from tandem_dev.devcluster.cluster import DevCluster
+from tandem_dev.devcluster.podrunner import Launch, PodRunner
+from tandem_dev.procs import ManagedProcess, free_port
 from tandem_operator.api.pdcluster import PDClusterSpec
 from tandem_operator.desired.drain_hook import DRAIN_GAUGES
 from tests.operator.live import CRDS, Live, run_tool
@@ -80,7 +81,7 @@ def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 async def tandem_crds(k8s_cluster: DevCluster) -> None:
     """The generated CRDs applied once per session and Established."""
     await run_tool(k8s_cluster, "kubectl", "apply", "--server-side", "-f", str(CRDS))
-    await run_tool(k8s_cluster, "kubectl", "wait", "--for=condition=Established", "--timeout=60s", "-f", str(CRDS))
+    await asyncio.to_thread(k8s_cluster.wait_established, [path.stem for path in CRDS.glob("*.yaml")])
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+from collections.abc import Callable
 from typing import Any
 
 from tandem.registry import Endpoint
@@ -10,6 +11,8 @@ from tandem_operator.fencing import StaleKeys
 from tandem_operator.k8s.kube import Kube
 from tandem_operator.observe import GroupKey
 from tandem_operator.registrar import Registrar
+
+Trim = Callable[[dict[str, Any]], dict[str, Any]]  # Kube.list's ``keep``
 
 
 class FakeKube(Kube):
@@ -35,8 +38,11 @@ class FakeKube(Kube):
     async def get(self, path: str) -> dict[str, Any] | None:
         return self.objects.get(path)
 
-    async def list(self, api_version: str, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
-        return [o for o in self.objects.values() if (o["apiVersion"], o["kind"]) == (api_version, kind)]
+    async def list(
+        self, api_version: str, kind: str, namespace: str, selector: str, keep: Trim | None = None
+    ) -> builtins.list[dict[str, Any]]:
+        found = [o for o in self.objects.values() if (o["apiVersion"], o["kind"]) == (api_version, kind)]
+        return [keep(o) for o in found] if keep is not None else found
 
     async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         self.calls.append(("post", path, body))

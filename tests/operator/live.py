@@ -13,17 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import openai
 from kubernetes_asyncio import client
 
 from tandem import registry
-from tandem.devcluster.cluster import DevCluster
-from tandem.devcluster.operator_proc import operator_process as devcluster_operator
-from tandem.devcluster.podrunner import PodRunner
-from tandem.procs import ManagedProcess, free_port
 from tandem.registry import Endpoint
 from tandem.registry_etcd import client as etcd_client
-from tests.devcluster_fixtures import eventually
+from tandem_dev.devcluster.cluster import DevCluster
+from tandem_dev.devcluster.operator_proc import operator_process as devcluster_operator
+from tandem_dev.devcluster.podrunner import PodRunner
+from tandem_dev.procs import ManagedProcess, free_port
+from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
 REPO = Path(__file__).resolve().parents[2]
 CRDS = REPO / "charts" / "tandem" / "crds"
@@ -152,6 +151,9 @@ async def start_load(
 
 async def serves(base_url: str, model: str) -> bool:
     """One streamed completion through the router succeeds."""
+    import openai  # here, not at the top: this module is imported by the operator's conftest, and the openai SDK
+    # takes over a second of CPU to import in every pure test session that never calls this
+
     async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=30) as sdk:
         try:
             stream = await sdk.chat.completions.create(

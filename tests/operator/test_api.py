@@ -70,7 +70,7 @@ def test_wire_form_is_camel_case_and_round_trips() -> None:
         (
             {
                 "transfer": {"protocol": "tcp", "hostNetwork": True},
-                "decode": {"ports": {"http": 30000, "bootstrap": 2, "distInit": 3, "mooncakeRpc": 20000}},
+                "decode": {"ports": {"http": 30000, "bootstrap": 2, "distInit": 30, "mooncakeRpc": 20000}},
             },
             "with transfer.hostNetwork, prefill.ports and decode.ports (Mooncake ranges included) must not share",
         ),
@@ -84,14 +84,14 @@ def test_wire_form_is_camel_case_and_round_trips() -> None:
         (
             {
                 "transfer": {"protocol": "tcp"},
-                "decode": {"ports": {"mooncakeRpc": 32760, "http": 1, "bootstrap": 2, "distInit": 3}},
+                "decode": {"ports": {"mooncakeRpc": 32760, "http": 1, "bootstrap": 2, "distInit": 30}},
             },
             "decode.ports: the Mooncake range [mooncakeRpc, mooncakeRpc + mooncakePorts - 1] "
             "must lie within 1024-32767 or 61000-65535",
         ),
         (
             {"prefill": {"ports": {"http": 15003, "bootstrap": 8998, "distInit": 5000, "mooncakeRpc": 15000}}},
-            "prefill.ports: http, bootstrap and distInit must lie outside the Mooncake range",
+            "prefill.ports: http, the bootstrap range and distInit must lie outside the Mooncake range",
         ),
         ({"etcd": {"endpoints": []}}, "at least 1 item"),
         ({"prefill": {"gpusPerNode": 0}}, "greater than or equal to 1"),

@@ -21,8 +21,7 @@ from typing import Any
 import pytest
 from kubernetes_asyncio import client
 
-from tandem.autoscale_plot import Sample, plot_timeline
-from tests.devcluster_fixtures import eventually
+from tandem_dev.autoscale_plot import Sample, plot_timeline
 from tests.operator.live import (
     GROUP,
     SIM_MODEL,
@@ -37,6 +36,7 @@ from tests.operator.live import (
     sim_stack,
     start_load,
 )
+from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
 pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(420)]
 ONE_NODE = {"nodesPerGroup": 1, "gpusPerNode": 1, "tpSize": 1, "epSize": 1, "moeA2ABackend": "none"}

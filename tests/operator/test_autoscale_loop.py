@@ -10,8 +10,8 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
-from tandem.procs import free_port
 from tandem.registry import Endpoint, Role
+from tandem_dev.procs import free_port
 from tandem_operator.api.pdcluster import PDClusterSpec
 from tandem_operator.autoscale.decide import Reason
 from tandem_operator.autoscale.loop import Autoscaler

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 
 from tandem import registry
-from tandem.procs import ManagedProcess, free_port
 from tandem.registry import Role
 from tandem.registry_etcd import client as etcd_client
+from tandem_dev.procs import ManagedProcess, free_port
 from tandem_operator.k8s.kube import Kube
 from tandem_operator.observe import GroupKey
 from tandem_operator.registrar import Registrar

@@ -11,12 +11,13 @@ from tandem_operator.fencing import (
     Fence,
     FenceReason,
     StaleKeys,
+    death_reason,
     fence_decision,
     node_lost,
     stale_mooncake_keys,
     unroute_decision,
 )
-from tandem_operator.observe import GroupKey, pod_facts
+from tandem_operator.observe import GroupKey, created_at, pod_facts, pod_health, slim_pod, started
 from tests.operator.conftest import kimi_spec
 from tests.operator.workers import live_pod
 
@@ -157,3 +158,21 @@ def test_stale_keys_skip_pods_without_ip_and_honour_a_cluster_id_override() -> N
     facts = pod_facts(pod)
     assert facts is not None
     assert stale_mooncake_keys([facts], "d").keys == ("mooncake/ram/10.0.0.9", "mooncake/rpc_meta/10.0.0.9")
+
+
+def test_a_slim_pod_keeps_every_fact_the_deciders_read() -> None:
+    pod = live_pod(SPEC, Role.DECODE, 3, 1, epoch=2, ip="10.0.0.7", node="n1")
+    pod["metadata"]["managedFields"] = [{"manager": "x", "fieldsV1": {"f:spec": {}}}]
+    pod["metadata"].setdefault("annotations", {})["kubectl.kubernetes.io/last-applied-configuration"] = "{...}"
+    pod["metadata"]["creationTimestamp"] = "2026-01-01T00:00:00Z"
+    pod["status"]["containerStatuses"] = [{"restartCount": 1, "started": True, "state": {"running": {}}, "image": "i"}]
+    slim = slim_pod(pod)
+    assert "managedFields" not in slim["metadata"]
+    assert list(slim["metadata"]["annotations"]) == [
+        k for k in pod["metadata"]["annotations"] if k.startswith("tandem")
+    ]
+    assert pod_facts(slim) == pod_facts(pod)
+    assert pod_health(slim, frozenset({"n2"})) == pod_health(pod, frozenset({"n2"}))
+    assert (started(slim), created_at(slim)) == (started(pod), created_at(pod))
+    pod["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:01Z"
+    assert death_reason("MODIFIED", slim_pod(pod), ()) is death_reason("MODIFIED", pod, ()) is not None

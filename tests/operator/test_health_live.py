@@ -13,9 +13,9 @@ import signal
 
 import pytest
 
-from tests.devcluster_fixtures import eventually
 from tests.operator.live import SIM_MODEL, Live, load_result, pods, serves, sim_stack, start_load
 from tests.operator.readiness import ready_transitions
+from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
 pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(300)]
 ONE_NODE = {"groups": 1, "nodesPerGroup": 1, "gpusPerNode": 1, "tpSize": 1, "epSize": 1, "moeA2ABackend": "none"}

@@ -13,12 +13,12 @@ from urllib.parse import urlsplit
 import pytest
 from kubernetes_asyncio import client
 
-from tandem.devcluster.cluster import DevCluster
-from tandem.images.run import Unpacked, container_argv
-from tandem.procs import ManagedProcess
-from tests.devcluster_fixtures import eventually
+from tandem_dev.devcluster.cluster import DevCluster
+from tandem_dev.images.run import Unpacked, container_argv
+from tandem_dev.procs import ManagedProcess
 from tests.imagehelpers import UID, process_ids, tandem_image
 from tests.operator.live import create_pdcluster, pdcluster, pods, ready
+from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
 pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(240)]
 __all__ = ["tandem_image"]

@@ -15,11 +15,11 @@ import pytest
 from kubernetes_asyncio import client
 
 from tandem import registry
-from tandem.devcluster.cluster import DevCluster
-from tandem.procs import ManagedProcess
 from tandem.registry import IntegrityReport, QuarantinedPair, RepeatOffender
-from tests.devcluster_fixtures import eventually
+from tandem_dev.devcluster.cluster import DevCluster
+from tandem_dev.procs import ManagedProcess
 from tests.operator.live import Registry, create_pdcluster, operator_process, pdc_status, pdcluster
+from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(120)]
 

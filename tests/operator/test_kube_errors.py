@@ -51,3 +51,12 @@ async def test_not_found_conflict_and_permanent_errors_are_not_retried() -> None
         await Kube(api, backoff_s=0.001).post("/x", {})
     assert err.value.status == 422
     assert api.calls == 1
+
+
+async def test_lists_are_read_a_page_at_a_time_trimmed_and_every_request_is_counted() -> None:
+    pages = ({"items": [{"a": 1, "big": "x"}], "metadata": {"continue": "t1"}}, {"items": [{"a": 2, "big": "y"}]})
+    api = ScriptedApi(ApiException(status=503), *pages)
+    counted: list[str] = []
+    kube = Kube(api, backoff_s=0.001, on_request=counted.append)
+    assert await kube.list("v1", "Pod", "ns", "x=y", keep=lambda o: {"a": o["a"]}) == [{"a": 1}, {"a": 2}]
+    assert counted == ["GET", "GET", "GET"]  # the retry counts too

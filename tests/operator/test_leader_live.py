@@ -16,9 +16,8 @@ from typing import Any
 import pytest
 from kubernetes_asyncio import client
 
-from tandem.devcluster.operator_proc import lease_holder
+from tandem_dev.devcluster.operator_proc import lease_holder
 from tandem_operator.main import parse_args
-from tests.devcluster_fixtures import eventually
 from tests.operator.live import (
     Live,
     Registry,
@@ -30,6 +29,7 @@ from tests.operator.live import (
     ready,
     run_tool,
 )
+from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(180)]
 

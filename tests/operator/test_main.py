@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import aiohttp
+import kopf
 import pytest
 
-from tandem.procs import free_port
-from tandem_operator.main import parse_args
+from tandem_dev.procs import free_port
+from tandem_operator.main import CustomResourceDiffBase, parse_args
 from tandem_operator.metrics import FENCES, serve
 
 
@@ -51,3 +52,11 @@ async def test_healthz_and_metrics() -> None:
         assert "tandem_operator_fence_seconds_bucket" in body
     finally:
         await runner.cleanup()
+
+
+def test_kopf_builds_a_diff_base_for_custom_resources_only() -> None:
+    storage = CustomResourceDiffBase(prefix="operator.tandem.dev", key="last-handled-spec")
+    pod = kopf.Body({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": {"nodeName": "n"}})
+    cluster = kopf.Body({"apiVersion": "tandem.dev/v1alpha1", "kind": "PDCluster", "spec": {"prefill": {"groups": 1}}})
+    assert storage.build(body=pod) == {}
+    assert storage.build(body=cluster)["spec"] == {"prefill": {"groups": 1}}

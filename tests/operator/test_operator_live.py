@@ -16,12 +16,11 @@ import pytest
 from kubernetes_asyncio import client
 
 from tandem import registry
-from tandem.devcluster.cluster import DevCluster
-from tandem.devcluster.podrunner import PodRunner
-from tandem.procs import ManagedProcess
+from tandem_dev.devcluster.cluster import DevCluster
+from tandem_dev.devcluster.podrunner import PodRunner
+from tandem_dev.procs import ManagedProcess
 from tandem_operator.recovery import fence_annotation
 from tandem_operator.render import InvalidClusterError, render
-from tests.devcluster_fixtures import eventually
 from tests.operator.live import (
     SIM_SPEC,
     Registry,
@@ -32,6 +31,7 @@ from tests.operator.live import (
     ready,
     run_tool,
 )
+from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(240)]
 PORTS = {"http": 30001, "bootstrap": 8999, "distInit": 5001}

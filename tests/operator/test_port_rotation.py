@@ -1,5 +1,6 @@
 """Each incarnation (epoch) of a group gets the next Mooncake port window of the declared range, so a recreated pod
-never comes back under a session id ``ip:port`` that peers still hold for the dead one (operator/README.md)."""
+never comes back under a session id ``ip:port`` that peers still hold for the dead one, and a prefill the next port of
+its bootstrap range, so decodes never hand rooms to the dead one's cached rank ports (operator/README.md)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import pytest
 from pydantic import ValidationError
 
 from tandem.registry import Role
-from tandem_operator.desired.pods import RoleContext, group_pod, mooncake_ports, rotate_window
+from tandem_operator.desired.naming import ANNOTATION_BOOTSTRAP_PORT as ANNOTATION
+from tandem_operator.desired.pods import RoleContext, group_manifests, group_pod, mooncake_ports, rotate_window
+from tandem_operator.registration import leader_endpoint
 from tests.operator.conftest import kimi_spec
-from tests.operator.workers import CLUSTER, POOL
+from tests.operator.workers import CLUSTER, POOL, live_pod
 
 
 def env_of(pod: dict[str, Any]) -> dict[str, str]:
@@ -102,5 +105,66 @@ DECODE_PORTS = {"http": 30001, "bootstrap": 8999, "distInit": 5001}
     ],
 )
 def test_invalid_ranges_are_rejected_with_a_message_naming_the_field(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        kimi_spec(**overrides)
+
+
+def bootstrap_of(pod: dict[str, Any]) -> tuple[int, int, str]:
+    """The pod's ``--disaggregation-bootstrap-port``, its container port named bootstrap, its annotation."""
+    container = pod["spec"]["containers"][0]
+    argv = container["command"] + container.get("args", [])
+    flag = int(argv[argv.index("--disaggregation-bootstrap-port") + 1])
+    (declared,) = [p["containerPort"] for p in container["ports"] if p["name"] == "bootstrap"]
+    return flag, declared, pod["metadata"]["annotations"]["sglang.ai/bootstrap-port"]
+
+
+@pytest.mark.parametrize("host_network", [False, True])
+def test_a_recreated_prefill_serves_bootstrap_on_the_next_port_of_its_range(host_network: bool) -> None:
+    """Decodes cache a bootstrap address's rank ports until two heartbeats to it fail; a recreated prefill answers
+    them within seconds, so it must not come back under the dead incarnation's address (PortSet.bootstrap_at)."""
+    spec = kimi_spec(transfer={"protocol": "tcp", "hostNetwork": host_network})
+    ctx = RoleContext.build(CLUSTER, spec, Role.PREFILL, POOL)
+    got = [bootstrap_of(group_pod(ctx, 0, 0, epoch)) for epoch in range(10)]
+    ports = [8998 + epoch % 8 for epoch in range(10)]  # the default range: 8 ports from 8998, wrapping
+    assert got == [(port, port, str(port)) for port in ports]
+    service = group_manifests(ctx, 0, 3)[0]
+    assert {"name": "bootstrap", "port": 8998, "targetPort": "bootstrap"} in service["spec"]["ports"]
+
+
+def test_a_range_of_one_port_keeps_the_address() -> None:
+    spec = kimi_spec(prefill={"ports": {**PREFILL_PORTS, "bootstrapPorts": 1}})
+    ctx = RoleContext.build(CLUSTER, spec, Role.PREFILL, POOL)
+    assert {bootstrap_of(group_pod(ctx, 0, 0, epoch))[0] for epoch in range(5)} == {8998}
+
+
+def test_the_registered_bootstrap_port_is_the_epochs() -> None:
+    spec = kimi_spec()
+    for epoch in (0, 1, 9):
+        leader = live_pod(spec, Role.PREFILL, 0, 0, epoch=epoch, ip="10.0.2.1")
+        endpoint = leader_endpoint(spec, Role.PREFILL, leader)
+        assert endpoint is not None
+        assert endpoint.bootstrap_port == 8998 + epoch % 8 == int(leader["metadata"]["annotations"][ANNOTATION])
+
+
+PREFILL_PORTS = {"http": 30000, "bootstrap": 8998, "distInit": 5000, "mooncakeRpc": 15000}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"prefill": {"ports": {**PREFILL_PORTS, "http": 9001}}}, "outside the bootstrap range"),
+        ({"prefill": {"ports": {**PREFILL_PORTS, "mooncakeRpc": 9000, "mooncakePorts": 32}}}, "outside the boot"),
+        ({"prefill": {"ports": {**PREFILL_PORTS, "bootstrap": 15005, "bootstrapPorts": 2}}}, "outside the Mooncake"),
+        ({"prefill": {"ports": {**PREFILL_PORTS, "bootstrapPorts": 65}}}, "less than or equal to 64"),
+        (
+            {  # decode's http inside prefill's bootstrap range [8998, 9005]
+                "transfer": {"protocol": "tcp", "hostNetwork": True},
+                "decode": {"ports": {**DECODE_PORTS, "http": 9003, "bootstrap": 9100, "mooncakeRpc": 15100}},
+            },
+            "must not share a port",
+        ),
+    ],
+)
+def test_bootstrap_ranges_that_clash_are_rejected_naming_the_field(overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         kimi_spec(**overrides)

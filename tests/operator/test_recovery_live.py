@@ -22,9 +22,8 @@ import openai
 import pytest
 from kubernetes_asyncio import client
 
-from tandem.devcluster.podrunner import PodRunner
-from tandem.procs import ManagedProcess, free_port
-from tests.devcluster_fixtures import eventually
+from tandem_dev.devcluster.podrunner import PodRunner
+from tandem_dev.procs import ManagedProcess, free_port
 from tests.operator.live import (
     Live,
     Registry,
@@ -36,6 +35,7 @@ from tests.operator.live import (
     router_process,
 )
 from tests.routermetrics import scrape
+from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
 pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(300)]
 PEER = Path(__file__).with_name("mooncake_peer.py")

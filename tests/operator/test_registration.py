@@ -46,7 +46,7 @@ def test_leader_endpoint_of_a_prefill_group() -> None:
         role=Role.PREFILL,
         group="prefill-0",
         url="http://10.0.0.7:30000",
-        bootstrap_port=8998,
+        bootstrap_port=9000,  # epoch 2's port of the bootstrap range [8998, 9005]
         # rdma, 8 ranks: every engine's session id, in the pod's window of epoch 2 (the third of the range's eight)
         mooncake_sessions=tuple(f"10.0.0.7:{port}" for port in range(15016, 15024)),
         ib_devices=("mlx5_0", "mlx5_1"),

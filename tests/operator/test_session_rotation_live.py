@@ -1,7 +1,7 @@
 """A decode leader deleted 10 times under load comes back each time under new Mooncake session ids and serves
 again (issue #18), on the real control plane with the operator's own Mooncake windows (no test override).
 
-Each pod has its own network namespace (tandem/devcluster/podnet.py), and kwok hands a recreated pod the IP its
+Each pod has its own network namespace (tandem_dev/devcluster/podnet.py), and kwok hands a recreated pod the IP its
 predecessor freed, so each new incarnation comes back at the old address, and only the rotated window keeps its
 session ids new. The second
 decode group is created after decode-0 was recreated once, so it holds window 0 while decode-0 moves through
@@ -24,11 +24,11 @@ import aiohttp
 import pytest
 from kubernetes_asyncio import client
 
-from tandem.devcluster.cluster import DevCluster
-from tandem.procs import ManagedProcess, free_port
 from tandem.registry import Endpoint
-from tests.devcluster_fixtures import eventually
+from tandem_dev.devcluster.cluster import DevCluster
+from tandem_dev.procs import ManagedProcess, free_port
 from tests.operator.live import GROUP, SIM_SPEC, VERSION, Registry, create_pdcluster, operator_process, run_tool
+from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
 pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(600)]
 LOAD = Path(__file__).with_name("load_client.py")

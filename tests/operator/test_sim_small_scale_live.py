@@ -19,11 +19,11 @@ import openai
 import pytest
 from kubernetes_asyncio import client
 
-from tandem.devcluster.podrunner import PodRunner
-from tandem.procs import ManagedProcess, free_port
+from tandem_dev.devcluster.podrunner import PodRunner
+from tandem_dev.procs import ManagedProcess, free_port
 from tests.chart.stack import pdcluster_manifest
-from tests.devcluster_fixtures import eventually
 from tests.operator.live import Live, Registry, create_pdcluster, operator_process, pods, ready, run_tool
+from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
 pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(420)]
 MODEL = "kimi-k2.6-sim"

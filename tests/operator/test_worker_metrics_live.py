@@ -14,10 +14,10 @@ import aiohttp
 import pytest
 import yaml
 
-from tandem.devcluster.cluster import DevCluster
+from tandem_dev.devcluster.cluster import DevCluster
 from tests.chart.prom import Prometheus, file_sd_scrape_config, pod_monitor_targets
-from tests.devcluster_fixtures import eventually
 from tests.operator.live import CRDS, SIM_MODEL, Live, load_result, pods, run_tool, sim_stack, start_load
+from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
 pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(300)]
 CHART = CRDS.parent

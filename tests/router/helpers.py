@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from tandem_router import instant_worker
+from tandem_dev.router import instant_worker
 from tandem_router.app import build_app, state_of
 from tandem_router.config import PrefillSpec, RouterSettings
 from tandem_router.policy.selection import Policy

@@ -15,7 +15,7 @@ import aiohttp
 import openai
 import orjson
 
-from tandem.local_stack import MODEL
+from tandem_dev.local_stack import MODEL
 from tandem_router.schema import Route
 
 

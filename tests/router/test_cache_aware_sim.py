@@ -17,20 +17,20 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tandem.procs import ManagedProcess, free_port
-from tandem_router.bench_e2e import stream_ttft
-from tandem_router.bench_prefix import (
+from tandem_dev.procs import ManagedProcess, free_port
+from tandem_dev.router.bench_e2e import stream_ttft
+from tandem_dev.router.bench_prefix import (
     Conversation,
     chat_body,
     messages,
     prefill_counters,
     workload,
 )
-from tandem_sim.testing import HOST, SimWorker, start_decode, start_prefill
+from tandem_dev.sim.testing import HOST, SimWorker, start_decode, start_prefill
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
 
-SIM_MODEL = "sim/model"  # tandem_sim.testing's --model-path
+SIM_MODEL = "sim/model"  # tandem_dev.sim.testing's --model-path
 PREFILL_MS_PER_TOKEN = "1.0"  # slow enough that concurrent requests are still prefilling when the next arrives
 # Concurrent turns of one conversation with long questions: about 7 fit within the default balance_abs_threshold
 # (4096 tokens of work beyond the cheapest prefill), the rest must go to the other prefill.

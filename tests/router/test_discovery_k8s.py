@@ -18,13 +18,13 @@ import pytest
 import yaml
 from kubernetes_asyncio import client
 
-from tandem.devcluster.cluster import DevCluster
-from tandem.devcluster.nodes import GPU_RESOURCE
 from tandem.registry import Role
+from tandem_dev.devcluster.cluster import DevCluster
+from tandem_dev.devcluster.nodes import GPU_RESOURCE
 from tandem_router.config import DiscoveryMode, RouterSettings
 from tandem_router.discovery import KubernetesDiscovery
 from tandem_router.pool import WorkerPool
-from tests.devcluster_fixtures import create, eventually
+from tests.tandem_dev.devcluster.devcluster_fixtures import create, eventually
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(180)]
 PORT = 30000

@@ -13,9 +13,9 @@ from typing import Any
 import openai
 import pytest
 
-from tandem.local_stack import HOST, MODEL, LocalStack
-from tandem.procs import ManagedProcess, free_port
-from tandem.stack_fixture import running_stack
+from tandem_dev.local_stack import HOST, MODEL, LocalStack
+from tandem_dev.procs import ManagedProcess, free_port
+from tandem_dev.stack_fixture import running_stack
 
 pytestmark = pytest.mark.netns
 

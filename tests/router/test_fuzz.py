@@ -17,7 +17,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
-from tandem.procs import ManagedProcess, free_port
+from tandem_dev.procs import ManagedProcess, free_port
 from tandem_router.openapi import document
 
 pytestmark = pytest.mark.procs
@@ -33,7 +33,7 @@ def router_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         urls = {}
         for role in ("prefill", "decode"):
             port = free_port()
-            argv = [sys.executable, "-m", "tandem_router.instant_worker", "--role", role, "--port", str(port)]
+            argv = [sys.executable, "-m", "tandem_dev.router.instant_worker", "--role", role, "--port", str(port)]
             proc = ManagedProcess(role, argv, logs / f"{role}.log").start()
             procs.append(proc)
             urls[role] = f"http://127.0.0.1:{port}"

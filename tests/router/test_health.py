@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import socket
 
-from tandem.procs import free_port
 from tandem.registry import Role
+from tandem_dev.procs import free_port
 from tandem_router.health import HealthChecker
 from tandem_router.policy.breaker import BreakerConfig, BreakerState
 from tandem_router.pool import WorkerPool, WorkerSpec

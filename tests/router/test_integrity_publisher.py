@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from tandem import registry, registry_etcd
-from tandem.local_stack import start_etcd
+from tandem_dev.local_stack import start_etcd
 from tandem_router.integrity.monitor import IntegrityConfig, IntegrityMonitor
 from tandem_router.integrity.quarantine import QuarantinePolicy
 from tandem_router.integrity_publisher import IntegrityPublisher

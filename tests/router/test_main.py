@@ -13,7 +13,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tandem.procs import ManagedProcess, free_port
+from tandem_dev.procs import ManagedProcess, free_port
 from tandem_router.config import DiscoveryMode, load
 from tandem_router.discovery import pod_spec, static_specs
 from tandem_router.policy.selection import Policy
@@ -97,7 +97,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path: Path) -> None:
         urls = {}
         for role in ("prefill", "decode"):
             port = free_port()
-            argv = [sys.executable, "-m", "tandem_router.instant_worker", "--role", role, "--port", str(port)]
+            argv = [sys.executable, "-m", "tandem_dev.router.instant_worker", "--role", role, "--port", str(port)]
             procs.append(ManagedProcess(role, argv, tmp_path / f"{role}.log").start())
             urls[role] = f"http://127.0.0.1:{port}"
             procs[-1].wait_http(urls[role] + "/health")

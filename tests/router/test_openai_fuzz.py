@@ -34,8 +34,8 @@ from schemathesis import GenerationMode
 from schemathesis.core.result import Ok
 from schemathesis.core.transport import Response
 
-from tandem.local_stack import MODEL, LocalStack
-from tandem.stack_fixture import running_stack
+from tandem_dev.local_stack import MODEL, LocalStack
+from tandem_dev.stack_fixture import running_stack
 from tests.router.openai_spec import document, response_schema, violations
 
 pytestmark = pytest.mark.netns

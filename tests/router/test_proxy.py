@@ -8,8 +8,8 @@ from typing import Any
 import orjson
 import pytest
 
-from tandem.procs import free_port
 from tandem.registry import Role
+from tandem_dev.procs import free_port
 from tandem_router.policy.selection import Policy
 from tandem_router.pool import WorkerSpec
 from tests.router.helpers import stack

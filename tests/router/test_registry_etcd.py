@@ -10,11 +10,11 @@ import aiohttp
 import pytest
 
 from tandem import registry
-from tandem.local_stack import instant_worker_argv, start_etcd
-from tandem.procs import ManagedProcess
 from tandem.registry import Endpoint, Role
 from tandem.registry_etcd import EndpointWatcher, EndpointWriter, parse_endpoint_url
-from tandem.stack_fixture import running_stack
+from tandem_dev.local_stack import instant_worker_argv, start_etcd
+from tandem_dev.procs import ManagedProcess
+from tandem_dev.stack_fixture import running_stack
 
 pytestmark = pytest.mark.procs
 

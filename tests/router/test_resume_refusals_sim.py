@@ -19,9 +19,9 @@ import aiohttp
 import openai
 import pytest
 
-from tandem.local_stack import LocalStack
 from tandem.registry import Role
-from tandem.stack_fixture import running_stack
+from tandem_dev.local_stack import LocalStack
+from tandem_dev.stack_fixture import running_stack
 from tandem_router.resume import MANY_CHOICES, TOOLS, Refusal
 from tandem_router.schema import Route
 from tests.router.streams import Outcome, reference, stream

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 import uvloop
 
-from tandem.procs import free_port
+from tandem_dev.procs import free_port
 from tandem_router.transport import FailureReason, Request, Transport, TransportConfig, WorkerError
 
 Test = Callable[[], Awaitable[None]]

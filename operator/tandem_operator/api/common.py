@@ -59,7 +59,20 @@ class PortSet(CrdModel):
     """The fixed ports of one role's pods. With hostNetwork they are node ports, so roles must not share any."""
 
     http: Port = Field(description="SGLang HTTP server (--port).")
-    bootstrap: Port = Field(description="PD bootstrap server (--disaggregation-bootstrap-port, prefill leaders).")
+    bootstrap: Port = Field(
+        description="First port of the prefill leaders' PD bootstrap range (--disaggregation-bootstrap-port); a "
+        "decode pod never binds it."
+    )
+    bootstrap_ports: int = Field(
+        default=8,
+        ge=1,
+        le=64,
+        description="Size of the bootstrap range [bootstrap, bootstrap + bootstrapPorts). Each recreation (epoch) of "
+        "a prefill group moves its bootstrap server to the next port of the range, wrapping around: SGLang's decode "
+        "caches a bootstrap address's rank ports until two heartbeats to it fail, and a recreated prefill's bootstrap "
+        "server answers them seconds after it starts (before its weights load), so under the old address decodes "
+        "would keep sending to the dead incarnation. A range of one port reuses the address.",
+    )
     dist_init: Port = Field(description="torch.distributed rendezvous on the group leader (--dist-init-addr).")
     mooncake_rpc: Port = Field(
         description="First port of the role's Mooncake range; a pod gets one window of it as [MC_MIN_RPC_PORT, "
@@ -86,11 +99,33 @@ class PortSet(CrdModel):
             message="ports must be pairwise different",
             check=lambda s: len({s.http, s.bootstrap, s.dist_init, s.mooncake_rpc}) == 4,
         ),
+        Rule(
+            cel="[self.http, self.distInit, self.mooncakeRpc].all(p, "
+            "p < self.bootstrap || p >= self.bootstrap + self.bootstrapPorts)",
+            message="http, distInit and mooncakeRpc must lie outside the bootstrap range "
+            "[bootstrap, bootstrap + bootstrapPorts - 1]",
+            check=lambda s: not {s.http, s.dist_init, s.mooncake_rpc} & set(s.bootstrap_range()),
+        ),
     )
 
+    def bootstrap_range(self) -> range:
+        """Every port the prefill leader's bootstrap server may take, whatever its epoch."""
+        return range(self.bootstrap, self.bootstrap + self.bootstrap_ports)
+
+    def bootstrap_at(self, epoch: int) -> int:
+        """The bootstrap port of incarnation ``epoch``: the range's ports in turn, wrapping around.
+
+        SGLang's decode keeps a bootstrap address's rank ports in ``CommonKVReceiver``'s class-level
+        ``connection_pool`` (keyed by ``bootstrap_addr``, ``sglang/srt/disaggregation/common/conn.py``) and drops them
+        only after two failed ``/health`` heartbeats (``_start_heartbeat_checker_thread`` -> ``_handle_node_failure``,
+        ``SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL`` 5 s). A new incarnation on a new port is a new key, so decodes
+        fetch its rank ports afresh; the dead one's entry ages out by its failed heartbeats.
+        """
+        return self.bootstrap + epoch % self.bootstrap_ports
+
     def fixed(self) -> tuple[int, ...]:
-        """The pod's ports outside its Mooncake range."""
-        return (self.http, self.bootstrap, self.dist_init)
+        """The pod's ports outside its Mooncake range (the whole bootstrap range)."""
+        return (self.http, *self.bootstrap_range(), self.dist_init)
 
 
 class Condition(CrdModel):

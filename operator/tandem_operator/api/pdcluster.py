@@ -269,7 +269,7 @@ def _prefill_ports() -> PortSet:
 
 
 def _decode_ports() -> PortSet:
-    return PortSet(http=30001, bootstrap=8999, dist_init=5001, mooncake_rpc=15100)  # above prefill's 32 ports
+    return PortSet(http=30001, bootstrap=9008, dist_init=5001, mooncake_rpc=15100)  # above prefill's 32 ports
 
 
 _HOST_MEMORY_MESSAGE = (
@@ -370,17 +370,19 @@ def _size_cel(role: str) -> str:
 
 
 def _all_ports_cel(role: str) -> str:
-    """The role's fixed ports and the two ends of its declared Mooncake range (ranges overlap only if an end is
-    inside)."""
+    """The role's fixed ports and the two ends of its bootstrap and declared Mooncake ranges (ranges overlap only if
+    an end is inside)."""
     ports = f"self.{role}.ports"
     last = f"{ports}.mooncakeRpc + {ports}.mooncakePorts - 1"
-    return f"[{ports}.http, {ports}.bootstrap, {ports}.distInit, {ports}.mooncakeRpc, {last}]"
+    last_bootstrap = f"{ports}.bootstrap + {ports}.bootstrapPorts - 1"
+    return f"[{ports}.http, {ports}.bootstrap, {last_bootstrap}, {ports}.distInit, {ports}.mooncakeRpc, {last}]"
 
 
 def _in_role_cel(role: str, port: str) -> str:
     ports = f"self.{role}.ports"
     return (
-        f"{port} == {ports}.http || {port} == {ports}.bootstrap || {port} == {ports}.distInit || "
+        f"{port} == {ports}.http || {port} == {ports}.distInit || "
+        f"({port} >= {ports}.bootstrap && {port} < {ports}.bootstrap + {ports}.bootstrapPorts) || "
         f"({port} >= {ports}.mooncakeRpc && {port} < {ports}.mooncakeRpc + {ports}.mooncakePorts)"
     )
 
@@ -410,10 +412,11 @@ class PDClusterSpec(CrdModel):
             for role in ("prefill", "decode")
             for rule in (
                 Rule(
-                    cel=f"[self.{role}.ports.http, self.{role}.ports.bootstrap, self.{role}.ports.distInit].all(p, "
+                    cel=f"[self.{role}.ports.http, self.{role}.ports.bootstrap, self.{role}.ports.bootstrap + "
+                    f"self.{role}.ports.bootstrapPorts - 1, self.{role}.ports.distInit].all(p, "
                     f"p < self.{role}.ports.mooncakeRpc || p >= self.{role}.ports.mooncakeRpc + "
                     f"self.{role}.ports.mooncakePorts)",
-                    message=f"{role}.ports: http, bootstrap and distInit must lie outside the Mooncake range "
+                    message=f"{role}.ports: http, the bootstrap range and distInit must lie outside the Mooncake range "
                     "[mooncakeRpc, mooncakeRpc + mooncakePorts - 1]",
                     check=_fixed_ports_outside_range(Role(role)),
                     field_path=f".{role}.ports",

@@ -22,6 +22,7 @@ class Placement:
     role: Role
     node_rank: int
     leader_address: str  # the group leader's stable DNS name (headless Service)
+    epoch: int = 0  # the group's incarnation: a prefill's bootstrap port moves with it
 
 
 def sglang_args(spec: PDClusterSpec, placement: Placement) -> list[str]:
@@ -75,7 +76,7 @@ def sglang_args(spec: PDClusterSpec, placement: Placement) -> list[str]:
     if spec.transfer.protocol is TransferProtocol.RDMA:
         args += ["--disaggregation-ib-device", ",".join(spec.transfer.ib_devices)]
     if placement.role is Role.PREFILL:
-        args += ["--disaggregation-bootstrap-port", str(role.ports.bootstrap)]
+        args += ["--disaggregation-bootstrap-port", str(role.ports.bootstrap_at(placement.epoch))]
     speculative = model.speculative
     if speculative.enabled:  # SGLang's Kimi K2.6 cookbook: EAGLE3 with its draft model
         args += ["--speculative-algorithm", speculative.algorithm]

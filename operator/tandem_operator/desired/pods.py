@@ -114,7 +114,8 @@ def group_service(ctx: RoleContext, group: int) -> dict[str, Any]:
         {"name": "dist-init", "port": ports.dist_init, "targetPort": ports.dist_init},
     ]
     if ctx.role is Role.PREFILL:
-        service_ports.append({"name": "bootstrap", "port": ports.bootstrap, "targetPort": ports.bootstrap})
+        # The pod's bootstrap port moves with its epoch (PortSet.bootstrap_at): the Service names it.
+        service_ports.append({"name": "bootstrap", "port": ports.bootstrap, "targetPort": "bootstrap"})
     labels = group_labels(ctx.cluster.name, ctx.role, group)
     return {
         "apiVersion": "v1",
@@ -206,7 +207,7 @@ def _container_ports(ctx: RoleContext, epoch: int) -> list[dict[str, Any]]:
     ports = ctx.spec.role(ctx.role).ports
     named = [("http", ports.http), ("dist-init", ports.dist_init)]
     if ctx.role is Role.PREFILL:
-        named.append(("bootstrap", ports.bootstrap))
+        named.append(("bootstrap", ports.bootstrap_at(epoch)))
     low, high = mooncake_ports(ctx, epoch)
     named += [(f"mooncake-{i}", port) for i, port in enumerate(range(low, high + 1))]
     host = ctx.spec.transfer.host_network
@@ -297,7 +298,8 @@ def probes(ctx: RoleContext) -> dict[str, dict[str, Any]]:
 
 
 def group_pod(ctx: RoleContext, group: int, rank: int, epoch: int = 0) -> dict[str, Any]:
-    """Pod ``rank`` of the group's incarnation ``epoch`` (its Mooncake port window depends on the epoch)."""
+    """Pod ``rank`` of the group's incarnation ``epoch`` (its Mooncake port window and a prefill's bootstrap port
+    depend on the epoch)."""
     spec, role = ctx.spec, ctx.spec.role(ctx.role)
     drain_s = spec.lifecycle.drain_timeout_seconds
     labels = {
@@ -308,9 +310,9 @@ def group_pod(ctx: RoleContext, group: int, rank: int, epoch: int = 0) -> dict[s
     }
     metadata = _metadata(ctx, pod_name(ctx.cluster.name, ctx.role, group, rank), labels)
     if ctx.role is Role.PREFILL and rank == 0:
-        metadata["annotations"] = {ANNOTATION_BOOTSTRAP_PORT: str(role.ports.bootstrap)}
+        metadata["annotations"] = {ANNOTATION_BOOTSTRAP_PORT: str(role.ports.bootstrap_at(epoch))}
     volumes, mounts = _volumes(ctx)
-    placement = Placement(role=ctx.role, node_rank=rank, leader_address=leader_address(ctx, group))
+    placement = Placement(role=ctx.role, node_rank=rank, leader_address=leader_address(ctx, group), epoch=epoch)
     env = _env(ctx, epoch)
     resources = _resources(ctx)
     container = {

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -24,6 +24,7 @@ MERGE_PATCH = "application/merge-patch+json"
 RETRIES = 4
 BACKOFF_S = 0.2  # doubled after each try: 0.2, 0.4, 0.8 s
 TEMPORARY_STATUSES = frozenset({429, 500, 502, 503, 504})
+LIST_PAGE = 50  # objects per list page: a page is parsed and trimmed before the next one is read (the peak)
 
 log = logging.getLogger("tandem.operator.kube")
 
@@ -65,13 +66,18 @@ def api_error(err: ApiException | aiohttp.ClientError | TimeoutError, request: s
 
 
 class Kube:
-    def __init__(self, api: Any, *, backoff_s: float = BACKOFF_S) -> None:
-        self.api, self.backoff_s = api, backoff_s
+    def __init__(
+        self, api: Any, *, backoff_s: float = BACKOFF_S, on_request: Callable[[str], None] | None = None
+    ) -> None:
+        """``on_request(method)`` is called for every request sent, retries included (the operator's metrics)."""
+        self.api, self.backoff_s, self.on_request = api, backoff_s, on_request
 
     async def send(self, request: Request) -> Any:
         """Send, retrying temporary errors with exponential backoff; raises a ``KubeError``."""
         delay = self.backoff_s
         for attempt in range(1, RETRIES + 1):
+            if self.on_request is not None:
+                self.on_request(request.method)
             try:
                 return await send(self.api, request)
             except (ApiException, aiohttp.ClientError, TimeoutError) as err:
@@ -89,10 +95,26 @@ class Kube:
         headers = {"Content-Type": content} if body is not None else {}
         return await self.send(Request(method, path, tuple((query or {}).items()), headers, body))
 
-    async def list(self, api_version: str, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
-        result = await self._call("GET", collection_path(api_version, kind, namespace), {"labelSelector": selector})
-        items: list[dict[str, Any]] = result.get("items") or []
-        return items
+    async def list(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        selector: str,
+        keep: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Every matching object, read ``LIST_PAGE`` at a time; ``keep`` trims each object as its page arrives,
+        so at most one page of whole objects is in memory."""
+        path, items = collection_path(api_version, kind, namespace), []
+        query = {"labelSelector": selector, "limit": str(LIST_PAGE)}
+        while True:
+            result = await self._call("GET", path, query)
+            page: list[dict[str, Any]] = result.get("items") or []
+            items += [keep(item) for item in page] if keep is not None else page
+            token = (result.get("metadata") or {}).get("continue")
+            if not token:
+                return items
+            query["continue"] = token
 
     async def get(self, path: str) -> dict[str, Any] | None:
         try:

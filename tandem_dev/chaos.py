@@ -1,0 +1,259 @@
+"""``tandem chaos``: a bounded chaos run on the local stack (or, ``--setting dev-cluster``, on the dev cluster with
+the operator: ``tandem_dev.chaos_devcluster``), with its results saved and printed.
+
+The local stack: a 3-member etcd, 2 prefill + 2 decode simulated SGLang workers (real PD protocol, real Mooncake KV
+transfer over TCP, restarted by the stack's supervisor when they die) and 2 routers. Clients run temperature-0
+chat streams (``--concurrency`` at a time, at most ``--streams``, for ``--duration`` seconds) over a fixed set of
+prompts whose uninterrupted answers were taken first. Meanwhile ``--faults`` faults, drawn from ``--seed``, hit
+one process each (``tandem_dev.chaos_faults``), one after the other. Every stream is judged against its reference
+(``tandem_dev.chaos_report``): lost before its first byte, broken after it (error event or cut), hung, garbled.
+
+The run stops by itself: the load ends after ``--duration``, each fault's measurement after ``--cap-s``, a silent
+stream after ``--hang-s``. It binds loopback only and must run inside a loopback-only network namespace
+(``make chaos`` uses ``scripts/in-netns.sh``): Mooncake listens on every interface. It stops only the processes
+it started, by process group. Results: ``build/chaos/<UTC time>/`` (``results.json`` with the tables, the git
+commit and the machine; ``timeline.png``, ``recovery.png``); the exit code is 1 when an invariant broke
+(anything garbled or hung, a request lost before its first byte, a fault not recovered).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from tandem.registry import Role
+from tandem_dev import bench_results
+from tandem_dev.chaos_faults import KINDS, ChaosTarget, LocalCluster, Router
+from tandem_dev.chaos_load import LoadSpec, Routers, reference, run_load
+from tandem_dev.chaos_plots import plot_recovery, plot_timeline
+from tandem_dev.chaos_report import ChaosReport, faults_table, summary_table, violations
+from tandem_dev.local_stack import MODEL, LocalStack, sim_worker_argv
+from tandem_dev.procs import ManagedProcess, free_port
+
+SETTING = "local stack: 3-member etcd, 2 prefill + 2 decode simulated workers, 2 routers"
+SETTINGS = ("local", "dev-cluster")
+DEV_CLUSTER_KINDS = (*KINDS, "operator")  # the operator leader killed: only where an operator runs
+
+
+@dataclass(frozen=True)
+class ChaosArgs:
+    streams: int = 100_000
+    concurrency: int = 16
+    duration_s: float = 60.0
+    seed: int = 0
+    faults: int = 5
+    kinds: tuple[str, ...] = KINDS
+    max_tokens: int = 100
+    inter_token_ms: float = 10.0
+    prompts: int = 16
+    hang_s: float = 30.0
+    cap_s: float = 60.0
+    setting: str = "local"
+
+    def knobs(self) -> dict[str, object]:
+        return {
+            "setting": self.setting, "streams": self.streams, "concurrency": self.concurrency,
+            "duration_s": self.duration_s, "seed": self.seed, "faults": self.faults, "kinds": ",".join(self.kinds),
+            "max_tokens": self.max_tokens,
+            "sim_inter_token_ms": self.inter_token_ms, "prompts": self.prompts, "hang_s": self.hang_s,
+        }  # fmt: skip
+
+
+def _say(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def plan(args: ChaosArgs) -> list[tuple[float, str]]:
+    """When (seconds into the load) and what to inject: kinds in a seeded order, every kind before a repeat,
+    spread over the first 75% of the run so each fault has load on both sides."""
+    rng = random.Random(args.seed)
+    kinds: list[str] = []
+    while len(kinds) < args.faults:
+        batch = list(args.kinds)
+        rng.shuffle(batch)
+        kinds += batch
+    times = sorted(rng.uniform(0.1, 0.75) * args.duration_s for _ in range(args.faults))
+    return list(zip(times, kinds[: args.faults], strict=True))
+
+
+async def run_chaos(args: ChaosArgs, workdir: Path) -> ChaosReport:
+    """Start the stack, run the load and the faults, stop everything it started; return what it measured."""
+
+    def worker_argv(role: Role, port: int, bootstrap_port: int | None) -> list[str]:
+        return [*sim_worker_argv(role, port, bootstrap_port), "--sim-inter-token-ms", str(args.inter_token_ms)]
+
+    stack = LocalStack(workdir, router_port=0, etcd_members=3, worker_argv=worker_argv, say=_say)
+    second: ManagedProcess | None = None
+    stop = asyncio.Event()
+    supervisor: asyncio.Task[None] | None = None
+    try:
+        await stack.start()
+        assert stack.router is not None
+        # The second router: the first one's command line (discovery, etcd endpoints, TLS when set) on another port.
+        port = free_port()
+        argv = list(stack.router.argv)
+        argv[argv.index("--port") + 1] = str(port)
+        second = ManagedProcess("router-1", argv, workdir / "router-1.log").start()
+        url = f"http://127.0.0.1:{port}"
+        await asyncio.to_thread(second.wait_http, f"{url}/readiness", 60.0)
+        supervisor = asyncio.create_task(stack.supervise(stop))
+        routers = [Router(stack.router_url, stack.router), Router(url, second)]
+        cluster = LocalCluster(stack)
+        return await measure(
+            args, SETTING, MODEL, routers, lambda http: ChaosTarget(cluster, routers, http, cap_s=args.cap_s)
+        )
+    finally:
+        stop.set()
+        if supervisor is not None:
+            await supervisor
+        if second is not None:
+            second.stop()
+        await stack.stop()
+
+
+async def measure(
+    args: ChaosArgs,
+    setting: str,
+    model: str,
+    routers: list[Router],
+    target: Callable[[aiohttp.ClientSession], ChaosTarget],
+) -> ChaosReport:
+    """Take the reference answers, then run the load (``model``'s chat completions) through ``routers`` while
+    ``target`` injects the planned faults one after the other; judge it all. ``target`` gets the run's pooled HTTP
+    session."""
+    spec = LoadSpec(model, args.prompts, args.max_tokens, args.concurrency, args.streams, args.duration_s,
+                    args.hang_s, args.seed)  # fmt: skip
+    report = ChaosReport(setting, args.knobs())
+    clients = Routers([r.url for r in routers])
+    rng = random.Random(args.seed ^ 0xC4A05)
+    try:
+        async with aiohttp.ClientSession() as http:
+            faults = target(http)
+            _say(f"taking the {args.prompts} reference answers ...")
+            sem = asyncio.Semaphore(args.concurrency)
+
+            async def ref(prompt: int) -> str:
+                async with sem:
+                    return await reference(clients, spec, prompt)
+
+            answers = await asyncio.gather(*(ref(i) for i in range(args.prompts)))
+            report.references = dict(enumerate(answers))
+            _say(f"load: {args.concurrency} streams at a time for {args.duration_s:g} s; faults: {plan(args)}")
+            t0 = time.monotonic()
+            stop_load = asyncio.Event()
+            load = asyncio.create_task(run_load(clients, spec, t0, stop_load))
+            for at, kind in plan(args):
+                await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+                if load.done():
+                    break
+                victim = rng.choice(await faults.victims_now(kind))
+                _say(f"fault: {kind} {victim}")
+                record = await faults.inject(kind, victim, t0)
+                report.faults.append(record)
+                _say(f"  fenced {record.fenced} s, recovered {record.recovered} s ({record.note})")
+            report.results = await load
+            report.seconds = time.monotonic() - t0
+            await faults.scrape_all()
+            report.router_counters = faults.counters()
+    finally:
+        await clients.close()
+    return report
+
+
+def save(report: ChaosReport, folder: Path, argv: Sequence[str]) -> Path:
+    results = bench_results.Results.start(folder, argv)
+    results.add("chaos", [summary_table(report), faults_table(report)], report.seconds)
+    results.doc["violations"] = violations(report)
+    # Each stream's outcome, to tell which fault a stream that was not OK met (times: seconds into the load).
+    results.doc["streams"] = [
+        {"prompt": r.prompt, "started": round(r.started, 3), "first_byte": r.first_byte and round(r.first_byte, 3),
+         "ended": round(r.ended, 3), "verdict": verdict.value, "error": r.error[:200], "failovers": r.failovers}
+        for r, verdict in zip(report.results, report.verdicts(), strict=True)
+    ]  # fmt: skip
+    plot_timeline(report, folder / "timeline.png")
+    plot_recovery(report, folder / "recovery.png")
+    return results.save()
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = ChaosArgs()
+    p = argparse.ArgumentParser(prog="tandem chaos", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--setting",
+        choices=SETTINGS,
+        default=d.setting,
+        help="where: the local stack, or the dev cluster with the operator (2 replicas, leader election)",
+    )
+    p.add_argument("--streams", type=int, default=d.streams, help="at most this many streams (N)")
+    p.add_argument("--concurrency", type=int, default=d.concurrency, help="streams at a time (C)")
+    p.add_argument("--duration", type=float, default=d.duration_s, help="seconds of load")
+    p.add_argument("--seed", type=int, default=d.seed, help="draws the faults, victims and prompts")
+    p.add_argument("--faults", type=int, help="faults to inject, one after the other (default: one per kind)")
+    p.add_argument(
+        "--kinds",
+        help=f"fault kinds to draw from (default: all of the setting's): {','.join(KINDS)}, "
+        "and on the dev cluster operator",
+    )
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens per stream")
+    p.add_argument("--inter-token-ms", type=float, default=d.inter_token_ms, help="the simulated decode step")
+    p.add_argument("--prompts", type=int, default=d.prompts, help="distinct prompts")
+    p.add_argument("--hang-s", type=float, default=d.hang_s, help="a stream silent this long is hung")
+    p.add_argument("--cap-s", type=float, default=d.cap_s, help="longest wait for one fault's fence or recovery")
+    p.add_argument("--results-dir", type=Path, help="where to save (default: build/chaos/<UTC time>)")
+    return p
+
+
+def parse_args(argv: Sequence[str]) -> tuple[ChaosArgs, Path | None]:
+    p = _parser()
+    ns = p.parse_args(argv)
+    known = DEV_CLUSTER_KINDS if ns.setting == "dev-cluster" else KINDS
+    kinds = tuple(k for k in (ns.kinds or ",".join(known)).split(",") if k)
+    unknown = [k for k in kinds if k not in known]
+    if unknown or not kinds:
+        p.error(f"--kinds: unknown kind(s) {unknown or kinds!r} for --setting {ns.setting}; known: {','.join(known)}")
+    for name in ("streams", "concurrency", "prompts", "max_tokens"):
+        if getattr(ns, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("duration", "hang_s", "cap_s"):
+        if getattr(ns, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    faults = len(kinds) if ns.faults is None else ns.faults
+    if faults < 0 or ns.inter_token_ms < 0:
+        p.error("--faults and --inter-token-ms must not be negative")
+    args = ChaosArgs(ns.streams, ns.concurrency, ns.duration, ns.seed, faults, kinds, ns.max_tokens,
+                     ns.inter_token_ms, ns.prompts, ns.hang_s, ns.cap_s, ns.setting)  # fmt: skip
+    return args, ns.results_dir
+
+
+def main(argv: Sequence[str]) -> int:
+    args, folder = parse_args(argv)
+    started = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    folder = folder or Path("build") / "chaos" / re.sub(r"[-:]", "", started)
+    folder.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="tandem-chaos-"))
+    if args.setting == "dev-cluster":
+        from tandem_dev import chaos_devcluster
+
+        _say(f"{chaos_devcluster.SETTING}; process logs in {workdir}")
+        report = asyncio.run(chaos_devcluster.run_devcluster_chaos(args, workdir))
+    else:
+        _say(f"{SETTING}; process logs in {workdir}")
+        report = asyncio.run(run_chaos(args, workdir))
+    print(summary_table(report).render())
+    print(faults_table(report).render())
+    saved = save(report, folder, argv)
+    _say(f"saved: {saved}, {folder / 'timeline.png'}, {folder / 'recovery.png'}")
+    broken = violations(report)
+    for line in broken:
+        print(f"chaos: invariant broken: {line}", file=sys.stderr)
+    return 1 if broken else 0

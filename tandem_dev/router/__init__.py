@@ -1,0 +1,1 @@
+"""Benchmarks of the router and the instant worker they measure it against."""

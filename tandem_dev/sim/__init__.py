@@ -1,0 +1,1 @@
+"""Benchmarks and test helpers of the simulator."""

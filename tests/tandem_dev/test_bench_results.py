@@ -1,0 +1,66 @@
+"""``tandem bench``: results saved as JSON + PNG with their context; a missing peer fails loudly unless allowed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tandem_dev import bench, peers
+from tandem_dev.bench import BenchArgs
+
+SECTIONS = """
+from tandem_dev import peers
+from tandem_dev.bench import NOT_MEASURED, BenchArgs, Plot, Table
+
+
+def run(args: BenchArgs) -> list[Table]:
+    if not args.allow_missing_peers:
+        raise peers.PeerMissingError("peer smg (1.13.0) is not installed here: run `make peers`")
+    table = Table("fake", ["target", "req/s"], plot=Plot("bar", "target", ["req/s"], "req/s"))
+    table.rows += [["tandem", 10.0], ["smg 1.13.0", NOT_MEASURED]]
+    return [table]
+"""
+
+
+@pytest.fixture
+def fake_section(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "fake_bench_section.py").write_text(SECTIONS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(bench, "SECTIONS", {"fake": "fake_bench_section"})
+
+
+@pytest.mark.usefixtures("fake_section")
+def test_missing_peer_fails_the_section_naming_the_peer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["fake", "--results-dir", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "section fake FAILED: peer smg (1.13.0) is not installed here: run `make peers`" in err
+    assert "--allow-missing-peers" in err
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert "smg" in doc["sections"]["fake"]["failed"]
+
+
+@pytest.mark.usefixtures("fake_section")
+def test_results_folder_has_tables_plots_and_context(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert bench.main(["fake", "--allow-missing-peers", "--results-dir", str(out)]) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert len(doc["git"]["commit"]) == 40
+    assert doc["machine"]["cores"] >= 1
+    assert len(doc["machine"]["load_average_at_start"]) == 3
+    assert set(doc["peers"]) == set(peers.PEERS)
+    table = doc["sections"]["fake"]["tables"][0]
+    assert table["rows"][1] == ["smg 1.13.0", "not measured"]
+    png = out / table["plot"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_router_bench_fails_before_starting_anything_without_smg(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tandem_dev.router import bench as router_bench
+
+    monkeypatch.setattr(peers, "CACHE", tmp_path / "empty-cache")
+    with pytest.raises(peers.PeerMissingError, match=r"peer smg \(1\.13\.0\) is not installed here: run `make peers`"):
+        router_bench.router_cost(BenchArgs(quick=True))
