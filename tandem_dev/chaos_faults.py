@@ -10,9 +10,9 @@ here, the dev cluster in ``tandem_dev.chaos_devcluster``) exposes its workers an
 - ``etcd``: one member of three killed, started again ``etcd_down_s`` later. Recovered when it answers
   ``/health``; the run shows whether anything else noticed.
 - ``transfer``: KV sends from one prefill to one decode fail (the simulator's ``/tandem/sim/faults`` with
-  ``to_sessions``) for ``transfer_down_s`` (longer, up to ``cap_s``, until a router tried the pair). Fenced at the
-  routers' last failed attempt on that pair; recovered
-  when, after the link is back, the prefill no longer blacklists the decode's Mooncake session.
+  ``to_sessions``) for ``transfer_down_s``. Fenced at the routers' last failed attempt on that pair (none if no
+  router tried it: the cache-aware policy can leave one pair idle); recovered when, after the link is back, the
+  prefill no longer blacklists the decode's Mooncake session.
 """
 
 from __future__ import annotations
@@ -300,11 +300,7 @@ class ChaosTarget:
         seen, last_failure = await failures(), None
         broke = time.monotonic()
         await self._link_fault(prefill_url, 1.0, session)
-        # At least transfer_down_s, and on until the routers tried the pair (up to cap_s): with few streams the
-        # cache-aware policy can leave one pair idle for seconds, and a link that carried nothing tested nothing.
-        while (elapsed := time.monotonic() - broke) < self.transfer_down_s or (
-            last_failure is None and elapsed < self.cap_s
-        ):
+        while time.monotonic() - broke < self.transfer_down_s:
             now = await failures()
             if now > seen:
                 seen, last_failure = now, time.monotonic()
@@ -320,8 +316,7 @@ class ChaosTarget:
         recovered = await self.until(unblacklisted, time.monotonic())
         record.recovered = None if recovered is None else time.monotonic() - broke
         record.note = (
-            f"sends failing for {self.transfer_down_s:g} s or until a router tried the pair; fenced: the routers' last "
-            "failed attempt on the pair"
+            f"sends failing for {self.transfer_down_s:g} s; fenced: the routers' last failed attempt on the pair"
             + ("" if last_failure is not None else " (none failed)")
             + "; recovered: the prefill no longer blacklists the decode"
         )

@@ -49,8 +49,11 @@ async def test_a_tiny_dev_cluster_chaos_run_keeps_every_invariant_and_the_leader
     assert leader.recovered is not None
     assert leader.fenced < leader.recovered  # the decode killed after the takeover was recovered by the new leader
     for fault in report.faults:
-        if fault.kind in ("prefill", "decode", "transfer"):  # transfer: the routers saw the broken link fail
+        if fault.kind in ("prefill", "decode"):
             assert fault.fenced is not None, fault
+        if fault.kind in ("prefill", "decode", "transfer"):
+            # transfer: fenced only if a router tried the broken pair in its 5 s, which the cache-aware policy may
+            # not do with 4 streams; the prefill must stop blacklisting the decode either way.
             assert fault.recovered is not None, fault
     saved = orjson.loads(save(report, live.tmp / "out", ["--setting", "dev-cluster"]).read_bytes())
     assert saved["violations"] == []
