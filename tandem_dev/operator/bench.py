@@ -398,14 +398,7 @@ async def _install_crds(cluster: DevCluster, root: Path) -> None:
     for name, text in rendered_files().items():
         (crds / name).write_text(text)
     await _kubectl(cluster, "apply", "--server-side", "-f", str(crds))
-    for attempt in range(5):  # a CRD read before the API server wrote its first status has no conditions: wait errs
-        try:
-            await _kubectl(cluster, "wait", "--for=condition=Established", "--timeout=60s", "-f", str(crds))
-            return
-        except RuntimeError:
-            if attempt == 4:
-                raise
-            await asyncio.sleep(1.0)
+    await asyncio.to_thread(cluster.wait_established, [path.stem for path in crds.glob("*.yaml")])
 
 
 async def _kubectl(cluster: DevCluster, *argv: str) -> None:

@@ -64,7 +64,7 @@ async def monitoring_kinds(k8s_cluster: DevCluster) -> None:
         _stand_in_crd("PrometheusRule", "prometheusrules"),
     ]
     await tool(k8s_cluster, "kubectl", "apply", "--server-side", "-f", "-", stdin=yaml.safe_dump_all(docs).encode())
-    await tool(k8s_cluster, "kubectl", "wait", "--for=condition=Established", "crd", "--all", "--timeout=30s")
+    await asyncio.to_thread(k8s_cluster.wait_established, [doc["metadata"]["name"] for doc in docs])
 
 
 async def test_crds_and_deploy_examples_are_accepted(k8s_cluster: DevCluster, k8s_namespace: str) -> None:
@@ -73,7 +73,7 @@ async def test_crds_and_deploy_examples_are_accepted(k8s_cluster: DevCluster, k8
     await _dry_run(k8s_cluster, crds)
     # The examples need the kinds to exist: install the CRDs as `helm install` would (it creates missing CRDs).
     await tool(k8s_cluster, "kubectl", "apply", "--server-side", "-f", str(CHART / "crds"))
-    await asyncio.to_thread(k8s_cluster.wait_established, ["pdclusters.tandem.dev", "pdpools.tandem.dev"])
+    await asyncio.to_thread(k8s_cluster.wait_established, [crd["metadata"]["name"] for crd in crds])
     examples = []
     for path in (DEPLOY / "kimi-k26-h200.yaml", DEPLOY / "sim-small.yaml"):
         doc = yaml.safe_load(path.read_text())
