@@ -3,6 +3,9 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+## pytest keeps bytecode (and its assertion-rewritten test modules) under ~/.cache/tandem/pycache, also where the
+## environment sets PYTHONDONTWRITEBYTECODE: compiling every module afresh cost each pytest process ~5 s of CPU.
+PYTEST := env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$(HOME)/.cache/tandem/pycache $(PY) -m pytest
 
 .PHONY: up test bootstrap setup peers k8s-binaries images images-relock lint typecheck unit bench chaos chaos-dev-cluster generate verify format clean
 
@@ -39,15 +42,16 @@ images-relock: bootstrap
 
 ## test: install everything, then lint, type-check and run every test (inside a loopback-only netns).
 test: setup lint typecheck
-	scripts/in-netns.sh $(PY) -m pytest $(PYTEST_ARGS)
+	scripts/in-netns.sh $(PYTEST) $(PYTEST_ARGS)
 
 ## unit: the pure tests only (no netns, k8s, slow or process-starting tests); no netns needed. Two
 ## xdist workers (helm renders and Python overlap on 2 cores); modules that -m deselects whole are not even imported
-## (tests/markfilter.py).
+## (tests/markfilter.py), nor are the plugins that only process-tier tests use (UNUSED_IN_UNIT_PLUGINS there).
 UNIT_MARKERS := not (netns or k8s or slow or procs)
 UNIT_WORKERS ?= 2
 unit: bootstrap
-	$(PY) -m pytest -m "$(UNIT_MARKERS)" -n $(UNIT_WORKERS) -p no:cacheprovider $(PYTEST_ARGS)
+	$(PYTEST) -m "$(UNIT_MARKERS)" -n $(UNIT_WORKERS) -p no:cacheprovider -p no:schemathesis -p no:hypothesispytest \
+		$(PYTEST_ARGS)
 
 lint: bootstrap
 	$(VENV)/bin/ruff check .

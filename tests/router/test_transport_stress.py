@@ -30,6 +30,9 @@ REQUESTS = 1000
 CONCURRENCY = 48
 HANG_BOUND_S = 20.0  # far above any request here (a few ms each): reaching it is a hang
 
+# A load test (1,000 requests per loop and pool, ~6 s of CPU in all): `make test` runs it, `make unit` does not.
+pytestmark = pytest.mark.slow
+
 
 @dataclass(frozen=True)
 class Plan:
