@@ -83,7 +83,7 @@ class ResponseStream:
     """A response written as it is produced (SSE). ``write`` raises ``ConnectionResetError`` once the client is
     gone, and waits while the client reads slower than the stream is written (the transport's buffer is full)."""
 
-    __slots__ = ("_channel", "_chunked", "_head", "ended", "started", "status")
+    __slots__ = ("_channel", "_chunked", "_head", "ended", "status")
 
     def __init__(self, channel: Channel, status: int, headers: Headers, *, chunked: bool, keep_alive: bool) -> None:
         self.status = status
@@ -94,7 +94,6 @@ class ResponseStream:
         else:
             framing = b"Connection: close\r\n"
         self._head: bytes | None = head(status, headers, framing)
-        self.started = False
         self.ended = False
 
     @property
@@ -103,7 +102,6 @@ class ResponseStream:
 
     async def prepare(self) -> None:
         """Commit to streaming; the head goes out with the first bytes written."""
-        self.started = True
         if self._channel.lost:
             raise ConnectionResetError("the client disconnected")
 
@@ -113,7 +111,6 @@ class ResponseStream:
             raise ConnectionResetError("the client disconnected")
         if not data:
             return  # a zero-length chunk would end a chunked body
-        self.started = True
         if self._chunked:
             data = b"%x\r\n%b\r\n" % (len(data), data)
         if self._head is not None:
