@@ -1,12 +1,13 @@
-"""The router's HTTP surface (aiohttp): validation, auth, limits, request ids, metrics; the proxy does the rest.
+"""The router's HTTP surface: routes, validation, auth, limits, request ids, metrics; the proxy does the rest.
 
-Every failure a client can see is an OpenAI error body. Invalid requests are rejected here, before anything is
-sent to a worker.
+Served by the router's own HTTP/1.1 server (``server``). Every failure a client can see is an OpenAI error body.
+Invalid requests are rejected here, before anything is sent to a worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import time
@@ -17,7 +18,6 @@ from typing import Any
 
 import orjson
 import pydantic
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from tandem_router.canary import CanaryConfig
@@ -47,11 +47,12 @@ from tandem_router.schema import (
     prompt_text,
     routing_key,
 )
+from tandem_router.server import HttpServer, Limits, Reply, Response, ServerRequest
 from tandem_router.transport import Transport, TransportConfig
 
 log = logging.getLogger("tandem.router")
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Endpoint = Callable[[ServerRequest], Awaitable[Response]]
 _PROXIED = frozenset(r.value for r in Route)
 PROMPT_CHARS_INSPECTED = 65536  # prompt text kept for the prompt-leak detector, per request
 PREFIX_UNITS = 32768  # prompt prefix (characters or token ids) that keys cache-aware prefill choice
@@ -75,9 +76,6 @@ class RouterState:
     openapi: bytes = field(default_factory=lambda: orjson.dumps(document()))
 
 
-_STATE: web.AppKey[RouterState] = web.AppKey("router_state", RouterState)
-
-
 def error(
     status: int,
     message: str,
@@ -85,14 +83,9 @@ def error(
     *,
     code: str | None = None,
     param: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> web.Response:
-    return web.Response(
-        status=status,
-        body=error_body(message, type_, code=code, param=param),
-        content_type="application/json",
-        headers=headers,
-    )
+    headers: tuple[tuple[str, str], ...] = (),
+) -> Reply:
+    return Reply(error_body(message, type_, code=code, param=param), status=status, headers=headers)
 
 
 def integrity_config(settings: RouterSettings) -> IntegrityConfig:
@@ -113,7 +106,7 @@ def integrity_config(settings: RouterSettings) -> IntegrityConfig:
     )
 
 
-def build_app(settings: RouterSettings, gates: tuple[PairGate, ...] = ()) -> web.Application:
+def build_app(settings: RouterSettings, gates: tuple[PairGate, ...] = ()) -> RouterApp:
     transport = Transport(TransportConfig(settings.connect_timeout_s, settings.read_idle_timeout_s))
     monitor: IntegrityMonitor | None = None
     extra_gates: tuple[PairGate, ...] = gates
@@ -148,31 +141,77 @@ def build_app(settings: RouterSettings, gates: tuple[PairGate, ...] = ()) -> web
         make_discovery(pool, settings),
     )
     state.integrity, state.hooks = monitor, hooks
-    app = web.Application(
-        client_max_size=settings.max_body_bytes, middlewares=[_errors_and_metrics, _auth], handler_args=None
-    )
-    app[_STATE] = state
-    app.router.add_post(Route.CHAT.value, _proxied(Route.CHAT))
-    app.router.add_post(Route.COMPLETIONS.value, _proxied(Route.COMPLETIONS))
-    app.router.add_post(Route.GENERATE.value, _proxied(Route.GENERATE))
-    app.router.add_get("/v1/models", _models)
-    app.router.add_get("/health", _health)
-    app.router.add_get("/readiness", _readiness)
-    app.router.add_get("/metrics", _metrics)
-    app.router.add_get("/openapi.json", _openapi)
-    app.router.add_get("/integrity", _integrity)
-    app.on_startup.append(_startup)
-    app.on_shutdown.append(_shutdown)
-    app.on_cleanup.append(_cleanup)
-    return app
+    return RouterApp(state)
 
 
-def state_of(app: web.Application) -> RouterState:
-    return app[_STATE]
+class RouterApp:
+    """The routes and the router's lifecycle: ``start`` (discovery, health checks, background tasks, then the
+    listener) and ``stop`` (listener closed, in-flight requests drained, then everything else)."""
+
+    def __init__(self, state: RouterState) -> None:
+        self.state = state
+        proxied = {r.value: {"POST": _proxied(state, r)} for r in Route}
+        plain = {
+            "/v1/models": _models,
+            "/health": _health,
+            "/readiness": _readiness,
+            "/metrics": _metrics,
+            "/openapi.json": _openapi,
+            "/integrity": _integrity,
+        }
+        self.routes: dict[str, dict[str, Endpoint]] = proxied
+        for path, endpoint in plain.items():
+            bound = functools.partial(endpoint, state)
+            self.routes[path] = {"GET": bound, "HEAD": bound}
+
+    async def handle(self, request: ServerRequest) -> Response:
+        path = request.path
+        methods = self.routes.get(path)
+        if methods is None:
+            return error(404, "Not Found", ErrorType.NOT_FOUND)
+        endpoint = methods.get(request.method)
+        if endpoint is None:
+            return error(405, "Method Not Allowed", ErrorType.INVALID_REQUEST, headers=(("Allow", ",".join(methods)),))
+        s = self.state
+        proxied = path in _PROXIED
+        resp: Response
+        if s.settings.api_keys and (proxied or path == "/v1/models") and not _authorized(request, s.settings):
+            resp = error(
+                401,
+                "missing or invalid API key (Authorization: Bearer <key>)",
+                ErrorType.AUTHENTICATION,
+                code="invalid_api_key",
+            )
+        else:
+            try:
+                resp = await endpoint(request)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("unhandled error", extra={"path": path})
+                resp = error(500, "internal router error", ErrorType.SERVER)
+        if proxied:
+            s.metrics.requests.labels(path, str(resp.status)).inc()
+        return resp
+
+    async def start(self, host: str, port: int, *, reuse_port: bool = False) -> HttpServer:
+        await _startup(self.state)
+        server = HttpServer(self.handle, Limits(max_body_bytes=self.state.settings.max_body_bytes))
+        await server.start(host, port, reuse_port=reuse_port)
+        return server
+
+    async def stop(self, server: HttpServer, drain_timeout_s: float) -> None:
+        """New connections are refused; in-flight requests get ``drain_timeout_s``."""
+        self.state.draining = True
+        await server.drain(drain_timeout_s)
+        await _cleanup(self.state)
 
 
-async def _startup(app: web.Application) -> None:
-    s = app[_STATE]
+def state_of(app: RouterApp) -> RouterState:
+    return app.state
+
+
+async def _startup(s: RouterState) -> None:
     await s.discovery.start()
     await s.health.check_all()
     s.health.start()
@@ -189,13 +228,7 @@ async def _startup(app: web.Application) -> None:
         s.background.append(asyncio.create_task(publisher.run(s.stop)))
 
 
-async def _shutdown(app: web.Application) -> None:
-    """Runs when the listener closed: new connections are refused; in-flight requests get ``drain_timeout_s``."""
-    app[_STATE].draining = True
-
-
-async def _cleanup(app: web.Application) -> None:
-    s = app[_STATE]
+async def _cleanup(s: RouterState) -> None:
     s.stop.set()
     await asyncio.gather(*s.background, return_exceptions=True)
     if s.hooks is not None:
@@ -206,57 +239,24 @@ async def _cleanup(app: web.Application) -> None:
     await s.transport.close()
 
 
-@web.middleware
-async def _errors_and_metrics(request: web.Request, handler: Handler) -> web.StreamResponse:
-    s = request.app[_STATE]
-    path = request.path
-    route = path if path in _PROXIED else "other"
-    try:
-        resp = await handler(request)
-    except web.HTTPException as exc:
-        type_ = ErrorType.NOT_FOUND if exc.status == 404 else ErrorType.INVALID_REQUEST
-        resp = error(exc.status, exc.reason, type_)
-    except asyncio.CancelledError:
-        raise
-    except Exception:
-        log.exception("unhandled error", extra={"path": path})
-        resp = error(500, "internal router error", ErrorType.SERVER)
-    if route != "other":
-        s.metrics.requests.labels(route, str(resp.status)).inc()
-    return resp
+def _authorized(request: ServerRequest, settings: RouterSettings) -> bool:
+    header = request.header("authorization")
+    token = header[7:] if header[:7].lower() == "bearer " else ""
+    return token in settings.api_keys
 
 
-@web.middleware
-async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    keys = request.app[_STATE].settings.api_keys
-    if keys and (request.path in _PROXIED or request.path == "/v1/models"):
-        header = request.headers.get("Authorization", "")
-        token = header[7:] if header[:7].lower() == "bearer " else ""
-        if token not in keys:
-            return error(
-                401,
-                "missing or invalid API key (Authorization: Bearer <key>)",
-                ErrorType.AUTHENTICATION,
-                code="invalid_api_key",
-            )
-    return await handler(request)
-
-
-def _proxied(route: Route) -> Handler:
+def _proxied(state: RouterState, route: Route) -> Endpoint:
+    """The handler of a proxied route (the request body's size limit is the server's: ``Limits``)."""
     model_cls = REQUEST_MODELS[route]
 
-    async def handle(request: web.Request) -> web.StreamResponse:
-        s = request.app[_STATE]
+    async def handle(request: ServerRequest) -> Response:
+        s = state
         if s.draining:
             return error(503, "router is shutting down", ErrorType.UNAVAILABLE)
         if s.in_flight >= s.settings.max_concurrent_requests:
-            return error(429, "too many concurrent requests", ErrorType.RATE_LIMIT, headers={"Retry-After": "1"})
+            return error(429, "too many concurrent requests", ErrorType.RATE_LIMIT, headers=(("Retry-After", "1"),))
         started = time.monotonic()
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return error(413, f"request body exceeds {s.settings.max_body_bytes} bytes", ErrorType.INVALID_REQUEST)
-        body, problem = _parse(raw, route, model_cls)
+        body, problem = _parse(request.body, route, model_cls)
         if problem is not None:
             return problem
         model = body.get("model")
@@ -274,7 +274,7 @@ def _proxied(route: Route) -> Handler:
             items=item_count(route, body),
             prefix=routing_key(route, body, prompt, PREFIX_UNITS),
             prompt=prompt if s.integrity is not None else "",
-            request_id=request.headers.get("X-Request-Id") or uuid.uuid4().hex,
+            request_id=request.header("x-request-id") or uuid.uuid4().hex,
             started=started,
             client=client_identity(request, s.settings),
         )
@@ -287,20 +287,20 @@ def _proxied(route: Route) -> Handler:
     return handle
 
 
-def client_identity(request: web.Request, settings: RouterSettings) -> str:
+def client_identity(request: ServerRequest, settings: RouterSettings) -> str:
     """Who sent a request, for integrity evidence (one client's findings alone never quarantine a pair): its API
     key when the router checks keys (``api_keys``; an unchecked token could be made up per request), else the
     value of ``client_id_header`` when the operator set one (a header that a trusted proxy in front of the router
     sets), else the peer address."""
-    header = request.headers.get("Authorization", "")
+    header = request.header("authorization")
     if settings.api_keys and header[:7].lower() == "bearer " and header[7:]:
         return "key:" + hashlib.sha256(header[7:].encode()).hexdigest()[:16]
-    if settings.client_id_header and request.headers.get(settings.client_id_header):
-        return "header:" + request.headers[settings.client_id_header][:256]
+    if settings.client_id_header and request.header(settings.client_id_header):
+        return "header:" + request.header(settings.client_id_header)[:256]
     return f"peer:{request.remote or 'unknown'}"
 
 
-def _parse(raw: bytes, route: Route, model_cls: type[pydantic.BaseModel]) -> tuple[dict[str, Any], web.Response | None]:
+def _parse(raw: bytes, route: Route, model_cls: type[pydantic.BaseModel]) -> tuple[dict[str, Any], Reply | None]:
     """The canonical body to forward (``openai.requests.canonical``), or the OpenAI error that refuses it."""
     try:
         body = orjson.loads(raw)
@@ -323,40 +323,35 @@ def _parse(raw: bytes, route: Route, model_cls: type[pydantic.BaseModel]) -> tup
     return body, None
 
 
-async def _models(request: web.Request) -> web.Response:
-    s = request.app[_STATE]
+async def _models(s: RouterState, request: ServerRequest) -> Response:
     names = sorted(s.pool.models() | set(s.settings.model_names))
-    body = ModelList(data=[ModelCard(id=n) for n in names]).model_dump_json().encode()
-    return web.Response(body=body, content_type="application/json")
+    return Reply(ModelList(data=[ModelCard(id=n) for n in names]).model_dump_json().encode())
 
 
-async def _health(request: web.Request) -> web.Response:
-    return web.Response(text="OK")
+async def _health(s: RouterState, request: ServerRequest) -> Response:
+    return Reply(b"OK", content_type="text/plain; charset=utf-8")
 
 
-async def _readiness(request: web.Request) -> web.Response:
-    s = request.app[_STATE]
+async def _readiness(s: RouterState, request: ServerRequest) -> Response:
     if s.draining:
         return error(503, "draining", ErrorType.UNAVAILABLE)
     if not s.pool.has_healthy_pair(time.monotonic()):
         return error(503, "no healthy prefill/decode pair", ErrorType.UNAVAILABLE)
-    return web.Response(text="OK")
+    return Reply(b"OK", content_type="text/plain; charset=utf-8")
 
 
-async def _metrics(request: web.Request) -> web.Response:
-    s = request.app[_STATE]
+async def _metrics(s: RouterState, request: ServerRequest) -> Response:
     data = generate_latest(s.metrics.registry)
     if s.integrity is not None:
         data += generate_latest(s.integrity.metrics.registry)
-    return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return Reply(data, content_type=CONTENT_TYPE_LATEST)
 
 
-async def _integrity(request: web.Request) -> web.Response:
+async def _integrity(s: RouterState, request: ServerRequest) -> Response:
     """Quarantined pairs (probation included) and why, workers that are out, repeat offenders."""
-    s = request.app[_STATE]
     doc = {"enabled": False, "quarantined": []} if s.integrity is None else integrity_document(s.integrity)
-    return web.Response(body=orjson.dumps(doc), content_type="application/json")
+    return Reply(orjson.dumps(doc))
 
 
-async def _openapi(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[_STATE].openapi, content_type="application/json")
+async def _openapi(s: RouterState, request: ServerRequest) -> Response:
+    return Reply(s.openapi)

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 
 import pydantic
 import uvloop
-from aiohttp import web
 
 from tandem import logs
 from tandem_router.app import build_app
@@ -27,10 +26,7 @@ log = logging.getLogger("tandem.router")
 
 async def serve(settings: RouterSettings, *, reuse_port: bool = False) -> None:
     app = build_app(settings)
-    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=settings.drain_timeout_s, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port, reuse_port=reuse_port or None, backlog=4096)
-    await site.start()
+    server = await app.start(settings.host, settings.port, reuse_port=reuse_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -47,7 +43,7 @@ async def serve(settings: RouterSettings, *, reuse_port: bool = False) -> None:
     )
     await stop.wait()
     log.info("draining", extra={"timeout_s": settings.drain_timeout_s})
-    await runner.cleanup()
+    await app.stop(server, settings.drain_timeout_s)
     log.info("stopped")
 
 

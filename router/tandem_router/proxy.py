@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
-from aiohttp import web
 
 from tandem.registry import Role
 from tandem_router.integrity.textextract import body_texts
@@ -33,6 +32,7 @@ from tandem_router.policy import bootstrap, retry
 from tandem_router.pool import Lease, Pair, WorkerPool
 from tandem_router.resume import RESUME_OFF, Refusal, ResumeConfig, StreamLedger, new_ledger
 from tandem_router.schema import ErrorType, Route, error_body
+from tandem_router.server import Reply, Response, ServerRequest
 from tandem_router.stream_relay import Opened, StreamRelay
 from tandem_router.transport import Request, Transport, WorkerError, WorkerResponse
 
@@ -122,7 +122,7 @@ class Proxy:
         self.on_complete = on_complete  # sees each fully relayed response's texts (shadow comparison)
         self._background: set[asyncio.Task[None]] = set()
 
-    async def handle(self, req: ProxyRequest, http: web.Request) -> web.StreamResponse:
+    async def handle(self, req: ProxyRequest, http: ServerRequest) -> Response:
         if self.observer is None:
             return await self._handle(req, http)
         self.observer.started(req.request_id, req.prompt, req.client)
@@ -131,7 +131,7 @@ class Proxy:
         finally:
             self.observer.released(req.request_id)
 
-    async def _handle(self, req: ProxyRequest, http: web.Request) -> web.StreamResponse:
+    async def _handle(self, req: ProxyRequest, http: ServerRequest) -> Response:
         tried: set[tuple[str, str]] = set()
         failed_workers: set[str] = set()
         attempt = 0
@@ -176,17 +176,16 @@ class Proxy:
         if failure is None:
             return _error(503, "no healthy prefill/decode pair is available", ErrorType.UNAVAILABLE, req.request_id)
         if failure.client_error:
-            return web.Response(
+            return Reply(
+                client_error_body(failure.status, failure.body or b"", req.body),
                 status=failure.status,
-                body=client_error_body(failure.status, failure.body or b"", req.body),
-                content_type="application/json",
-                headers={"X-Request-Id": req.request_id},
+                headers=(("X-Request-Id", req.request_id),),
             )
         return _error(
             failure.status, f"all {attempt} attempt(s) failed; last: {failure.reason}", ErrorType.SERVER, req.request_id
         )
 
-    async def _attempt(self, pair: Pair, req: ProxyRequest, http: web.Request) -> web.StreamResponse | _Failure:
+    async def _attempt(self, pair: Pair, req: ProxyRequest, http: ServerRequest) -> Response | _Failure:
         """One try on one pair: the client's response once relayed, or why this pair could not serve it."""
         ledger = new_ledger(req.route, req.body) if self.resume_cfg.max_attempts else RESUME_OFF
         opened = await self.open_pair(pair, req, ledger.upstream() if isinstance(ledger, StreamLedger) else req.body)
@@ -303,8 +302,8 @@ class Proxy:
         bg.add_done_callback(self._background.discard)
 
     async def _relay(
-        self, opened: Opened, req: ProxyRequest, http: web.Request, ledger: StreamLedger | Refusal
-    ) -> web.StreamResponse:
+        self, opened: Opened, req: ProxyRequest, http: ServerRequest, ledger: StreamLedger | Refusal
+    ) -> Response:
         if req.stream:
             return await StreamRelay(self, req, http, ledger).run(opened)
         route = req.route.value
@@ -312,13 +311,10 @@ class Proxy:
             if self.observer is not None:
                 self.report_texts(opened.pair, req, body_texts(route, opened.first))
             self.metrics.ttft.labels(route).observe(time.monotonic() - req.started)
-            return web.Response(
-                body=conform_body(req.route, opened.first),
-                status=200,
-                headers={
-                    "Content-Type": opened.resp.headers.get("content-type", "application/json"),
-                    "X-Request-Id": req.request_id,
-                },
+            return Reply(
+                conform_body(req.route, opened.first),
+                content_type=opened.resp.headers.get("content-type", "application/json"),
+                headers=(("X-Request-Id", req.request_id),),
             )
         finally:
             self.settle(opened, ok=True, client_gone=False)
@@ -344,10 +340,5 @@ class Proxy:
             await asyncio.gather(*self._background, return_exceptions=True)
 
 
-def _error(status: int, message: str, type_: ErrorType, request_id: str) -> web.Response:
-    return web.Response(
-        status=status,
-        body=error_body(message, type_),
-        content_type="application/json",
-        headers={"X-Request-Id": request_id},
-    )
+def _error(status: int, message: str, type_: ErrorType, request_id: str) -> Reply:
+    return Reply(error_body(message, type_), status=status, headers=(("X-Request-Id", request_id),))

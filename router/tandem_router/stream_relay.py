@@ -20,13 +20,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from aiohttp import web
-
 from tandem_router.integrity.textextract import StreamTexts
 from tandem_router.openai.responses import StreamConformer, conformed
 from tandem_router.pool import Lease, Pair
 from tandem_router.resume import Refusal, StreamLedger
 from tandem_router.schema import Route, stream_error_event
+from tandem_router.server import ResponseStream, ServerRequest
 from tandem_router.transport import WorkerError, WorkerResponse
 
 if TYPE_CHECKING:
@@ -49,7 +48,7 @@ class Opened:
 
 
 class StreamRelay:
-    def __init__(self, proxy: Proxy, req: ProxyRequest, http: web.Request, ledger: StreamLedger | Refusal) -> None:
+    def __init__(self, proxy: Proxy, req: ProxyRequest, http: ServerRequest, ledger: StreamLedger | Refusal) -> None:
         self.proxy = proxy
         self.req = req
         self.http = http
@@ -72,20 +71,19 @@ class StreamRelay:
             self.texts.feed(raw)
         return raw if self.shaped is None else self.shaped.feed(raw)
 
-    async def run(self, opened: Opened) -> web.StreamResponse:
+    async def run(self, opened: Opened) -> ResponseStream:
         proxy, req = self.proxy, self.req
         pair, resp, first = opened.pair, opened.resp, opened.first
         route = req.route.value
         metrics = proxy.metrics
-        out = web.StreamResponse(
-            status=200,
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": req.request_id},
+        out = self.http.stream(
+            (("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"), ("X-Request-Id", req.request_id))
         )
         ok = client_gone = False
         settled = False
         try:
             try:
-                await out.prepare(self.http)
+                await out.prepare()
                 await out.write(self._client_bytes(first))
             except ConnectionResetError:
                 client_gone = True
@@ -142,8 +140,8 @@ class StreamRelay:
                 await out.write_eof()
             return out
         finally:
-            if not settled:
-                proxy.settle(opened, ok=ok, client_gone=client_gone)
+            if not settled:  # a client that left (also: its request cancelled) says nothing about the pair
+                proxy.settle(opened, ok=ok, client_gone=client_gone or out.client_gone)
             metrics.e2e.labels(route).observe(time.monotonic() - req.started)
 
     async def _resume(self, failed: Pair, broke_at: float) -> Opened | None:

@@ -11,9 +11,10 @@ import aiohttp
 from aiohttp import web
 
 from tandem_dev.router import instant_worker
-from tandem_router.app import build_app, state_of
+from tandem_router.app import RouterApp, build_app, state_of
 from tandem_router.config import PrefillSpec, RouterSettings
 from tandem_router.policy.selection import Policy
+from tandem_router.server import HttpServer
 
 
 @dataclass
@@ -36,10 +37,28 @@ async def serve(app: web.Application) -> Served:
 
 
 @dataclass
+class ServedRouter:
+    app: RouterApp
+    server: HttpServer
+    url: str
+
+    async def stop(self) -> None:
+        await self.app.stop(self.server, 2.0)
+
+
+async def serve_router(settings: RouterSettings) -> ServedRouter:
+    """The router as ``tandem router`` serves it (its own HTTP server), on a free loopback port."""
+    app = build_app(settings)
+    server = await app.start("127.0.0.1", 0)
+    host, port = server.address
+    return ServedRouter(app, server, f"http://{host}:{port}")
+
+
+@dataclass
 class Stack:
     prefills: list[Served]
     decodes: list[Served]
-    router: Served
+    router: ServedRouter
     http: aiohttp.ClientSession
 
     @property
@@ -84,12 +103,12 @@ async def stack(
         retry_initial_backoff_s=settings.pop("retry_initial_backoff_s", 0.001),
         **settings,
     )
-    router = await serve(build_app(cfg))
+    router = await serve_router(cfg)
     http = aiohttp.ClientSession()
     try:
         yield Stack(ps, ds, router, http)
     finally:
         await http.close()
-        await router.runner.cleanup()
+        await router.stop()
         for w in ps + ds:
             await w.runner.cleanup()

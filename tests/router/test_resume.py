@@ -7,7 +7,6 @@ from typing import Any, cast
 
 import orjson
 import pytest
-from aiohttp import web
 
 from tandem.registry import Role
 from tandem_router.metrics import RouterMetrics
@@ -17,6 +16,7 @@ from tandem_router.proxy import Proxy, ProxyRequest, _Failure
 from tandem_router.resume import ResumeConfig
 from tandem_router.resume.openai_streams import ChatLedger
 from tandem_router.schema import Route
+from tandem_router.server import ServerRequest
 from tandem_router.stream_relay import Opened, StreamRelay
 from tandem_router.transport import WorkerResponse
 
@@ -137,7 +137,7 @@ def test_the_relay_parses_each_event_once_for_ledger_texts_and_conformance(monke
     relay = StreamRelay(
         cast(Proxy, proxy),
         ProxyRequest(Route.CHAT, body, True, 0, "", "rid", 0.0),
-        cast(web.Request, None),
+        cast(ServerRequest, None),
         ChatLedger(body),
     )
     loads = orjson.loads
@@ -191,7 +191,7 @@ class _FakeProxy:
 
 def _relay(proxy: _FakeProxy) -> StreamRelay:
     req = ProxyRequest(Route.CHAT, BODY, True, 0, "", "rid", 0.0)
-    relay = StreamRelay(cast(Proxy, proxy), req, cast(web.Request, None), ChatLedger(BODY))
+    relay = StreamRelay(cast(Proxy, proxy), req, cast(ServerRequest, None), ChatLedger(BODY))
     assert relay.ledger is not None
     relay.ledger.feed(_chunk("a", {"role": "assistant", "content": "Hello"}, None, 1))
     return relay
