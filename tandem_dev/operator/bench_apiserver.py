@@ -39,7 +39,7 @@ def parse_requests(text: str) -> Counter[tuple[str, str]]:
 
 async def apiserver_requests(api: client.ApiClient) -> Counter[tuple[str, str]]:
     response: Any = await api.call_api("/metrics", "GET", _preload_content=False, auth_settings=["BearerToken"])
-    return parse_requests((await response[0].read()).decode())
+    return parse_requests((await response.read()).decode())
 
 
 def count_events(items: list[Mapping[str, Any]]) -> Counter[tuple[str, str]]:
