@@ -42,7 +42,7 @@ async def apiserver_requests(api: client.ApiClient) -> Counter[tuple[str, str]]:
     return parse_requests((await response.read()).decode())
 
 
-def count_events(items: list[Mapping[str, Any]]) -> Counter[tuple[str, str]]:
+def count_events(items: Sequence[Mapping[str, Any]]) -> Counter[tuple[str, str]]:
     """core/v1 Events per (reporting component, reason), each counted ``count`` times (a repeated Event is
     written as an update of one object)."""
     counts: Counter[tuple[str, str]] = Counter()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from tandem_dev.operator.bench_apiserver import count_events, parse_requests, tables
 
 METRICS = """\
@@ -21,7 +23,7 @@ def test_requests_are_summed_per_verb_and_resource_over_codes() -> None:
 
 
 def test_events_count_repeats_and_fall_back_to_the_legacy_source() -> None:
-    items = [
+    items: list[dict[str, Any]] = [
         {"reportingComponent": "default-scheduler", "reason": "Scheduled"},
         {"reportingComponent": "", "source": {"component": "node-controller"}, "reason": "RegisteredNode", "count": 3},
         {"reason": "Odd"},
