@@ -182,6 +182,7 @@ class Executor:
         for key in [*changes.remove, *stale_adopted]:
             await self.unregister(key)
         state.adopted.clear()
+        put: list[str] = []
         for key, endpoint in changes.put.items():
             async with self.registry_lock:
                 record = state.fenced.get(key)
@@ -189,7 +190,10 @@ class Executor:
                     continue  # fenced while this pass ran
                 await self.registrar.put(self._ns, state.ref.name, endpoint)
                 state.registered[key] = endpoint
-            self.emit(Reason.REGISTERED, f"group {key.name} epoch {endpoint.epoch} at {endpoint.url}", "Register")
+            put.append(f"group {key.name} epoch {endpoint.epoch} at {endpoint.url}")
+        if put:  # one Event per pass: a ramp registers hundreds of groups in a few passes
+            note = put[0] if len(put) == 1 else f"{len(put)} groups registered: " + "; ".join(put)
+            self.emit(Reason.REGISTERED, note, "Register")
         done = recovered(state.fenced, {k: e.epoch for k, e in state.registered.items()}, time.monotonic())
         for key, seconds in done.items():
             del state.fenced[key]

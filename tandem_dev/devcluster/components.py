@@ -19,6 +19,28 @@ HOST = "127.0.0.1"
 # binds 1,000 pods: at the defaults that alone took more than two minutes.
 CLIENT_RATE = ("--kube-api-qps=200", "--kube-api-burst=400")
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
+# kube-controller-manager controllers the dev cluster turns off (``--controllers=*,-name,...``): each writes or
+# reads on every pod, node or Service change, and nothing in the dev cluster or what Tandem tests consumes its
+# output. At 1,000 nodes and 250 groups they cost the API server thousands of writes during a ramp.
+DISABLED_CONTROLLERS = (
+    # Endpoints and EndpointSlices feed kube-proxy and DNS, which the dev cluster has not: the pod runner resolves
+    # a Service from the pods it selects, and the operator and routers find workers through the registry.
+    "endpoints-controller",
+    "endpointslice-controller",
+    "endpointslice-mirroring-controller",
+    # Annotates every Node with the kubelet's ConfigMap/Secret cache TTL; kwok nodes have no kubelet.
+    "ttl-controller",
+    # PodDisruptionBudget status only feeds the eviction API; no Tandem test evicts (the operator creates the
+    # PDBs, whose spec a test checks; a drain goes through the pool's scale).
+    "disruption-controller",
+    # Volumes that no Tandem pod uses: attachable ones (no kubelet mounts anything), generic ephemeral volumes and
+    # DRA claims. The claim controllers stay (the chart's etcd StatefulSet makes PersistentVolumeClaims, and
+    # tests/chart/test_chart_uninstall_k8s.py checks they outlive an uninstall).
+    "persistentvolume-attach-detach-controller",
+    "ephemeral-volume-controller",
+    "resourceclaim-controller",
+    "device-taint-eviction-controller",
+)
 
 
 @dataclass(frozen=True)
@@ -114,6 +136,7 @@ def controller_manager_argv(binary: Path, layout: Layout, config: DevClusterConf
         f"--service-cluster-ip-range={config.service_cidr}",
         "--use-service-account-credentials=true",
         f"--node-monitor-grace-period={config.node_monitor_grace_seconds}s",
+        "--controllers=" + ",".join(["*", *(f"-{name}" for name in DISABLED_CONTROLLERS)]),
         *CLIENT_RATE,
         "--leader-elect=false",
         "--profiling=false",

@@ -25,6 +25,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ from tandem.registry_etcd import client as etcd_client
 from tandem_dev.bench import BenchArgs, Table
 from tandem_dev.devcluster.cluster import DevCluster
 from tandem_dev.devcluster.config import DevClusterConfig
+from tandem_dev.operator import bench_apiserver
 from tandem_dev.operator.bench_ramp import (
     CurvePoint,
     RampFences,
@@ -128,6 +130,8 @@ class Measured:
     load: float = 0.0
     ramp: RampFences = field(default_factory=RampFences)
     component_cpu_s: dict[str, float] = field(default_factory=dict)  # control-plane CPU, create -> all registered
+    apiserver_requests: Counter[tuple[str, str]] = field(default_factory=Counter)  # (verb, resource), in the ramp
+    events: Counter[tuple[str, str]] = field(default_factory=Counter)  # (reporting component, reason), in the ramp
     fenced_s: float = 0.0
     operator_fence_ms: float = 0.0
     reregistered_s: float = 0.0
@@ -142,8 +146,10 @@ def run(args: BenchArgs) -> list[Table]:
         fences = QUICK_RAMP_FENCES if args.quick else RAMP_FENCES
         with tempfile.TemporaryDirectory(prefix="tandem-bench-operator-") as tmp:
             m = asyncio.run(_bench(Path(tmp), scale, fences))
-        tables.append(_table(scale, m))
-        print(tables[-1].render(), file=sys.stderr, flush=True)  # each point as it is measured (minutes each)
+        point = [_table(scale, m), *bench_apiserver.tables(f"{groups} groups", m.apiserver_requests, m.events)]
+        tables += point
+        for table in point:  # each point as it is measured (minutes each)
+            print(table.render(), file=sys.stderr, flush=True)
         p99 = percentile(m.ramp.end_to_end_ms, 99)
         ready, registered, rss = m.ready_s, m.registered_s, m.rss_peak_mib
         curve.append(
@@ -243,6 +249,7 @@ async def _measure(
     cluster: DevCluster,
 ) -> None:
     custom = client.CustomObjectsApi(api)
+    requests_before, events_before = await bench_apiserver.apiserver_requests(api), await bench_apiserver.events(api)
     began = time.monotonic()
     await custom.create_namespaced_custom_object(GROUP, VERSION, NAMESPACE, "pdclusters", pdcluster(scale, etcd))
     reg = etcd_client([etcd])
@@ -273,6 +280,8 @@ async def _measure(
         m.component_cpu_s = {p.name: _cpu_seconds(p.pid) for p in cluster.processes}
         m.rss_peak_mib, m.rss_now_mib = _memory_mib(operator.pid)
         m.requests, m.load = await kube_requests(metrics), load_average()
+        m.apiserver_requests = await bench_apiserver.apiserver_requests(api) - requests_before
+        m.events = await bench_apiserver.events(api) - events_before
         m.ramp.read_log(operator.log_path)
         await _fence_and_recover(api, custom, reg, scale, m, operator)
     finally:

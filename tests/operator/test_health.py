@@ -133,3 +133,26 @@ async def test_a_member_whose_container_exited_gets_its_group_recreated() -> Non
     assert {c[2] for c in deleted} == {0}  # grace 0: NCCL cannot lose a rank
     stamped = [c[2] for c in kube.verbs("apply") if c[1] == "kimi-decode-0"]
     assert stamped[-1]["metadata"]["annotations"]["tandem.dev/epoch"] == "1"
+
+
+async def test_a_pass_that_changes_no_status_writes_none() -> None:
+    runtime, kube, _registrar = _cluster()
+    await runtime.reconciler.reconcile_once()
+    statuses = {c[1] for c in kube.verbs("apply") if "status" in c[2]}
+    assert statuses == {"kimi", "kimi-prefill", "kimi-decode"}
+    kube.calls.clear()
+    await runtime.reconciler.reconcile_once()
+    assert kube.verbs("apply") == []  # nothing changed: no write
+    await runtime.on_pod_event("MODIFIED", _set_ready(kube, "kimi-decode-0-1", ready=False))
+    kube.calls.clear()
+    await runtime.reconciler.reconcile_once()
+    assert {c[1] for c in kube.verbs("apply") if "status" in c[2]} == {"kimi", "kimi-decode"}
+
+
+async def test_one_registered_event_per_pass_names_every_group() -> None:
+    runtime, kube, _registrar = _cluster()
+    await runtime.reconciler.reconcile_once()
+    await asyncio.sleep(0.05)  # Events are posted in the background
+    [registered] = [c[2] for c in kube.verbs("post") if c[2]["reason"] == "Registered"]
+    assert registered["note"].startswith("3 groups registered: ")
+    assert all(f"group {name} epoch 0" in registered["note"] for name in ("prefill-0", "prefill-1", "decode-0"))

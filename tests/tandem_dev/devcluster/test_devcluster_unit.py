@@ -228,6 +228,23 @@ def test_large_fleets_renew_node_leases_less_often_and_the_node_monitor_waits_lo
     assert "--kube-api-qps=200" in components.scheduler_argv(Path("kube-scheduler"), layout)
 
 
+def test_the_controller_manager_runs_every_default_controller_tandem_relies_on(tmp_path: Path) -> None:
+    layout = components.Layout(tmp_path, components.Ports(2379, 2380, 6443, 10257, 10259))
+    kcm = components.controller_manager_argv(Path("kcm"), layout, DevClusterConfig())
+    [controllers] = [arg.removeprefix("--controllers=").split(",") for arg in kcm if arg.startswith("--controllers=")]
+    assert controllers[0] == "*"
+    off = {name.removeprefix("-") for name in controllers[1:]}
+    assert all(name.startswith("-") for name in controllers[1:])
+    assert "endpointslice-controller" in off
+    # Owners (pods of a PDPool), namespaces, service accounts, lost nodes, the chart's workloads and claims:
+    needed = {"garbage-collector-controller", "namespace-controller", "serviceaccount-controller"}
+    needed |= {"serviceaccount-token-controller", "node-lifecycle-controller", "taint-eviction-controller"}
+    needed |= {"pod-garbage-collector-controller", "deployment-controller", "replicaset-controller"}
+    needed |= {"statefulset-controller", "job-controller", "horizontal-pod-autoscaler-controller"}
+    needed |= {"persistentvolume-binder-controller", "persistentvolumeclaim-protection-controller"}
+    assert not off & needed
+
+
 def test_fleet_progress_counts_registered_ready_and_untainted_nodes() -> None:
     ready = {"type": "Ready", "status": "True"}
     nodes: list[dict[str, Any]] = [
