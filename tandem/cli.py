@@ -22,7 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
         "simulated SGLang worker (drop-in for python -m sglang.launch_server)",
     ),
     "router": ("tandem_router.main", "main", "OpenAI-compatible prefill/decode router"),
-    "operator": ("tandem_operator.main", "main", "Kubernetes operator for PDCluster/PDPool"),
+    "operator": ("tandem_operator.cli", "main", "Kubernetes operator for PDCluster/PDPool"),
     "render": ("tandem_operator.render", "main", "print every manifest the operator would create for a PDCluster"),
     "up": ("tandem_dev.local_stack", "main", "run the embedded local stack: etcd, workers, router on :8000"),
     "bench": ("tandem_dev.bench", "main", "run the benchmarks and print tables"),

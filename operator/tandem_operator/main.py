@@ -22,15 +22,15 @@ from typing import Any
 
 import kopf
 import pydantic
-from kubernetes_asyncio import client as k8s_client
-from kubernetes_asyncio import config as k8s_config
 
 from tandem import logs
 from tandem.registry import EtcdTLS
 from tandem.registry_signing import EndpointSigner
 from tandem_operator.handlers import OperatorState, build_registry
+from tandem_operator.k8s import credentials
 from tandem_operator.k8s.election import LeaderElector
 from tandem_operator.k8s.kube import Kube
+from tandem_operator.k8s.rest import RestClient
 from tandem_operator.metrics import KUBE_REQUESTS, LEADER, serve
 from tandem_operator.runtime import RuntimeOptions
 
@@ -112,32 +112,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-async def kube_configuration(kubeconfig: str | None) -> k8s_client.Configuration:
-    configuration = k8s_client.Configuration()
-    if kubeconfig:
-        await k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-        return configuration
-    try:
-        k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-    except k8s_config.ConfigException:
-        await k8s_config.load_kube_config(client_configuration=configuration)
-    return configuration
-
-
-def connection_info(configuration: k8s_client.Configuration) -> kopf.ConnectionInfo:
-    token = configuration.api_key.get("BearerToken") or configuration.api_key.get("authorization")
-    scheme, _, value = (token or "").partition(" ")
-    return kopf.ConnectionInfo(
-        server=str(configuration.host),
-        ca_path=configuration.ssl_ca_cert,
-        insecure=not configuration.verify_ssl,
-        scheme=scheme if value else None,
-        token=(value or scheme) or None,
-        certificate_path=configuration.cert_file,
-        private_key_path=configuration.key_file,
-    )
-
-
 class CustomResourceDiffBase(kopf.AnnotationsDiffBaseStorage):
     """kopf builds a diff base (a deep copy of the whole body) for every event of every watched resource, though
     only the PDCluster's create/update handlers compare one. For pods and nodes (raw-event handlers) it is skipped:
@@ -161,18 +135,18 @@ def operator_settings(settings: kopf.OperatorSettings) -> None:
 
 
 async def run(args: argparse.Namespace) -> int:
-    configuration = await kube_configuration(args.kubeconfig)
+    login = credentials.load(args.kubeconfig)
     http = await serve(args.metrics_host, args.metrics_port) if args.metrics_port else None
     try:
-        async with k8s_client.ApiClient(configuration) as api:
-            kube = Kube(api, on_request=lambda method: KUBE_REQUESTS.labels(method).inc())
-            return await _run_operator(args, configuration, kube)
+        async with RestClient(login) as rest:
+            kube = Kube(rest, on_request=lambda method: KUBE_REQUESTS.labels(method).inc())
+            return await _run_operator(args, login, kube)
     finally:
         if http is not None:
             await http.cleanup()
 
 
-async def _run_operator(args: argparse.Namespace, configuration: k8s_client.Configuration, kube: Kube) -> int:
+async def _run_operator(args: argparse.Namespace, login: credentials.Credentials, kube: Kube) -> int:
     stop = asyncio.Event()
     holder: asyncio.Task[None] | None = None
     elector: LeaderElector | None = None
@@ -202,8 +176,8 @@ async def _run_operator(args: argparse.Namespace, configuration: k8s_client.Conf
     registry = build_registry(state)
 
     @kopf.on.login(registry=registry)
-    def login(**_: Any) -> kopf.ConnectionInfo:
-        return connection_info(configuration)
+    def connection_info(**_: Any) -> kopf.ConnectionInfo:
+        return login.connection_info()  # called again after a 401: a ServiceAccount token file is read afresh
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -244,6 +218,6 @@ def main(argv: Sequence[str]) -> int:
         return asyncio.run(run(args))
     except KeyboardInterrupt:
         return 130
-    except k8s_config.ConfigException as err:
+    except credentials.ConfigError as err:
         print(f"tandem operator: cannot configure the Kubernetes client: {err}", file=sys.stderr)
         return 2

@@ -17,7 +17,7 @@ from tandem_operator.fencing import (
     stale_mooncake_keys,
     unroute_decision,
 )
-from tandem_operator.observe import GroupKey, created_at, pod_facts, pod_health, slim_pod, started
+from tandem_operator.observe import KEPT_ENV, GroupKey, PodHealth, created_at, pod_facts, pod_health, slim_pod, started
 from tests.operator.conftest import kimi_spec
 from tests.operator.workers import live_pod
 
@@ -176,3 +176,8 @@ def test_a_slim_pod_keeps_every_fact_the_deciders_read() -> None:
     assert (started(slim), created_at(slim)) == (started(pod), created_at(pod))
     pod["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:01Z"
     assert death_reason("MODIFIED", slim_pod(pod), ()) is death_reason("MODIFIED", pod, ()) is not None
+    assert {e["name"] for e in slim["spec"]["containers"][0]["env"]} <= KEPT_ENV
+    assert [c["type"] for c in slim["status"]["conditions"]] == ["Ready"]
+    del pod["metadata"]["deletionTimestamp"]
+    pod["status"]["containerStatuses"] = [{"restartCount": 0, "state": {"terminated": {"exitCode": 1}}}]
+    assert pod_health(pod) is pod_health(slim_pod(pod)) is PodHealth.DEAD

@@ -9,9 +9,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from kubernetes_asyncio.client.exceptions import ApiException
 
 from tandem_operator.k8s.election import LeaderElector
+from tandem_operator.k8s.kube import ConflictError
 from tandem_operator.leader import LeaseAction, LeaseState, decide, lease_body, lease_state, observe
 
 NOW = datetime(2026, 11, 1, 12, 0, 0, tzinfo=UTC)
@@ -129,13 +129,13 @@ class LeaseServer:
 
     async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         if self.lease is not None:
-            raise ApiException(status=409)
+            raise ConflictError(409, "Conflict", path)
         return self._store(body)
 
     async def put(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         assert self.lease is not None
         if body["metadata"].get("resourceVersion") != self.lease["metadata"]["resourceVersion"]:
-            raise ApiException(status=409)
+            raise ConflictError(409, "Conflict", path)
         return self._store(body)
 
     def _store(self, body: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Server-side apply with the ``tandem-operator`` field manager, and plain creates.
 
-``apply_request`` / ``create_request`` are pure (tested without a cluster); ``send`` only sends a request with a
-``kubernetes_asyncio`` ApiClient (``kube.Kube`` maps its errors and retries). Apply always forces: the operator is
+``apply_request`` / ``create_request`` are pure (tested without a cluster); ``k8s.rest.RestClient`` sends a
+``Request`` (``kube.Kube`` maps its errors and retries). Apply always forces: the operator is
 the only writer of the fields it applies (pool replicas excepted: they are never in an apply, see
 ``desired.pools``), so a conflict means a human edited a managed field and the spec must win.
 """
@@ -16,7 +16,7 @@ from tandem_operator.desired.naming import FIELD_MANAGER
 
 # The manager of the initial PDPool replicas (a create, never an apply): see tandem_operator.desired.pools.
 INITIAL_SIZE_MANAGER = "tandem-operator-initial-size"
-APPLY_CONTENT_TYPE = "application/apply-patch+yaml"  # JSON is YAML; kubernetes_asyncio serialises it as JSON
+APPLY_CONTENT_TYPE = "application/apply-patch+yaml"  # JSON is YAML: the body is sent as JSON
 
 PLURALS: dict[tuple[str, str], str] = {
     ("v1", "Pod"): "pods",
@@ -38,7 +38,7 @@ class Request:
     path: str
     query: tuple[tuple[str, str], ...]
     headers: dict[str, str]
-    body: dict[str, Any]
+    body: dict[str, Any] | None
 
 
 def collection_path(api_version: str, kind: str, namespace: str) -> str:
@@ -70,18 +70,3 @@ def create_request(manifest: dict[str, Any], *, field_manager: str = FIELD_MANAG
     metadata = manifest["metadata"]
     path = collection_path(manifest["apiVersion"], manifest["kind"], metadata["namespace"])
     return Request("POST", path, (("fieldManager", field_manager),), {"Content-Type": "application/json"}, manifest)
-
-
-async def send(api: Any, request: Request) -> dict[str, Any]:
-    """Send with a ``kubernetes_asyncio.client.ApiClient``; raises its ``ApiException`` on an error status."""
-    result: dict[str, Any] = await api.call_api(
-        request.path,
-        request.method,
-        query_params=list(request.query),
-        header_params={"Accept": "application/json", **request.headers},
-        body=request.body,
-        response_types_map={200: "object", 201: "object", 202: "object"},
-        auth_settings=["BearerToken"],
-        _return_http_data_only=True,
-    )
-    return result

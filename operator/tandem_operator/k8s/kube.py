@@ -1,4 +1,4 @@
-"""A thin Kubernetes REST adapter over one ``kubernetes_asyncio`` ApiClient: list, get, delete, apply, create.
+"""A thin Kubernetes REST adapter over the operator's ``k8s.rest.RestClient``: list, get, delete, apply, create.
 
 API errors are mapped to the adapter's own exceptions, so callers never see the client library's:
 ``NotFoundError`` (404; ``get``, ``delete`` and ``merge_patch`` treat it as "already gone"), ``ConflictError`` (409),
@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
-from kubernetes_asyncio.client.exceptions import ApiException
 
-from tandem_operator.k8s.apply import Request, apply_request, collection_path, create_request, send
+from tandem_operator.k8s.apply import Request, apply_request, collection_path, create_request
+from tandem_operator.k8s.rest import ApiError
 
 JSON = "application/json"
 MERGE_PATCH = "application/merge-patch+json"
@@ -29,9 +29,16 @@ LIST_PAGE = 50  # objects per list page: a page is parsed and trimmed before the
 log = logging.getLogger("tandem.operator.kube")
 
 
+class Sender(Protocol):
+    """What sends a request (``k8s.rest.RestClient``): raises ``ApiError``, ``aiohttp.ClientError`` or
+    ``TimeoutError``."""
+
+    async def send(self, request: Request) -> Any: ...
+
+
 class KubeError(Exception):
-    def __init__(self, status: int, reason: str, request: str) -> None:
-        super().__init__(f"{request}: {status} {reason}")
+    def __init__(self, status: int, reason: str, request: str, message: str = "") -> None:
+        super().__init__(f"{request}: {status} {reason}" + (f": {message}" if message else ""))
         self.status, self.reason = status, reason
 
 
@@ -51,36 +58,39 @@ class PermanentError(KubeError):
     pass
 
 
-def api_error(err: ApiException | aiohttp.ClientError | TimeoutError, request: str) -> KubeError:
+def api_error(err: ApiError | aiohttp.ClientError | TimeoutError, request: str) -> KubeError:
     """The adapter's exception for a client error (a lost connection is status 0, temporary)."""
-    if not isinstance(err, ApiException):
+    if not isinstance(err, ApiError):
         return TemporaryError(0, repr(err), request)
-    status, reason = int(err.status or 0), str(err.reason or "")
+    status, reason, message = err.status, err.reason, err.message
     if status == 404:
-        return NotFoundError(status, reason, request)
+        return NotFoundError(status, reason, request, message)
     if status == 409:
-        return ConflictError(status, reason, request)
+        return ConflictError(status, reason, request, message)
     if status in TEMPORARY_STATUSES or status == 0:
-        return TemporaryError(status, reason, request)
-    return PermanentError(status, reason, request)
+        return TemporaryError(status, reason, request, message)
+    return PermanentError(status, reason, request, message)
 
 
 class Kube:
     def __init__(
-        self, api: Any, *, backoff_s: float = BACKOFF_S, on_request: Callable[[str], None] | None = None
+        self, api: Sender | None, *, backoff_s: float = BACKOFF_S, on_request: Callable[[str], None] | None = None
     ) -> None:
-        """``on_request(method)`` is called for every request sent, retries included (the operator's metrics)."""
+        """``on_request(method)`` is called for every request sent, retries included (the operator's metrics).
+        ``api`` None: a stand-in whose methods are all overridden (tests)."""
         self.api, self.backoff_s, self.on_request = api, backoff_s, on_request
 
     async def send(self, request: Request) -> Any:
         """Send, retrying temporary errors with exponential backoff; raises a ``KubeError``."""
+        if self.api is None:
+            raise RuntimeError("Kube without a client cannot send")
         delay = self.backoff_s
         for attempt in range(1, RETRIES + 1):
             if self.on_request is not None:
                 self.on_request(request.method)
             try:
-                return await send(self.api, request)
-            except (ApiException, aiohttp.ClientError, TimeoutError) as err:
+                return await self.api.send(request)
+            except (ApiError, aiohttp.ClientError, TimeoutError) as err:
                 error = api_error(err, f"{request.method} {request.path}")
             if not isinstance(error, TemporaryError) or attempt == RETRIES:
                 raise error
