@@ -91,8 +91,8 @@ class StreamRelay:
                 client_gone = True
                 return out
             last = time.monotonic()
-            metrics.ttft.labels(route).observe(last - req.started)
-            itl = metrics.itl.labels(route)
+            metrics.route_ttft(route).observe(last - req.started)
+            itl = metrics.route_itl(route)
             while True:
                 error: WorkerError | None = None
                 async for chunk in _chunks(resp):
@@ -144,7 +144,7 @@ class StreamRelay:
         finally:
             if not settled:
                 proxy.settle(opened, ok=ok, client_gone=client_gone)
-            metrics.e2e.labels(route).observe(time.monotonic() - req.started)
+            metrics.route_e2e(route).observe(time.monotonic() - req.started)
 
     async def _resume(self, failed: Pair, broke_at: float) -> Opened | None:
         """A fresh pair's continuation of the stream (its response and first chunk), or None: give up."""
