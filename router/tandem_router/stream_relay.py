@@ -16,7 +16,6 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -95,9 +94,13 @@ class StreamRelay:
             itl = metrics.route_itl(route)
             while True:
                 error: WorkerError | None = None
-                async for chunk in _chunks(resp):
-                    if isinstance(chunk, WorkerError):
-                        error = chunk
+                while True:  # the decode's chunks, read directly (no async generator between it and the client)
+                    try:
+                        chunk = await resp.next_chunk()
+                    except WorkerError as err:
+                        error = err
+                        break
+                    if not chunk:
                         break
                     try:
                         await out.write(self._client_bytes(chunk))
@@ -203,12 +206,3 @@ class StreamRelay:
         self.proxy.metrics.resume_refused.labels(self.req.route.value, code).inc()
         log.warning("stream not resumed", extra={"request_id": self.req.request_id, "reason": code, "why": why})
         return why
-
-
-async def _chunks(resp: WorkerResponse) -> AsyncIterator[bytes | WorkerError]:
-    """The response's chunks; a transport error is yielded (as the last item) instead of raised."""
-    try:
-        async for chunk in resp:
-            yield chunk
-    except WorkerError as err:
-        yield err
