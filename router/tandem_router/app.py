@@ -191,7 +191,7 @@ class RouterApp:
                 log.exception("unhandled error", extra={"path": path})
                 resp = error(500, "internal router error", ErrorType.SERVER)
         if proxied:
-            s.metrics.requests.labels(path, str(resp.status)).inc()
+            s.metrics.route_requests(path, str(resp.status)).inc()
         return resp
 
     async def start(self, host: str, port: int, *, reuse_port: bool = False) -> HttpServer:

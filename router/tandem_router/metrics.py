@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from tandem.registry import Role
@@ -15,6 +17,23 @@ from tandem_router.pool import Pair, WorkerPool, same_revision
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 _ITL_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 5)
+M = TypeVar("M", bound=MetricWrapperBase)
+
+
+class Children(Generic[M]):
+    """A labelled metric's children by label values, each resolved once: ``labels`` validates, converts and takes
+    a lock on every call, which per request (and per stream event) is a measurable share of the router's CPU.
+    A child is created on first use, as with ``labels``, so no empty series appears before its first sample."""
+
+    def __init__(self, metric: M) -> None:
+        self.metric = metric
+        self._children: dict[tuple[str, ...], M] = {}
+
+    def __call__(self, *values: str) -> M:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
 
 
 class RouterMetrics:
@@ -85,9 +104,15 @@ class RouterMetrics:
             registry=r,
         )
         r.register(_PoolCollector(pool))
+        # The series every request touches, by route (and revisions): resolved once.
+        self.route_requests = Children(self.requests)
+        self.route_ttft = Children(self.ttft)
+        self.route_itl = Children(self.itl)
+        self.route_e2e = Children(self.e2e)
+        self._pair_dispatches = Children(self.pairs)
 
     def dispatched(self, pair: Pair) -> None:
-        self.pairs.labels(pair.prefill.revision, pair.decode.revision).inc()
+        self._pair_dispatches(pair.prefill.revision, pair.decode.revision).inc()
 
     def pair_failure(self, pair: Pair, reason: str) -> None:
         self.pair_failures.labels(pair.prefill.url, pair.decode.url, reason).inc()

@@ -12,6 +12,7 @@ with old and new with new, never across.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -37,8 +38,8 @@ class WorkerSpec:
     epoch: int = 0
     revision: str = ""  # compatibility revision (model, image, transfer); "" when the source does not say
 
-    @property
-    def key(self) -> str:
+    @functools.cached_property
+    def key(self) -> str:  # computed once: every decision and outcome looks workers up by it
         return f"{self.role.value}:{self.url}"
 
 
@@ -70,7 +71,7 @@ class Pair:
     # decode has no attention DP, or the policy leaves the rank to the decode.
     decode_dp_rank: int | None = field(default=None, compare=False)
 
-    @property
+    @functools.cached_property
     def key(self) -> tuple[str, str]:
         return (self.prefill.key, self.decode.key)
 
@@ -244,12 +245,18 @@ class WorkerPool:
         while prefills and decodes:
             i = self._pick_prefill(prefills, matched, key)
             p = prefills[i]
-            allowed = [d for d in decodes if (p.spec.key, d.spec.key) not in exclude]
-            allowed = [d for d in allowed if self._pair_allowed(Pair(p.spec, d.spec), now)]
+            allowed: list[WorkerState] = []
+            pairs: list[Pair] = []  # the pair of each allowed decode (its key computed once, for the lease too)
+            for d in decodes:
+                pair = Pair(p.spec, d.spec)
+                if pair.key not in exclude and self._pair_allowed(pair, now):
+                    allowed.append(d)
+                    pairs.append(pair)
             if allowed:
-                d = allowed[self._pick(Role.DECODE, allowed)]
+                j = self._pick(Role.DECODE, allowed)
                 if self.policy is not sel.Policy.CACHE_AWARE:
-                    return Pair(p.spec, d.spec)
+                    return pairs[j]
+                d = allowed[j]
                 self._tree(p.spec.key).insert(key)
                 rank = sel.least_loaded_rank(d.rank_in_flight) if d.rank_in_flight else None
                 return Pair(p.spec, d.spec, ca.uncached_tokens(key, matched[i]), rank)
@@ -281,17 +288,17 @@ class WorkerPool:
         return same_revision(pair) and all(gate.allows(pair, now) for gate in self.gates)
 
     def _pick(self, role: Role, workers: Sequence[WorkerState]) -> int:
-        candidates = [w.candidate() for w in workers]
         if self.policy is sel.Policy.ROUND_ROBIN:
             # Pair counter k: prefill k % P, decode (k // P) % D, so every P * D successive requests walk each
             # (prefill, decode) combination once and every worker gets an equal share, whatever P and D are.
             if role is Role.PREFILL:
                 self._rr_k += 1
-                self._rr_prefills = len(candidates)
-                return sel.round_robin(candidates, self._rr_k)
-            return sel.round_robin(candidates, self._rr_k // max(self._rr_prefills, 1))
+                self._rr_prefills = len(workers)
+                return sel.round_robin(len(workers), self._rr_k)
+            return sel.round_robin(len(workers), self._rr_k // max(self._rr_prefills, 1))
         if self.policy is sel.Policy.RANDOM:
-            return self.rng.randrange(len(candidates))
+            return self.rng.randrange(len(workers))
+        candidates = [w.candidate() for w in workers]  # only the load-aware policies look at the load
         if self.policy is sel.Policy.POWER_OF_TWO:
             return sel.power_of_two(candidates, self.rng)
         return sel.load_aware_decode(candidates)  # cache_aware: its prefill is chosen by _pick_prefill

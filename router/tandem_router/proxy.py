@@ -310,7 +310,7 @@ class Proxy:
         try:
             if self.observer is not None:
                 self.report_texts(opened.pair, req, body_texts(route, opened.first))
-            self.metrics.ttft.labels(route).observe(time.monotonic() - req.started)
+            self.metrics.route_ttft(route).observe(time.monotonic() - req.started)
             return Reply(
                 conform_body(req.route, opened.first),
                 content_type=opened.resp.headers.get("content-type", "application/json"),
@@ -318,7 +318,7 @@ class Proxy:
             )
         finally:
             self.settle(opened, ok=True, client_gone=False)
-            self.metrics.e2e.labels(route).observe(time.monotonic() - req.started)
+            self.metrics.route_e2e(route).observe(time.monotonic() - req.started)
 
     def settle(self, opened: Opened, *, ok: bool, client_gone: bool) -> None:
         """A relay ended: the decode's connection released (closed unless clean), the lease released and scored

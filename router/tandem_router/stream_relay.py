@@ -16,7 +16,6 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -89,13 +88,17 @@ class StreamRelay:
                 client_gone = True
                 return out
             last = time.monotonic()
-            metrics.ttft.labels(route).observe(last - req.started)
-            itl = metrics.itl.labels(route)
+            metrics.route_ttft(route).observe(last - req.started)
+            itl = metrics.route_itl(route)
             while True:
                 error: WorkerError | None = None
-                async for chunk in _chunks(resp):
-                    if isinstance(chunk, WorkerError):
-                        error = chunk
+                while True:  # the decode's chunks, read directly (no async generator between it and the client)
+                    try:
+                        chunk = await resp.next_chunk()
+                    except WorkerError as err:
+                        error = err
+                        break
+                    if not chunk:
                         break
                     try:
                         await out.write(self._client_bytes(chunk))
@@ -142,7 +145,7 @@ class StreamRelay:
         finally:
             if not settled:  # a client that left (also: its request cancelled) says nothing about the pair
                 proxy.settle(opened, ok=ok, client_gone=client_gone or out.client_gone)
-            metrics.e2e.labels(route).observe(time.monotonic() - req.started)
+            metrics.route_e2e(route).observe(time.monotonic() - req.started)
 
     async def _resume(self, failed: Pair, broke_at: float) -> Opened | None:
         """A fresh pair's continuation of the stream (its response and first chunk), or None: give up."""
@@ -201,12 +204,3 @@ class StreamRelay:
         self.proxy.metrics.resume_refused.labels(self.req.route.value, code).inc()
         log.warning("stream not resumed", extra={"request_id": self.req.request_id, "reason": code, "why": why})
         return why
-
-
-async def _chunks(resp: WorkerResponse) -> AsyncIterator[bytes | WorkerError]:
-    """The response's chunks; a transport error is yielded (as the last item) instead of raised."""
-    try:
-        async for chunk in resp:
-            yield chunk
-    except WorkerError as err:
-        yield err

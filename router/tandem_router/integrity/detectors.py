@@ -97,11 +97,13 @@ class PromptLeakIndex:
             gram = hash(tuple(out_tokens[i : i + self.ngram]))
             if gram in own:
                 continue
-            others = self._owners.get(gram, set()) - {request_id}
-            if others:
+            owners = self._owners.get(gram)  # no set built per n-gram unless another request owns it
+            if owners and (len(owners) > 1 or request_id not in owners):
                 phrase = " ".join(out_tokens[i : i + self.ngram])
                 return Detection(
-                    Finding.PROMPT_LEAK, f"output repeats another request's prompt: {phrase!r}", frozenset(others)
+                    Finding.PROMPT_LEAK,
+                    f"output repeats another request's prompt: {phrase!r}",
+                    frozenset(owners - {request_id}),
                 )
         return None
 
@@ -117,7 +119,6 @@ def find_repetition_loop(
     """A loop if the output's last words are one phrase of <= ``max_period`` words repeated ``min_repeats``+
     times and spanning at least ``min_span_words`` words, and that phrase is not in the prompt."""
     tokens = words(text)
-    prompt_tokens = words(prompt)
     n = len(tokens)
     for period in range(1, max_period + 1):
         if n < period * min_repeats:
@@ -129,7 +130,7 @@ def find_repetition_loop(
             repeats += 1
             pos -= period
         if repeats >= min_repeats and repeats * period >= min_span_words:
-            if _contains(prompt_tokens, unit):
+            if _contains(words(prompt), unit):  # the prompt's words only when there is a loop
                 return None  # the prompt's own phrase (longer periods are the same loop)
             return Detection(
                 Finding.REPETITION_LOOP, f"last {repeats * period} words repeat {' '.join(unit)!r} x{repeats}"

@@ -79,9 +79,23 @@ class StreamTexts:
             if isinstance(index, int) and isinstance(doc.get("text"), str):
                 self._parts[index] = [doc["text"]]
             return
+        chat = self.route == CHAT
         for choice in doc.get("choices") or ():
             if isinstance(choice, dict) and isinstance(i := choice.get("index", 0), int):
-                self._parts.setdefault(i, []).append(_choice_text(self.route, choice, delta=self.route == CHAT))
+                parts = self._parts.get(i)
+                if parts is None:
+                    parts = self._parts[i] = []
+                if not chat:
+                    text = choice.get("text")
+                    if isinstance(text, str):
+                        parts.append(text)
+                    continue
+                delta = choice.get("delta")  # a chat delta's text as _choice_text has it, without a join per event
+                if delta:
+                    if isinstance(reasoning := delta.get("reasoning_content"), str):
+                        parts.append(reasoning)
+                    if isinstance(content := delta.get("content"), str):
+                        parts.append(content)
 
     def texts(self) -> list[str]:
         return ["".join(self._parts[i]) for i in sorted(self._parts)]

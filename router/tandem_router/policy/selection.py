@@ -29,9 +29,10 @@ class Candidate:
     queued: int = 0  # requests waiting in the worker's queue, scraped
 
 
-def round_robin(candidates: Sequence[Candidate], counter: int) -> int:
-    """The ``counter``-th candidate, wrapping. The caller increments its counter per decision."""
-    return counter % len(candidates)
+def round_robin(count: int, counter: int) -> int:
+    """The ``counter``-th of ``count`` candidates, wrapping (no load is looked at, so no ``Candidate`` is built).
+    The caller increments its counter per decision."""
+    return counter % count
 
 
 def power_of_two(candidates: Sequence[Candidate], rng: random.Random) -> int:

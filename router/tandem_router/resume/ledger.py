@@ -19,6 +19,7 @@ from tandem_router.openai.responses import EventSplitter
 
 _EVENT_END = b"\n\n"
 _DATA = b"data: "
+_DONE = b"data: [DONE]"
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ class StreamLedger(ABC):
 
     def feed(self, chunk: bytes) -> bytes:
         """Whole events of the worker's stream, as the client sees them (a partial event is held back)."""
+        if not self._events.tail and chunk.find(_EVENT_END) == len(chunk) - 2:  # the usual chunk: one whole event
+            event = self._event(chunk[:-2])
+            return event + _EVENT_END if event else b""
         out = [self._event(event) for event in self._events.feed(chunk)]
         return b"".join(e + _EVENT_END for e in out if e)
 
@@ -77,11 +81,11 @@ class StreamLedger(ABC):
     def _event(self, event: bytes) -> bytes:
         if not event.startswith(_DATA):
             return event
-        if event == b"data: [DONE]":
+        if event == _DONE:
             self.finished = True
             return event
         try:
-            doc = orjson.loads(event[len(_DATA) :])
+            doc = orjson.loads(memoryview(event)[len(_DATA) :])  # no copy of the event's JSON
         except orjson.JSONDecodeError:
             return event
         if not isinstance(doc, dict) or "error" in doc:

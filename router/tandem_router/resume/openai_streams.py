@@ -31,7 +31,6 @@ REASONING_SENT = Refusal(
 )
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # SGLang 0.5.23 protocol.py: CompletionRequest.max_tokens = 16
 _LIMITS = ("max_completion_tokens", "max_tokens")
-_COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")
 
 
 class _OpenAIStreamLedger(StreamLedger):
@@ -41,6 +40,10 @@ class _OpenAIStreamLedger(StreamLedger):
         self.created: int | None = None
         self.prompt_tokens: int | None = None
         self._text: list[str] = []
+        options = body.get("stream_options")
+        options = options if isinstance(options, dict) else {}
+        self._client_usage = bool(options.get("include_usage"))  # the final usage chunk is the client's
+        self._client_continuous = bool(options.get("continuous_usage_stats"))  # so is every chunk's usage
 
     @property
     def text(self) -> str:
@@ -55,7 +58,7 @@ class _OpenAIStreamLedger(StreamLedger):
     def _shape(self, doc: dict[str, Any]) -> bool:
         if self.stream_id is None:
             self.stream_id, self.created = doc.get("id"), doc.get("created")
-        elif (doc.get("id"), doc.get("created")) != (self.stream_id, self.created):
+        elif doc.get("id") != self.stream_id or doc.get("created") != self.created:
             doc["id"], doc["created"] = self.stream_id, self.created
             self._edited = True
         choices = doc.get("choices") or []
@@ -74,22 +77,32 @@ class _OpenAIStreamLedger(StreamLedger):
     def _usage(self, doc: dict[str, Any], *, final: bool) -> bool:
         """Usage over the whole answer; the chunk's usage as the client asked for it. False: drop the chunk."""
         usage = doc.get("usage")
+        if usage is None:
+            return self._client_usage if final else True
+        hidden = not final and not self._client_continuous  # the usage the router asked for, not the client
         if isinstance(usage, dict):
             if self.prompt_tokens is None:
                 self.prompt_tokens = usage.get("prompt_tokens")
             completion = self._base_tokens + int(usage.get("completion_tokens") or 0)
             self.sent_tokens = completion
             prompt = self.prompt_tokens or 0
-            counts = (prompt, completion, prompt + completion)
-            if tuple(map(usage.get, _COUNTS)) != counts:
-                doc["usage"] = {**usage, **dict(zip(_COUNTS, counts, strict=True))}
+            if not hidden and (
+                usage.get("prompt_tokens") != prompt
+                or usage.get("completion_tokens") != completion
+                or usage.get("total_tokens") != prompt + completion
+            ):
+                total = prompt + completion
+                doc["usage"] = {
+                    **usage,
+                    "prompt_tokens": prompt,
+                    "completion_tokens": completion,
+                    "total_tokens": total,
+                }
                 self._edited = True
-        options = self.body.get("stream_options")
-        options = options if isinstance(options, dict) else {}
         if final:
-            return bool(options.get("include_usage"))
-        if not options.get("continuous_usage_stats") and usage is not None:
-            doc["usage"] = None  # the usage the router asked for, not the client
+            return self._client_usage
+        if hidden:
+            doc["usage"] = None
             self._edited = True
         return True
 

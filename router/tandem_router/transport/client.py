@@ -13,7 +13,7 @@ dropping a worker closes exactly its sockets.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Collection, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from tandem_router.transport.errors import FailureReason, WorkerError
@@ -63,13 +63,11 @@ class WorkerResponse:
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
+        # The connection's own reader: no coroutine of ours between the relay and each chunk.
+        self.next_chunk: Callable[[], Awaitable[bytes]] = conn.next_chunk
         self.status = conn.status
         self.headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in conn.raw_headers}
         self._released = False
-
-    async def next_chunk(self) -> bytes:
-        """The body bytes that arrived since the last call (waiting for some); b"" at the end of the body."""
-        return await self._conn.next_chunk()
 
     async def read(self) -> bytes:
         parts = []

@@ -42,6 +42,8 @@ class Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._loop = asyncio.get_running_loop()
         self._waiter: asyncio.Future[None] | None = None
+        self._wait_since = 0.0  # when the current wait began: the idle timeout counts from there
+        self._timer: asyncio.TimerHandle | None = None  # the idle timer: one per connection, not one per wait
         self._paused = False
         self._start_exchange()
 
@@ -100,17 +102,27 @@ class Connection(asyncio.Protocol):
 
     async def _wait(self) -> None:
         waiter = self._waiter = self._loop.create_future()
-        timer = self._loop.call_later(self.read_idle_timeout, self._idle_expired, waiter)
+        self._wait_since = self._loop.time()
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._wait_since + self.read_idle_timeout, self._idle_check)
         try:
             await waiter
         finally:
-            timer.cancel()
             self._waiter = None
 
-    def _idle_expired(self, waiter: asyncio.Future[None]) -> None:
-        if not waiter.done():
-            self._fail(FailureReason.READ_TIMEOUT, f"no byte from the worker in {self.read_idle_timeout:g} s")
-            self.close()
+    def _idle_check(self) -> None:
+        """The idle timer fired: a wait that lasted ``read_idle_timeout`` fails; one that began later re-arms it.
+        (A stream waits once per chunk: a timer armed and cancelled per wait was a timer handle per chunk.)"""
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # nobody waits: the next wait arms it again
+        due = self._wait_since + self.read_idle_timeout
+        if self._loop.time() < due:
+            self._timer = self._loop.call_at(due, self._idle_check)
+            return
+        self._fail(FailureReason.READ_TIMEOUT, f"no byte from the worker in {self.read_idle_timeout:g} s")
+        self.close()
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -142,6 +154,9 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = self.closing = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self.head_done and not self.complete and self._close_delimited():
             self.complete = True  # the body was delimited by the worker closing the connection
         elif not self.complete:
