@@ -6,14 +6,16 @@ import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import yaml
-from kubernetes_asyncio import client
 
 from tandem_dev.procs import ManagedProcess, free_port
 from tests.chart.render import CHART
+
+if TYPE_CHECKING:  # imported where used: the pure promtool test imports this module too (~0.8 s CPU)
+    from kubernetes_asyncio import client
 
 ALERTS = CHART / "alerts" / "tandem-rules.yaml"
 
@@ -36,6 +38,8 @@ async def pod_monitor_targets(api: client.ApiClient, monitor: dict[str, Any]) ->
     ``file_sd`` list: pods matching its label selector in its namespaces, at their IP and the named container port,
     labelled ``namespace`` and ``pod``. (Debian's Prometheus is built without Kubernetes service discovery, so the
     test lists the pods through the API server with the same selector.)"""
+    from kubernetes_asyncio import client
+
     spec = monitor["spec"]
     port_name = spec["podMetricsEndpoints"][0]["port"]
     selector = ",".join(f"{k}={v}" for k, v in spec["selector"]["matchLabels"].items())

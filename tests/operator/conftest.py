@@ -6,18 +6,21 @@ import asyncio
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import pytest_asyncio
-from kubernetes_asyncio import client
 
 from tandem_dev.devcluster.cluster import DevCluster
-from tandem_dev.devcluster.podrunner import Launch, PodRunner
 from tandem_dev.procs import ManagedProcess, free_port
 from tandem_operator.api.pdcluster import PDClusterSpec
 from tandem_operator.desired.drain_hook import DRAIN_GAUGES
-from tests.operator.live import CRDS, Live, run_tool
+
+if TYPE_CHECKING:  # the live fixtures import them where used: the pure tests here need none (~1 s of CPU)
+    from kubernetes_asyncio import client
+
+    from tandem_dev.devcluster.podrunner import Launch, PodRunner
+    from tests.operator.live import Live
 
 KIMI_8XH200: dict[str, Any] = {
     "transfer": {"protocol": "rdma", "ibDevices": ["mlx5_0", "mlx5_1"]},
@@ -80,6 +83,8 @@ def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def tandem_crds(k8s_cluster: DevCluster) -> None:
     """The generated CRDs applied once per session and Established."""
+    from tests.operator.live import CRDS, run_tool
+
     await run_tool(k8s_cluster, "kubectl", "apply", "--server-side", "-f", str(CRDS))
     await asyncio.to_thread(k8s_cluster.wait_established, [path.stem for path in CRDS.glob("*.yaml")])
 
@@ -88,6 +93,8 @@ async def tandem_crds(k8s_cluster: DevCluster) -> None:
 async def runner(k8s_api: client.ApiClient, k8s_namespace: str, tmp_path: Path) -> AsyncIterator[PodRunner]:
     """The dev cluster's pod runner for the test's namespace: simulated workers behind its pods' IPs."""
     (tmp_path / "pods").mkdir()
+    from tandem_dev.devcluster.podrunner import PodRunner
+
     async with PodRunner(k8s_api, tmp_path / "pods", namespace=k8s_namespace).running_in_background() as pod_runner:
         yield pod_runner
 
@@ -118,6 +125,8 @@ async def health_pods(k8s_api: client.ApiClient, k8s_namespace: str, tmp_path: P
     The dev cluster's pods are Ready only when their probe passes against a process behind the pod IP (the pod
     runner runs it); here that process answers the probe and nothing else.
     """
+    from tandem_dev.devcluster.podrunner import PodRunner
+
     runner = PodRunner(k8s_api, tmp_path / "health-pods", launcher=health_only, namespace=k8s_namespace)
     async with runner.running_in_background():
         yield runner
@@ -134,4 +143,6 @@ def live(
     proc_factory: list[ManagedProcess],
 ) -> Live:
     """The dev cluster with Tandem's CRDs, a fresh namespace, the registry etcd, logs and processes of one test."""
+    from tests.operator.live import Live
+
     return Live(k8s_cluster, k8s_api, k8s_namespace, etcd_endpoint, tmp_path, proc_factory)
