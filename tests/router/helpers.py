@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from tandem_dev.procs import ManagedProcess, free_port
 from tandem_dev.router import instant_worker
 from tandem_router.app import RouterApp, build_app, state_of
 from tandem_router.config import PrefillSpec, RouterSettings
@@ -112,3 +115,16 @@ async def stack(
         await router.stop()
         for w in ps + ds:
             await w.runner.cleanup()
+
+
+def start_instant_workers(procs: list[ManagedProcess], logs: Path) -> dict[str, str]:
+    """A prefill and a decode instant worker, each its own process (appended to ``procs``, which the caller
+    stops), by role -> URL once each answers ``/health``."""
+    urls = {}
+    for role in ("prefill", "decode"):
+        port = free_port()
+        argv = [sys.executable, "-m", "tandem_dev.router.instant_worker", "--role", role, "--port", str(port)]
+        procs.append(ManagedProcess(role, argv, logs / f"{role}.log").start())
+        urls[role] = f"http://127.0.0.1:{port}"
+        procs[-1].wait_http(urls[role] + "/health")
+    return urls

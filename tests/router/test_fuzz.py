@@ -19,6 +19,7 @@ from schemathesis.checks import not_a_server_error
 
 from tandem_dev.procs import ManagedProcess, free_port
 from tandem_router.openapi import document
+from tests.router.helpers import start_instant_workers
 
 pytestmark = pytest.mark.procs
 
@@ -30,14 +31,7 @@ def router_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     logs = tmp_path_factory.mktemp("fuzz")
     procs: list[ManagedProcess] = []
     try:
-        urls = {}
-        for role in ("prefill", "decode"):
-            port = free_port()
-            argv = [sys.executable, "-m", "tandem_dev.router.instant_worker", "--role", role, "--port", str(port)]
-            proc = ManagedProcess(role, argv, logs / f"{role}.log").start()
-            procs.append(proc)
-            urls[role] = f"http://127.0.0.1:{port}"
-            proc.wait_http(urls[role] + "/health")
+        urls = start_instant_workers(procs, logs)
         port = free_port()
         argv = [sys.executable, "-m", "tandem.cli", "router", "--port", str(port), "--prefill", urls["prefill"], "8998",
                 "--decode", urls["decode"], "--max-body-bytes", "65536"]  # fmt: skip

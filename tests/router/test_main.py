@@ -17,6 +17,7 @@ from tandem_dev.procs import ManagedProcess, free_port
 from tandem_router.config import DiscoveryMode, load
 from tandem_router.discovery import pod_spec, static_specs
 from tandem_router.policy.selection import Policy
+from tests.router.helpers import start_instant_workers
 
 
 def test_flags_sglang_router_compatible(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -94,13 +95,7 @@ def test_pod_discovery_rules() -> None:
 def test_sigterm_drains_in_flight_requests_then_exits(tmp_path: Path) -> None:
     procs: list[ManagedProcess] = []
     try:
-        urls = {}
-        for role in ("prefill", "decode"):
-            port = free_port()
-            argv = [sys.executable, "-m", "tandem_dev.router.instant_worker", "--role", role, "--port", str(port)]
-            procs.append(ManagedProcess(role, argv, tmp_path / f"{role}.log").start())
-            urls[role] = f"http://127.0.0.1:{port}"
-            procs[-1].wait_http(urls[role] + "/health")
+        urls = start_instant_workers(procs, tmp_path)
         req = urllib.request.Request(urls["decode"] + "/_faults", data=b'{"delay_s": 1.5}', method="POST")
         urllib.request.urlopen(req, timeout=5).close()
         port = free_port()
