@@ -8,6 +8,7 @@ from typing import Any
 
 from tandem.registry import Endpoint
 from tandem_operator.fencing import StaleKeys
+from tandem_operator.k8s.apply import Request
 from tandem_operator.k8s.kube import Kube
 from tandem_operator.observe import GroupKey
 from tandem_operator.registrar import Registrar
@@ -15,11 +16,18 @@ from tandem_operator.registrar import Registrar
 Trim = Callable[[dict[str, Any]], dict[str, Any]]  # Kube.list's ``keep``
 
 
+class NoServer:
+    """The client of a Kube stand-in that overrides the verbs a test uses: a request that still gets sent is a bug."""
+
+    async def send(self, request: Request) -> Any:
+        raise AssertionError(f"FakeKube sent {request.method} {request.path}")
+
+
 class FakeKube(Kube):
     """Records calls as ``(verb, path or name, detail)``; ``objects`` answers ``get`` and ``list``."""
 
     def __init__(self) -> None:
-        super().__init__(api=None)
+        super().__init__(api=NoServer())
         self.calls: builtins.list[tuple[str, str, Any]] = []
         self.objects: dict[str, dict[str, Any]] = {}
 

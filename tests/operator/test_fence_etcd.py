@@ -27,6 +27,7 @@ from tandem_operator.registrar import Registrar
 from tandem_operator.registration import leader_endpoint
 from tandem_operator.runtime import ClusterRuntime, RuntimeOptions
 from tests.operator.conftest import kimi_spec
+from tests.operator.fakes import NoServer
 from tests.operator.workers import CLUSTER, live_pod
 
 pytestmark = pytest.mark.netns
@@ -38,7 +39,7 @@ class EventSink(Kube):
     """Records the Events the runtime posts (no API server in this test)."""
 
     def __init__(self) -> None:
-        super().__init__(api=None)
+        super().__init__(api=NoServer())
         self.events: list[dict[str, Any]] = []
 
     async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:

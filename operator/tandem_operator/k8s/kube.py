@@ -74,16 +74,13 @@ def api_error(err: ApiError | aiohttp.ClientError | TimeoutError, request: str) 
 
 class Kube:
     def __init__(
-        self, api: Sender | None, *, backoff_s: float = BACKOFF_S, on_request: Callable[[str], None] | None = None
+        self, api: Sender, *, backoff_s: float = BACKOFF_S, on_request: Callable[[str], None] | None = None
     ) -> None:
-        """``on_request(method)`` is called for every request sent, retries included (the operator's metrics).
-        ``api`` None: a stand-in whose methods are all overridden (tests)."""
+        """``on_request(method)`` is called for every request sent, retries included (the operator's metrics)."""
         self.api, self.backoff_s, self.on_request = api, backoff_s, on_request
 
     async def send(self, request: Request) -> Any:
         """Send, retrying temporary errors with exponential backoff; raises a ``KubeError``."""
-        if self.api is None:
-            raise RuntimeError("Kube without a client cannot send")
         delay = self.backoff_s
         for attempt in range(1, RETRIES + 1):
             if self.on_request is not None:

@@ -334,7 +334,7 @@ class ServerConnection(asyncio.Protocol):
     # -- closing -----------------------------------------------------------------------------------------------
     @property
     def idle(self) -> bool:
-        return self.task is None and not self.queue and not self._in_message
+        return self.idle_answering and not self._in_message
 
     def close(self) -> None:
         """Close after what was written went out."""
