@@ -4,7 +4,10 @@ SGLang runs one Mooncake engine per GPU rank, and Mooncake's TCP transport takes
 as the RPC port (``MC_MIN_RPC_PORT`` .. ``MC_MAX_RPC_PORT``): one fixed port made ``initialize`` return -1 ("unable
 to find available tcp port"). The pod now gets two ports per rank for tcp (one per rank for rdma). The engines are
 initialized with exactly the env the operator's manifest gives the pod (downward-API values resolved as the kubelet
-would), one per rank, in one process as the pod's ranks share one environment.
+would), one per rank, in one process as the pod's ranks share one environment, and in a network namespace of
+their own as a pod's are: the suite's namespace is shared by every test, and an earlier test's Mooncake engine
+(which listens on every interface) holding one port of the exact 16-port window made the 8th rank fail in one CI
+run (stop 26), a failure no pod can have.
 """
 
 from __future__ import annotations
@@ -41,8 +44,10 @@ def pod_env(pod: dict[str, Any], ip: str) -> dict[str, str]:
 
 
 def initialize(ip: str, env: dict[str, str], ranks: int = 1) -> tuple[dict[str, Any], str]:
+    own_netns = ["unshare", *(["--map-root-user"] if os.getuid() != 0 else []), "--net", "--"]
+    in_pod = ["sh", "-c", 'ip link set lo up && exec "$0" "$@"']
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), ip, "tcp", str(ranks)],
+        [*own_netns, *in_pod, sys.executable, str(SCRIPT), ip, "tcp", str(ranks)],
         env={**os.environ, **env, "PYTHONPATH": os.pathsep.join(sys.path)},
         capture_output=True,
         text=True,
