@@ -10,8 +10,8 @@ import asyncio
 import functools
 import hashlib
 import logging
+import os
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -260,8 +260,7 @@ def _proxied(state: RouterState, route: Route) -> Endpoint:
         if problem is not None:
             return problem
         model = body.get("model")
-        known = s.pool.models() | set(s.settings.model_names)
-        if isinstance(model, str) and known and model not in known:
+        if isinstance(model, str) and not s.pool.serves(model, s.settings.model_names):
             return error(
                 404, f"The model '{model}' does not exist", ErrorType.NOT_FOUND, code="model_not_found", param="model"
             )
@@ -274,7 +273,8 @@ def _proxied(state: RouterState, route: Route) -> Endpoint:
             items=item_count(route, body),
             prefix=routing_key(route, body, prompt, PREFIX_UNITS),
             prompt=prompt if s.integrity is not None else "",
-            request_id=request.header("x-request-id") or uuid.uuid4().hex,
+            request_id=request.header("x-request-id")
+            or os.urandom(16).hex(),  # 32 hex digits, as uuid4().hex, for less work
             started=started,
             client=client_identity(request, s.settings),
         )

@@ -222,6 +222,18 @@ class WorkerPool:
                 names.add(w.spec.model)
         return names
 
+    def serves(self, model: str, also: Collection[str] = ()) -> bool:
+        """Whether a request for ``model`` may be routed: a worker (or ``also``) names it, or nothing names any
+        model. ``model in self.models()`` without building the set on every request."""
+        if model in also:
+            return True
+        named = bool(also)
+        for w in self.workers.values():
+            if model in w.models or model == w.spec.model:
+                return True
+            named = named or bool(w.models) or bool(w.spec.model)
+        return not named
+
     # -- decisions ---------------------------------------------------------------------------------------------
     def available(self, role: Role, now: float) -> list[WorkerState]:
         return [w for w in self.of_role(role) if br.allows(w.breaker, now)]

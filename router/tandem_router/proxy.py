@@ -215,8 +215,10 @@ class Proxy:
         )
         lease = self.pool.lease(pair, time.monotonic())
         self.metrics.dispatched(pair)
-        prefill_task = asyncio.create_task(self._prefill(pair, request))
+        # The decode's request goes out first: the client's first byte follows the decode's answer, the prefill's
+        # only settles the pair (SGLang's workers pair up through the bootstrap room, whichever arrives first).
         decode_task = asyncio.create_task(self._decode_head(pair, decode_request, req.stream))
+        prefill_task = asyncio.create_task(self._prefill(pair, request))
         committed = False
         try:
             done, _ = await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
