@@ -20,7 +20,7 @@ def _pool(spec_models: tuple[str | None, str | None], learned: tuple[set[str], s
         ]
     )
     for worker, names in zip(pool.workers.values(), learned, strict=True):
-        worker.models = set(names)
+        worker.models = frozenset(names)
     return pool
 
 
@@ -42,6 +42,6 @@ def test_serves_agrees_with_the_set_of_every_model_named(
 def test_an_unknown_model_is_refused_once_any_worker_names_one() -> None:
     pool = _pool((None, None), (set(), set()))
     assert pool.serves("anything")
-    pool.workers["decode:http://d:1"].models = {"kimi"}
+    pool.workers["decode:http://d:1"].models = frozenset({"kimi"})
     assert not pool.serves("anything")
     assert pool.serves("kimi")
