@@ -5,7 +5,10 @@ through Tandem's router (1, 2 and 4 processes, and without integrity checks) and
 ``smg`` (pinned, installed by ``make peers`` into its own venv under ``~/.cache/tandem/``: tandem_dev.peers).
 Throughput comes from ``wrk`` (C, with a Lua body) at 1, 8, 32 and 128 connections (a table and a plot of
 throughput against concurrency); CPU per request from /proc at 32; wrk's own CPU is reported to show it is not
-the limit. TTFT at concurrency 1 from a blocking socket client that timestamps the first body byte. Every
+the limit. TTFT at concurrency 1 from a blocking socket client that timestamps the first body byte. The targets
+are measured interleaved, so that a change in what else the shared cores run falls on all of them alike: each
+concurrency level is run for every target before the next level, and TTFT in ``TTFT_ROUNDS`` rounds, each
+target in turn, starting with a different one each round (percentiles over all rounds' samples). Every
 process is started here and stopped by process group. A peer that cannot run fails the section unless
 ``--allow-missing-peers`` (then its row says "not measured").
 """
@@ -130,6 +133,16 @@ def _wrk_pct(out: str, pct: str) -> float:
 
 def ttft(url: str, body: dict[str, object], n: int) -> tuple[float, float]:
     """Time to first response-body byte at concurrency 1 (p50, p99 in ms), over a kept-alive connection."""
+    return _percentiles(ttft_samples(url, body, n))
+
+
+def _percentiles(samples: list[float]) -> tuple[float, float]:
+    samples = sorted(samples)
+    return statistics.median(samples), samples[min(len(samples) - 1, int(len(samples) * 0.99))]
+
+
+def ttft_samples(url: str, body: dict[str, object], n: int) -> list[float]:
+    """``n`` times to first response-body byte at concurrency 1 (ms), one after the other on one connection."""
     host, port = url.removeprefix("http://").split(":")
     payload = orjson.dumps(body)
     request = (
@@ -155,8 +168,7 @@ def ttft(url: str, body: dict[str, object], n: int) -> tuple[float, float]:
                 if b"\r\n0\r\n\r\n" in buf or buf.endswith(b"data: [DONE]\n\n\r\n"):
                     break
             samples.append((first - started) * 1000)
-    samples.sort()
-    return statistics.median(samples), samples[min(len(samples) - 1, int(len(samples) * 0.99))]
+    return samples
 
 
 @contextlib.contextmanager
@@ -226,23 +238,34 @@ def run(args: BenchArgs) -> list[Table]:
     return tables
 
 
-def _measure(t: Target, levels: Sequence[int], seconds: int, n_ttft: int, workdir: Path) -> Result:
-    """wrk at every concurrency in ``levels`` (CPU per request at 32), then TTFT at concurrency 1."""
-    wrk(t.url, t.body, 8, 1, workdir)  # warm up connections and caches
-    curve: dict[int, float] = {}
-    at32: Load | None = None
-    cpu = float("nan")
+TTFT_ROUNDS = 5
+
+
+def _measure_all(
+    targets: Sequence[Target], levels: Sequence[int], seconds: int, n_ttft: int, workdir: Path
+) -> dict[str, Result]:
+    """wrk at every concurrency in ``levels`` (CPU per request at 32), each level for every target in turn; then
+    TTFT at concurrency 1 in rounds, the targets in a rotating order."""
+    for t in targets:
+        wrk(t.url, t.body, 8, 1, workdir)  # warm up connections and caches
+    curves: dict[str, dict[int, float]] = {t.name: {} for t in targets}
+    at32: dict[str, Load] = {}
+    cpu: dict[str, float] = {t.name: float("nan") for t in targets}
     for connections in levels:
-        cpu0 = group_cpu_seconds(t.proc.pid) if t.proc else 0.0
-        load = wrk(t.url, t.body, connections, seconds, workdir)
-        curve[connections] = load.rps
-        if connections == COST_AT:
-            at32 = load
-            if t.proc:
-                cpu = (group_cpu_seconds(t.proc.pid) - cpu0) / max(load.total, 1) * 1e6
-    assert at32 is not None
-    t50, t99 = ttft(t.url, t.body, n_ttft)
-    return Result(cpu, at32, t50, t99, curve)
+        for t in targets:
+            cpu0 = group_cpu_seconds(t.proc.pid) if t.proc else 0.0
+            load = wrk(t.url, t.body, connections, seconds, workdir)
+            curves[t.name][connections] = load.rps
+            if connections == COST_AT:
+                at32[t.name] = load
+                if t.proc:
+                    cpu[t.name] = (group_cpu_seconds(t.proc.pid) - cpu0) / max(load.total, 1) * 1e6
+    samples: dict[str, list[float]] = {t.name: [] for t in targets}
+    per_round = max(1, n_ttft // TTFT_ROUNDS)
+    for r in range(TTFT_ROUNDS):
+        for t in [*targets[r % len(targets) :], *targets[: r % len(targets)]]:
+            samples[t.name] += ttft_samples(t.url, t.body, per_round)
+    return {t.name: Result(cpu[t.name], at32[t.name], *_percentiles(samples[t.name]), curves[t.name]) for t in targets}
 
 
 def router_cost(args: BenchArgs) -> list[Table]:
@@ -252,14 +275,13 @@ def router_cost(args: BenchArgs) -> list[Table]:
     peers.require("wrk")  # every row is measured with wrk
     if not args.allow_missing_peers:
         peers.require("smg")  # fail before starting anything
-    results: dict[str, Result | None] = {}
     load_start = os.getloadavg()
     with (
         tempfile.TemporaryDirectory(prefix="tandem-bench-router-") as tmp,
         _processes(Path(tmp), args.allow_missing_peers) as (targets, _, notes),
     ):
-        for t in targets:
-            results[t.name] = _measure(t, levels, seconds, n_ttft, Path(tmp)) if t.url else None
+        measured = _measure_all([t for t in targets if t.url], levels, seconds, n_ttft, Path(tmp))
+        results: dict[str, Result | None] = {t.name: measured.get(t.name) for t in targets}
     load_end = os.getloadavg()
     direct = results["direct to decode"]
     assert direct is not None
@@ -319,7 +341,8 @@ def router_cost(args: BenchArgs) -> list[Table]:
         "wrk CPU: wrk's own CPU time over the run's wall time (100% = the one core its thread can use: wrk would be "
         "the limit); 'direct to decode' is the ceiling the workers allow",
         f"load average (1 min) {load_start[0]:.1f} at start, {load_end[0]:.1f} at end, on {os.cpu_count()} cores; "
-        f"{seconds}s per wrk run, {n_ttft} sequential requests for TTFT; all processes share these cores",
+        f"{seconds}s per wrk run, {n_ttft} sequential requests for TTFT ({TTFT_ROUNDS} interleaved rounds); the "
+        "targets are measured interleaved and share these cores",
     ]
     curve = Table(
         "router throughput against concurrency (req/s, instant PD workers, wrk)",

@@ -64,3 +64,29 @@ def test_router_bench_fails_before_starting_anything_without_smg(
     monkeypatch.setattr(peers, "CACHE", tmp_path / "empty-cache")
     with pytest.raises(peers.PeerMissingError, match=r"peer smg \(1\.13\.0\) is not installed here: run `make peers`"):
         router_bench.router_cost(BenchArgs(quick=True))
+
+
+@pytest.mark.netns
+@pytest.mark.procs
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_router_bench_quick_measures_every_target_side_by_side() -> None:
+    """The router bench's quick run (wrk and smg are peers installed by ``make peers``): every target measured,
+    no errors, ratios to smg computed, the TTFT rounds interleaved (the note says so)."""
+    from tandem_dev.router import bench as router_bench
+
+    cost, curve = router_bench.router_cost(BenchArgs(quick=True))
+    rows = {row[0]: dict(zip(cost.columns, row, strict=True)) for row in cost.rows}
+    names = ["direct to decode", *(name for name, _ in router_bench.ROUTERS), f"smg {peers.smg_version()}"]
+    assert list(rows) == names
+    for name, row in rows.items():
+        rps, p50, p99 = row["req/s @32"], row["TTFT p50 ms"], row["TTFT p99 ms"]
+        assert isinstance(rps, float), (name, row)
+        assert isinstance(p50, float), (name, row)
+        assert isinstance(p99, float), (name, row)
+        assert rps > 0, (name, row)
+        assert 0 < p50 <= p99, (name, row)
+        assert row["errors"] == 0, (name, row)
+    assert str(rows[router_bench.TANDEM]["vs smg"]).endswith("x")
+    assert any(f"({router_bench.TTFT_ROUNDS} interleaved rounds)" in note for note in cost.notes)
+    assert [row[0] for row in curve.rows] == [8, router_bench.COST_AT]
