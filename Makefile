@@ -40,9 +40,13 @@ images-relock: bootstrap
 	@scripts/bootstrap.sh --images
 	$(PY) -m tandem_dev.images.build --relock
 
-## test: install everything, then lint, type-check and run every test (inside a loopback-only netns).
+## test: install everything, then lint, type-check and run every test (inside a loopback-only netns). Two
+## pytest-xdist workers, each in a loopback-only netns of its own (tests/conftest.py): one runs the k8s tests (one
+## dev cluster), the other the rest, a module at a time; the serial suite left ~60 % of the 2 cores idle.
+## TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: setup lint typecheck
-	scripts/in-netns.sh $(PYTEST) $(PYTEST_ARGS)
+	scripts/in-netns.sh $(PYTEST) -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
 ## unit: the pure tests only (no netns, k8s, slow or process-starting tests); no netns needed. Two
 ## xdist workers (helm renders and Python overlap on 2 cores); modules that -m deselects whole are not even imported

@@ -14,7 +14,7 @@ import pytest
 
 from tandem_dev.procs import ManagedProcess
 from tests.markfilter import deselected_whole
-from tests.netns import HOW, interfaces, loopback_only
+from tests.netns import HOW, enter_own, interfaces, loopback_only
 
 
 @pytest.fixture
@@ -27,6 +27,17 @@ def proc_factory(tmp_path: Path) -> Iterator[list[ManagedProcess]]:
     yield procs
     for proc in reversed(procs):
         proc.stop()
+
+
+_worker_namespace: list[bool] = []  # this process already entered its own namespace
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A worker of a session inside a loopback-only network namespace (``scripts/in-netns.sh``) gets a namespace of
+    its own (``netns.enter_own``): the two workers' servers then never share an address or port."""
+    if hasattr(config, "workerinput") and not _worker_namespace and loopback_only():
+        enter_own()
+        _worker_namespace.append(True)
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -61,4 +72,4 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> Genera
             terminalreporter.write_line(f"FAILING {nodeid}")
 
 
-pytest_plugins = ["tests.tandem_dev.devcluster.devcluster_fixtures", "pytester", "tests.ci_skips"]
+pytest_plugins = ["tests.tandem_dev.devcluster.devcluster_fixtures", "pytester", "tests.ci_skips", "tests.xdist_groups"]

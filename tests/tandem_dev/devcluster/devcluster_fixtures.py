@@ -66,10 +66,13 @@ async def k8s_namespace(k8s_api: client.ApiClient) -> AsyncIterator[str]:
     await core.delete_namespace(name)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run ``k8s`` tests last, so the control plane starts late and its idle CPU use never overlaps the
-    timing-sensitive tests of the rest of the suite (it stops at session end, right after them)."""
-    items.sort(key=lambda item: item.get_closest_marker("k8s") is not None)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run ``k8s`` tests last in a serial session, so the control plane starts late and its idle CPU use never
+    overlaps the timing-sensitive tests of the rest of the suite (it stops at session end, right after them).
+    Under pytest-xdist (``make test``) they run first, on one worker, while the other takes the rest of the suite
+    (``--no-loadscope-reorder`` keeps this order): they are the longest chain of the suite."""
+    under_xdist = hasattr(config, "workerinput")
+    items.sort(key=lambda item: (item.get_closest_marker("k8s") is not None) != under_xdist)
 
 
 def _log_tails(cluster: DevCluster, lines: int = 15) -> str:
