@@ -12,6 +12,7 @@ before it schedules anything.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shutil
@@ -72,6 +73,14 @@ class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]  # pytest-xdis
         super().__init__(config, log)
         self.folder = folder
         self.groups: dict[str, str] | None = None
+
+    def schedule(self) -> None:
+        if self.collection is None:  # the first call: every worker has collected
+            ids = next(iter(self.registered_collections.values()))
+            repeated = sorted(nodeid for nodeid, n in collections.Counter(ids).items() if n > 1)
+            if repeated:  # tests are handed out by node id: all but the first of each would silently not run
+                raise pytest.UsageError(f"these node ids name more than one test (give each its own id): {repeated}")
+        super().schedule()
 
     def _split_scope(self, nodeid: str) -> str:
         if self.groups is None:

@@ -14,8 +14,11 @@ from typing import Any
 import pytest
 import requests
 import schemathesis
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
+from schemathesis.core.result import Ok
+from schemathesis.schemas import APIOperation
 
 from tandem_dev.procs import ManagedProcess, free_port
 from tandem_router.openapi import document
@@ -52,7 +55,17 @@ def session() -> Iterator[requests.Session]:
         yield s
 
 
-@schema.parametrize()
+# One test id per operation (``schema.parametrize()`` gives all six the same node id, and pytest-xdist, which runs
+# tests by node id, then ran only the first of them).
+OPERATIONS = [result.ok() for result in schema.get_all_operations() if isinstance(result, Ok)]
+assert len(OPERATIONS) == len(list(schema.get_all_operations())), "an operation of the router's document is invalid"
+
+
+@pytest.mark.parametrize("operation", OPERATIONS, ids=[op.label for op in OPERATIONS])
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-def test_no_server_errors(case: schemathesis.Case[Any], router_url: str, session: requests.Session) -> None:
+@given(data=st.data())
+def test_no_server_errors(
+    operation: APIOperation[Any, Any, Any, Any], data: st.DataObject, router_url: str, session: requests.Session
+) -> None:
+    case = data.draw(operation.as_strategy())
     case.call_and_validate(base_url=router_url, session=session, checks=[not_a_server_error], timeout=10)
