@@ -29,15 +29,11 @@ def proc_factory(tmp_path: Path) -> Iterator[list[ManagedProcess]]:
         proc.stop()
 
 
-_worker_namespace: list[bool] = []  # this process already entered its own namespace
-
-
 def pytest_configure(config: pytest.Config) -> None:
     """A worker of a session inside a loopback-only network namespace (``scripts/in-netns.sh``) gets a namespace of
     its own (``netns.enter_own``): the two workers' servers then never share an address or port."""
-    if hasattr(config, "workerinput") and not _worker_namespace and loopback_only():
+    if hasattr(config, "workerinput") and loopback_only():  # pytester's inner sessions have no workerinput
         enter_own()
-        _worker_namespace.append(True)
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:

@@ -27,16 +27,17 @@ GROUPS_DIR = "tandem_groups_dir"
 _groups_dir = pytest.StashKey[Path]()
 
 
-def _grouping(config: pytest.Config) -> bool:
-    return bool(config.getvalue("dist") == "loadgroup")
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
 
 
 def group_of(item: pytest.Item) -> str:
-    return "k8s" if item.get_closest_marker("k8s") is not None else item.nodeid.split("::", 1)[0]
+    return "k8s" if item.get_closest_marker("k8s") is not None else _module(item.nodeid)
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if not hasattr(config, "workerinput") and _grouping(config) and config.getvalue("numprocesses"):
+    controller = not hasattr(config, "workerinput")
+    if controller and config.getvalue("dist") == "loadgroup" and config.getvalue("numprocesses"):
         config.stash[_groups_dir] = Path(tempfile.mkdtemp(prefix="tandem-xdist-groups-"))
 
 
@@ -83,11 +84,9 @@ class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]  # pytest-xdis
         super().schedule()
 
     def _split_scope(self, nodeid: str) -> str:
-        if self.groups is None:
-            self.groups = {}
-            for path in sorted(self.folder.glob("*.json")):
-                self.groups.update(json.loads(path.read_text()))
-        return self.groups.get(nodeid) or nodeid.split("::", 1)[0]
+        if self.groups is None:  # the workers' collections are identical (pytest-xdist checks): one file will do
+            self.groups = json.loads(next(self.folder.glob("*.json")).read_text())
+        return self.groups.get(nodeid) or _module(nodeid)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -131,18 +131,15 @@ def _wrk_pct(out: str, pct: str) -> float:
     return float(m.group(1)) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[m.group(2)]
 
 
-def ttft(url: str, body: dict[str, object], n: int) -> tuple[float, float]:
-    """Time to first response-body byte at concurrency 1 (p50, p99 in ms), over a kept-alive connection."""
-    return _percentiles(ttft_samples(url, body, n))
-
-
 def _percentiles(samples: list[float]) -> tuple[float, float]:
+    """p50 and p99 of ``samples``."""
     samples = sorted(samples)
     return statistics.median(samples), samples[min(len(samples) - 1, int(len(samples) * 0.99))]
 
 
 def ttft_samples(url: str, body: dict[str, object], n: int) -> list[float]:
-    """``n`` times to first response-body byte at concurrency 1 (ms), one after the other on one connection."""
+    """``n`` times to first response-body byte at concurrency 1 (ms), one after the other on one kept-alive
+    connection."""
     host, port = url.removeprefix("http://").split(":")
     payload = orjson.dumps(body)
     request = (

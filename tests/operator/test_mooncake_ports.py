@@ -30,6 +30,7 @@ from tests.operator.workers import CLUSTER, POOL
 
 pytestmark = pytest.mark.netns
 SCRIPT = Path(__file__).with_name("mooncake_init.py")
+IN_NETNS = Path(__file__).resolve().parents[2] / "scripts" / "in-netns.sh"  # a namespace of the engines' own
 TCP = kimi_spec(transfer={"protocol": "tcp"})
 
 
@@ -44,10 +45,8 @@ def pod_env(pod: dict[str, Any], ip: str) -> dict[str, str]:
 
 
 def initialize(ip: str, env: dict[str, str], ranks: int = 1) -> tuple[dict[str, Any], str]:
-    own_netns = ["unshare", *(["--map-root-user"] if os.getuid() != 0 else []), "--net", "--"]
-    in_pod = ["sh", "-c", 'ip link set lo up && exec "$0" "$@"']
     proc = subprocess.run(
-        [*own_netns, *in_pod, sys.executable, str(SCRIPT), ip, "tcp", str(ranks)],
+        [str(IN_NETNS), sys.executable, str(SCRIPT), ip, "tcp", str(ranks)],
         env={**os.environ, **env, "PYTHONPATH": os.pathsep.join(sys.path)},
         capture_output=True,
         text=True,

@@ -57,8 +57,9 @@ def session() -> Iterator[requests.Session]:
 
 # One test id per operation (``schema.parametrize()`` gives all six the same node id, and pytest-xdist, which runs
 # tests by node id, then ran only the first of them).
-OPERATIONS = [result.ok() for result in schema.get_all_operations() if isinstance(result, Ok)]
-assert len(OPERATIONS) == len(list(schema.get_all_operations())), "an operation of the router's document is invalid"
+RESULTS = list(schema.get_all_operations())
+OPERATIONS = [result.ok() for result in RESULTS if isinstance(result, Ok)]
+assert len(OPERATIONS) == len(RESULTS), "an operation of the router's document is invalid"
 
 
 @pytest.mark.parametrize("operation", OPERATIONS, ids=[op.label for op in OPERATIONS])
