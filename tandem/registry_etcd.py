@@ -1,8 +1,6 @@
-"""The thin etcd adapter of ``tandem.registry`` (aetcd): a lease-keeping writer and a prefix watcher.
+"""The thin etcd adapter of ``tandem.registry`` (aetcd): clients and a prefix watcher. The writing side, keys under
+one kept-alive lease, is ``tandem.leased_writer``.
 
-- ``EndpointWriter`` puts endpoints under one lease and refreshes it every ``ttl/3`` seconds, so endpoints of a
-  writer that dies disappear after ``ttl``; ``remove`` deletes a key at once (fencing), ``close`` revokes the
-  lease. Used by the local stack and the operator.
 - ``EndpointWatcher`` lists a cluster's prefix, then watches it from the next revision: a PUT upserts, a DELETE
   (or lease expiry) removes the endpoint at once. It re-lists after a lost connection, so the callbacks always
   converge to etcd's current content. Malformed values are logged and skipped, never crash the router.
@@ -26,7 +24,6 @@ from aetcd import rpc, watcher
 
 from tandem import registry
 from tandem.registry import Endpoint, EtcdTLS
-from tandem.registry_signing import EndpointSigner
 
 log = logging.getLogger("tandem.registry")
 
@@ -157,55 +154,6 @@ async def close_client(etcd: Any, within: float = CLOSE_TIMEOUT_S) -> None:
                 await channel.close()
 
 
-class EndpointWriter:
-    def __init__(
-        self,
-        endpoints: Sequence[str],
-        namespace: str,
-        cluster: str,
-        ttl: int = 5,
-        tls: EtcdTLS | None = None,
-        signer: EndpointSigner | None = None,
-    ) -> None:
-        self.namespace, self.cluster, self.ttl, self.signer = namespace, cluster, ttl, signer
-        self._client = client(endpoints, tls=tls)
-        self._lease: Any = None
-        self._keepalive: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
-        await self._client.connect()
-        self._lease = await self._client.lease(self.ttl)
-        self._keepalive = asyncio.create_task(self._keep_alive())
-
-    async def put(self, endpoint: Endpoint) -> str:
-        key = registry.endpoint_key(self.namespace, self.cluster, endpoint)
-        if self.signer is not None:
-            endpoint = self.signer.sign(key, endpoint)
-        await self._client.put(key.encode(), registry.encode(endpoint), lease=self._lease)
-        return key
-
-    async def remove(self, endpoint: Endpoint) -> None:
-        await self._client.delete(registry.endpoint_key(self.namespace, self.cluster, endpoint).encode())
-
-    async def close(self) -> None:
-        if self._keepalive is not None:
-            self._keepalive.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._keepalive
-        if self._lease is not None:
-            with contextlib.suppress(Exception):
-                await self._lease.revoke()
-        await close_client(self._client)
-
-    async def _keep_alive(self) -> None:
-        while True:
-            await asyncio.sleep(self.ttl / 3)
-            try:
-                await self._lease.refresh()
-            except Exception as err:  # a lost etcd is reported; the next refresh tries again
-                log.warning("etcd lease refresh failed", extra={"error": repr(err)})
-
-
 class PrefixWatcher(Generic[T]):
     """Lists an etcd prefix, then watches it from the next revision, calling ``on_change`` with the whole current
     set (key -> parsed value) after the listing and after every event. A PUT upserts, a DELETE (or a lease expiry)
@@ -225,6 +173,7 @@ class PrefixWatcher(Generic[T]):
         self.prefix = prefix.encode()
         self.parse, self.on_change, self.retry_s = parse, on_change, retry_s
         self.synced = asyncio.Event()
+        self.connected = False  # listed and watching now; False from a lost connection until the next listing
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -258,6 +207,7 @@ class PrefixWatcher(Generic[T]):
             except Exception as err:
                 log.warning("etcd watch lost; re-listing", extra={"prefix": self.prefix.decode(), "error": repr(err)})
             finally:
+                self.connected = False
                 if etcd is not None:
                     await close_client(etcd)
             await asyncio.sleep(self.retry_s)
@@ -271,6 +221,7 @@ class PrefixWatcher(Generic[T]):
                 current[kv.key.decode()] = value
         await self.on_change(dict(current))
         self.synced.set()
+        self.connected = True
         async for event in await etcd.watch_prefix(self.prefix, start_revision=listing.header.revision + 1):
             key = event.kv.key.decode()
             value = None if event.kind == "DELETE" else self.parse(event.kv.key, event.kv.value)

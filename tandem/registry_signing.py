@@ -22,7 +22,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from tandem.registry import Endpoint, signed_payload
+from tandem.registry import Endpoint, encode, endpoint_key, signed_payload
 
 
 class EndpointSigner:
@@ -42,6 +42,16 @@ class EndpointSigner:
     def sign(self, key: str, endpoint: Endpoint) -> Endpoint:
         signature = self._key.sign(signed_payload(key, endpoint))
         return endpoint.model_copy(update={"signature": base64.b64encode(signature).decode()})
+
+
+def registry_entry(
+    namespace: str, cluster: str, endpoint: Endpoint, signer: EndpointSigner | None
+) -> tuple[str, bytes]:
+    """An endpoint's registry key and value as written to etcd, signed for that key when there is a signer."""
+    key = endpoint_key(namespace, cluster, endpoint)
+    if signer is not None:
+        endpoint = signer.sign(key, endpoint)
+    return key, encode(endpoint)
 
 
 class EndpointVerifier:

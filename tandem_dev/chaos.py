@@ -92,7 +92,8 @@ async def run_chaos(args: ChaosArgs, workdir: Path) -> ChaosReport:
     def worker_argv(role: Role, port: int, bootstrap_port: int | None) -> list[str]:
         return [*sim_worker_argv(role, port, bootstrap_port), "--sim-inter-token-ms", str(args.inter_token_ms)]
 
-    stack = LocalStack(workdir, router_port=0, etcd_members=3, worker_argv=worker_argv, say=_say)
+    # restart_etcd=False: the etcd fault starts its member again itself, after ChaosTarget.etcd_down_s.
+    stack = LocalStack(workdir, router_port=0, etcd_members=3, worker_argv=worker_argv, say=_say, restart_etcd=False)
     second: ManagedProcess | None = None
     stop = asyncio.Event()
     supervisor: asyncio.Task[None] | None = None

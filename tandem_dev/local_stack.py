@@ -1,5 +1,5 @@
 """``tandem up``: the embedded local stack. etcd, 2 prefill + 2 decode simulated workers registered in etcd the
-way the operator registers pods (``tandem.registry_etcd``, one lease), and the router on 127.0.0.1:8000.
+way the operator registers pods (``tandem.leased_writer``, one lease), and the router on 127.0.0.1:8000.
 
 etcd is secured as the chart secures it (``secure=True``, the default): a CA and certificates of its own under
 ``workdir/pki`` (``tandem_dev.etcd_pki``), TLS, one etcd user per component (``tandem.etcd_auth``), endpoints signed
@@ -8,6 +8,8 @@ with the operator's key and verified by the router (``tandem.registry_signing``)
 A supervisor restarts a worker that dies: its registry key is deleted at once (the router stops sending to it),
 and it is registered again, with a new epoch, once its ``/health`` answers. With ``deregister_dead=False`` the key
 stays, as when nobody has noticed the death yet (a partitioned node): only the router's breakers keep traffic off.
+It restarts a dead etcd member too, on its ports and data; the writer puts the workers' keys back by itself if etcd
+lost its lease meanwhile.
 Ctrl-C (or SIGTERM) stops the router first, then the workers, then etcd, each by process group. ``LocalStack`` is
 also the tests' fixture.
 """
@@ -27,10 +29,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem import registry
 from tandem.etcd_auth import OPERATOR_USER, ROOT_USER, setup_auth
+from tandem.leased_writer import LeasedWriter
 from tandem.registry import Endpoint, Role
-from tandem.registry_etcd import EndpointWriter
-from tandem.registry_signing import EndpointSigner
+from tandem.registry_signing import EndpointSigner, registry_entry
 from tandem_dev.devcluster.pki import CertPair
 from tandem_dev.etcd_pki import EtcdPki, create_etcd_pki
 from tandem_dev.procs import ManagedProcess, ProcessFailedError, free_port
@@ -177,13 +180,17 @@ class LocalStack:
     deregister_dead: bool = True  # False: a dead worker's registry key stays (tests of the router's own breakers)
     worker_env: dict[str, str] = field(default_factory=dict)
     etcd_members: int = 1
+    restart_etcd: bool = True  # False: a dead etcd member stays dead (the chaos run restarts it itself)
+    lease_ttl: int = 5  # of the workers' registry keys
     secure: bool = True  # etcd with TLS, client certificates and roles; signed endpoints (tandem.etcd_auth)
     etcds: list[ManagedProcess] = field(default_factory=list)
     etcd_endpoints: list[str] = field(default_factory=list)
     workers: list[Worker] = field(default_factory=list)
     router: ManagedProcess | None = None
-    writer: EndpointWriter | None = None
+    writer: LeasedWriter | None = None
+    signer: EndpointSigner | None = None
     restarts: int = 0
+    etcd_restarts: int = 0
 
     @property
     def router_url(self) -> str:
@@ -200,17 +207,11 @@ class LocalStack:
         if self.secure:
             pki = etcd_pki_of(self.workdir)
             await setup_auth(self.etcd_endpoints, pki.client_tls(ROOT_USER), [(NAMESPACE, CLUSTER)])
-            self.writer = EndpointWriter(
-                self.etcd_endpoints,
-                NAMESPACE,
-                CLUSTER,
-                ttl=5,
-                tls=pki.client_tls(OPERATOR_USER),
-                signer=EndpointSigner.from_file(pki.signing_key),
-            )
+            self.writer = LeasedWriter(self.etcd_endpoints, self.lease_ttl, tls=pki.client_tls(OPERATOR_USER))
+            self.signer = EndpointSigner.from_file(pki.signing_key)
             router_security = pki.router_flags()
         else:
-            self.writer = EndpointWriter(self.etcd_endpoints, NAMESPACE, CLUSTER, ttl=5)
+            self.writer = LeasedWriter(self.etcd_endpoints, self.lease_ttl)
         await self.writer.start()
         for role, count in ((Role.PREFILL, self.prefills), (Role.DECODE, self.decodes)):
             for i in range(count):
@@ -253,20 +254,24 @@ class LocalStack:
     async def _register_when_healthy(self, w: Worker) -> None:
         await asyncio.to_thread(w.proc.wait_http, f"{w.url}/health", 120.0)
         assert self.writer is not None
-        await self.writer.put(w.endpoint(self.model))
+        await self.writer.put(*registry_entry(NAMESPACE, CLUSTER, w.endpoint(self.model), self.signer))
         w.registered = True
         self.say(f"  {w.group} ready at {w.url} (epoch {w.epoch})")
 
     async def supervise(self, stop: asyncio.Event, interval: float = 0.2) -> None:
-        """Restart dead workers until ``stop`` is set: deregister at once, restart, re-register when healthy."""
+        """Restart dead workers until ``stop`` is set: deregister at once, restart, re-register when healthy. Restart
+        dead etcd members (``restart_etcd``)."""
         pending: set[asyncio.Task[None]] = set()
+        etcd_started: dict[str, float] = {}
         while not stop.is_set():
+            if self.restart_etcd:
+                self._restart_dead_etcds(etcd_started)
             for w in self.workers:
                 if w.registered and not w.proc.alive():
                     if self.deregister_dead:
                         assert self.writer is not None
                         try:
-                            await self.writer.remove(w.endpoint(self.model))
+                            await self.writer.delete(registry.endpoint_key(NAMESPACE, CLUSTER, w.endpoint(self.model)))
                         except Exception as err:  # etcd unreachable for now: the next round tries again
                             self.say(f"  {w.group} exited; deregistering it failed ({err!r}), retrying")
                             continue
@@ -292,6 +297,20 @@ class LocalStack:
         for task in pending:
             task.cancel()
 
+    def _restart_dead_etcds(self, started: dict[str, float], every_s: float = 1.0) -> None:
+        """Start each dead etcd member again, on its ports and data directory (its ``ManagedProcess``: the command
+        line never changes), at most once every ``every_s`` per member, so that one that cannot start does not
+        spin. Only the member's own process group is touched."""
+        now = time.monotonic()
+        for member in self.etcds:
+            if member.alive() or now - started.get(member.name, -every_s) < every_s:
+                continue
+            code = member.stop()  # reaps it (and what is left of its group)
+            member.start()
+            started[member.name] = now
+            self.etcd_restarts += 1
+            self.say(f"  etcd member {member.name} exited ({code}); restarted on its ports and data")
+
     def _new_bootstrap_port(self, w: Worker) -> None:
         """A restarted prefill gets another bootstrap port (registered with its new epoch), so decodes meet it as a
         new peer. SGLang's decode caches each bootstrap address's rank ports (``CommonKVReceiver``,
@@ -309,7 +328,7 @@ class LocalStack:
             w.proc.stop()
         if self.writer is not None:
             with contextlib.suppress(Exception):
-                await self.writer.close()
+                await self.writer.close(revoke=True)
         for etcd in self.etcds:
             etcd.stop()
 

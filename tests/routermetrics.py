@@ -25,6 +25,11 @@ class RouterMetrics:
     resume_gaps: float = 0  # resume gaps observed (one per resume)
     detections: float = 0  # integrity detector findings
     forged_endpoints: float = 0  # registry values ignored for lack of a valid operator signature
+    registry_panic: float = 0  # 1 while a registry removal storm is held
+    registry_held: float = 0  # workers the registry removed that the router keeps routing to
+    registry_panics: float = 0  # storms held since start
+    registry_released: float = 0  # held workers removed after all (failed checks, or a settled registry)
+    available: dict[str, float] = field(default_factory=dict)  # worker url -> 1 if its breaker admits traffic
 
     @property
     def streaming(self) -> float:
@@ -67,4 +72,14 @@ async def scrape(router_url: str) -> RouterMetrics:
                 out.detections += sample.value
             elif sample.name == "tandem_router_registry_forged_endpoints_total":
                 out.forged_endpoints += sample.value
+            elif sample.name == "tandem_router_registry_panic":
+                out.registry_panic = sample.value
+            elif sample.name == "tandem_router_registry_held_workers":
+                out.registry_held = sample.value
+            elif sample.name == "tandem_router_registry_panics_total":
+                out.registry_panics = sample.value
+            elif sample.name == "tandem_router_registry_held_released_total":
+                out.registry_released = sample.value
+            elif sample.name == "tandem_router_worker_available":
+                out.available[sample.labels["worker"]] = sample.value
     return out

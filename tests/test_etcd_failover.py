@@ -183,7 +183,7 @@ async def test_operator_adapters_use_every_etcd_member(three_members: tuple[list
 
 def test_router_follows_the_registry_with_an_etcd_member_down(tmp_path: Path) -> None:
     with running_stack(
-        tmp_path, router_port=0, worker_argv=instant_worker_argv, etcd_members=3, restart=False
+        tmp_path, router_port=0, worker_argv=instant_worker_argv, etcd_members=3, restart=False, restart_etcd=False
     ) as stack:
         asyncio.run(_member_down(stack))
 

@@ -335,8 +335,16 @@ async def _health(s: RouterState, request: ServerRequest) -> Response:
 async def _readiness(s: RouterState, request: ServerRequest) -> Response:
     if s.draining:
         return error(503, "draining", ErrorType.UNAVAILABLE)
-    if not s.pool.has_healthy_pair(time.monotonic()):
+    now = time.monotonic()
+    if not s.pool.has_healthy_pair(now):
         return error(503, "no healthy prefill/decode pair", ErrorType.UNAVAILABLE)
+    guard = s.pool.registry_guard
+    if guard is not None and guard.panic_since is not None:
+        detail = (
+            f"OK; registry panic for {now - guard.panic_since:.0f}s: serving {len(guard.held)} worker(s) the "
+            "registry removed while their health checks pass"
+        )
+        return Reply(detail.encode(), content_type="text/plain; charset=utf-8")
     return Reply(b"OK", content_type="text/plain; charset=utf-8")
 
 

@@ -65,6 +65,23 @@ class RouterSettings(BaseSettings):
         description="The operator's Ed25519 public key (PEM): registry endpoints without its valid signature are "
         "ignored, logged and counted (tandem_router_registry_forged_endpoints). Unset: every endpoint is trusted.",
     )
+    registry_panic_share: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="Share of the registry's workers removed within registry_panic_window_s that is a removal storm: "
+        "the removed workers stay in routing while the router's health checks pass (registry_guard).",
+    )
+    registry_panic_min_removals: int = Field(
+        default=2, ge=1, description="Fewest removals within the window that can be a storm (one fence never is)."
+    )
+    registry_panic_window_s: float = Field(default=10.0, gt=0, description="Window over which removals are counted.")
+    registry_settle_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A storm's held workers are removed once the registry, connected, went this long without "
+        "naming them again or removing another.",
+    )
     cluster_namespace: str = "default"
     cluster_name: str = "tandem"
     k8s_namespace: str = "default"
@@ -177,6 +194,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--etcd-key-file")
     p.add_argument("--etcd-server-name", help="name etcd's certificate is checked against (default: its host)")
     p.add_argument("--registry-verify-key", help="operator's Ed25519 public key: ignore endpoints it did not sign")
+    p.add_argument("--registry-panic-share", type=float, help="share of workers removed at once that is a storm (0.5)")
+    p.add_argument("--registry-panic-min-removals", type=int, help="fewest removals that can be a storm (2)")
+    p.add_argument("--registry-panic-window-s", type=float, help="window over which removals are counted (10)")
+    p.add_argument("--registry-settle-s", type=float, help="quiet registry time after which held workers go (30)")
     p.add_argument("--cluster-namespace")
     p.add_argument("--cluster-name")
     p.add_argument("--k8s-namespace")

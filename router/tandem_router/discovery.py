@@ -1,16 +1,15 @@
-"""Where workers come from: static flags, the etcd registry, or Kubernetes pods. Each source keeps the pool's
-membership equal to what it sees; the pure conversions (registry value / pod -> WorkerSpec) are separate so
-they are tested without etcd or a cluster."""
+"""Where workers come from: static flags, the etcd registry (``discovery_etcd``), or Kubernetes pods. Each source
+keeps the pool's membership equal to what it sees; the pure conversions (registry value / pod -> WorkerSpec) are
+separate so they are tested without etcd or a cluster."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from tandem.registry import Endpoint, Role, reused_sessions
+from tandem.registry import Role
 from tandem_router.config import RouterSettings
 from tandem_router.pool import WorkerPool, WorkerSpec
 
@@ -30,18 +29,6 @@ class Discovery(Protocol):
 def static_specs(settings: RouterSettings) -> list[WorkerSpec]:
     prefills = [WorkerSpec(Role.PREFILL, p.url, p.bootstrap_port, p.attn_dp_size) for p in settings.prefill]
     return prefills + [WorkerSpec(Role.DECODE, url) for url in settings.decode]
-
-
-def endpoint_spec(endpoint: Endpoint) -> WorkerSpec:
-    return WorkerSpec(
-        role=endpoint.role,
-        url=endpoint.url,
-        bootstrap_port=endpoint.bootstrap_port if endpoint.role is Role.PREFILL else None,
-        attn_dp_size=endpoint.attn_dp_size,
-        model=endpoint.model,
-        epoch=endpoint.epoch,
-        revision=endpoint.revision,
-    )
 
 
 def pod_spec(pod: Mapping[str, Any], role: Role, port: int) -> WorkerSpec | None:
@@ -73,94 +60,6 @@ class StaticDiscovery:
 
     async def stop(self) -> None:
         return None
-
-
-class EtcdDiscovery:
-    """Follows ``tandem.registry`` keys of one cluster; a deleted key drops its worker at once.
-
-    With ``registry_verify_key`` set, an endpoint without the operator's valid signature (``tandem.registry_signing``)
-    is never used: it is logged, counted, and handled as if its key were absent (a forged value over a real
-    endpoint takes that worker out, it never redirects its traffic)."""
-
-    def __init__(self, pool: WorkerPool, settings: RouterSettings) -> None:
-        from tandem.registry_etcd import EndpointWatcher
-        from tandem.registry_signing import EndpointVerifier
-
-        self.pool = pool
-        self._verifier = (
-            EndpointVerifier.from_file(settings.registry_verify_key) if settings.registry_verify_key else None
-        )
-        self._keys: dict[str, str] = {}  # registry key -> worker key
-        # registry key -> latest incarnation seen, kept after a delete: a fence deletes the key before the group's
-        # next incarnation is put, and that one must not reuse the dead one's Mooncake session ids.
-        self._incarnations: dict[str, Endpoint] = {}
-        self.watcher = EndpointWatcher(
-            settings.etcd_endpoints,
-            settings.cluster_namespace,
-            settings.cluster_name,
-            on_snapshot=self._snapshot,
-            on_put=self._put,
-            on_delete=self._delete,
-            tls=settings.etcd_tls,
-        )
-
-    async def start(self) -> None:
-        self.watcher.start()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.watcher.synced.wait(), 5.0)
-
-    async def stop(self) -> None:
-        await self.watcher.stop()
-
-    def _note_incarnation(self, key: str, endpoint: Endpoint) -> None:
-        earlier = self._incarnations.get(key)
-        if earlier is not None and (reused := reused_sessions(earlier, endpoint)):
-            self.pool.mooncake_session_reuses += 1
-            log.warning(
-                "recreated group reuses Mooncake session ids of its previous incarnation: prefills may fail their "
-                "first sends to it until the failed-session probe and metadata refresh catch up (operator/README.md)",
-                extra={"key": key, "epoch": endpoint.epoch, "sessions": sorted(reused)},
-            )
-        if earlier is None or endpoint.epoch >= earlier.epoch:
-            self._incarnations[key] = endpoint
-
-    def _trusted(self, key: str, endpoint: Endpoint) -> bool:
-        if self._verifier is None or self._verifier.verify(key, endpoint):
-            return True
-        self.pool.forged_endpoints += 1
-        log.error(
-            "registry endpoint without a valid operator signature ignored: someone other than the operator wrote it",
-            extra={"key": key, "worker": endpoint.url, "signed": bool(endpoint.signature)},
-        )
-        return False
-
-    def _snapshot(self, endpoints: dict[str, Endpoint]) -> None:
-        endpoints = {key: ep for key, ep in endpoints.items() if self._trusted(key, ep)}
-        for key, endpoint in endpoints.items():
-            self._note_incarnation(key, endpoint)
-        specs = {key: endpoint_spec(ep) for key, ep in endpoints.items()}
-        self._keys = {key: spec.key for key, spec in specs.items()}
-        self.pool.replace_all(specs.values())
-        log.info("registry synced", extra={"workers": sorted(s.url for s in specs.values())})
-
-    def _put(self, key: str, endpoint: Endpoint) -> None:
-        if not self._trusted(key, endpoint):
-            self._delete(key)
-            return
-        self._note_incarnation(key, endpoint)
-        spec = endpoint_spec(endpoint)
-        old = self._keys.get(key)
-        if old is not None and old != spec.key:
-            self.pool.remove(old)
-        self._keys[key] = spec.key
-        self.pool.upsert(spec)
-        log.info("worker registered", extra={"key": key, "worker": spec.url, "epoch": spec.epoch})
-
-    def _delete(self, key: str) -> None:
-        worker = self._keys.pop(key, None)
-        if worker is not None:
-            self.pool.remove(worker)
-            log.info("worker deregistered", extra={"key": key, "worker": worker})
 
 
 class KubernetesDiscovery:
@@ -263,6 +162,8 @@ def make_discovery(pool: WorkerPool, settings: RouterSettings) -> Discovery:
     from tandem_router.config import DiscoveryMode
 
     if settings.discovery is DiscoveryMode.ETCD:
+        from tandem_router.discovery_etcd import EtcdDiscovery
+
         return EtcdDiscovery(pool, settings)
     if settings.discovery is DiscoveryMode.KUBERNETES:
         return KubernetesDiscovery(pool, settings)

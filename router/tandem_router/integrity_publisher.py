@@ -1,8 +1,9 @@
 """Publishes this router's integrity state to etcd, so the operator can surface it on the PDCluster.
 
 One key per router instance (``tandem.registry.integrity_key``) under the router's own lease: a router that dies
-stops reporting after ``ttl`` seconds. The report is rewritten when it changes and the lease refreshed every
-``ttl/3``; a lost lease (etcd restarted, long partition) is replaced by a new one and the report written again.
+stops reporting after ``ttl`` seconds. The report is rewritten when it changes; the lease is kept by a
+``tandem.leased_writer.LeasedWriter``, which also puts the last report back under a new lease when etcd lost the old
+one (frozen or partitioned for longer than the TTL). A router that stops revokes its lease: the report goes at once.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from tandem import registry, registry_etcd
+from tandem import registry
+from tandem.leased_writer import LeasedWriter
 from tandem.registry import EtcdTLS, IntegrityReport, QuarantinedPair, RepeatOffender, Role
 from tandem_router.integrity.monitor import IntegrityMonitor
 
@@ -92,18 +94,15 @@ class IntegrityPublisher:
         self.ttl, self.interval_s = ttl, interval_s
 
     async def run(self, stop: asyncio.Event) -> None:
-        etcd: Any = None
-        lease: Any = None
+        writer = LeasedWriter(self.endpoints, self.ttl, tls=self.tls)
         written: tuple[object, ...] | None = None
-        refreshed = 0.0
+        started = False
         try:
             while not stop.is_set():
                 try:
-                    if etcd is None:
-                        etcd = registry_etcd.client(self.endpoints, tls=self.tls)
-                        await etcd.connect()
-                    if lease is None:
-                        lease, written = await etcd.lease(self.ttl), None
+                    if not started:  # etcd may not answer yet when the router starts: tried again each interval
+                        await writer.start()
+                        started = True
                     report = report_of(self.monitor, self.router, time.monotonic())
                     # "since_s" changes every second; rewrite only when the set of pairs or reasons changed.
                     identity = (
@@ -111,18 +110,11 @@ class IntegrityPublisher:
                         tuple((o.worker, o.epoch) for o in report.repeat_offenders),
                     )
                     if identity != written:
-                        await etcd.put(self.key, report.model_dump_json().encode(), lease=lease)
+                        await writer.put(self.key, report.model_dump_json().encode())
                         written = identity
-                    if time.monotonic() - refreshed >= self.ttl / 3:
-                        await lease.refresh()
-                        refreshed = time.monotonic()
-                except Exception as err:  # etcd gone or lease expired: start over with a fresh lease
+                except Exception as err:  # etcd away: the next interval writes again
                     log.warning("integrity report not published", extra={"error": repr(err)})
-                    lease = None
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.interval_s)
         finally:
-            if etcd is not None:
-                with contextlib.suppress(Exception):
-                    await etcd.delete(self.key)
-                await registry_etcd.close_client(etcd)
+            await writer.close(revoke=True)

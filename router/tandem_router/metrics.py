@@ -14,6 +14,7 @@ from prometheus_client.registry import Collector
 from tandem.registry import Role
 from tandem_router.policy.breaker import BreakerState
 from tandem_router.pool import Pair, WorkerPool, same_revision
+from tandem_router.registry_guard import RegistryGuard
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 _ITL_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 5)
@@ -156,6 +157,30 @@ class _PoolCollector(Collector):
             value=self.pool.forged_endpoints,
         )
         yield _available_pairs(self.pool, now)
+        if self.pool.registry_guard is not None:
+            yield from _registry_guard(self.pool.registry_guard)
+
+
+def _registry_guard(guard: RegistryGuard) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """The etcd registry's removal-storm guard (``registry_guard``): whether it holds workers now, and how often."""
+    yield GaugeMetricFamily(
+        "tandem_router_registry_panic",
+        "1 while a registry removal storm is held: workers the registry removed keep serving while healthy.",
+        value=1.0 if guard.panicking else 0.0,
+    )
+    yield GaugeMetricFamily(
+        "tandem_router_registry_held_workers",
+        "Workers the registry removed in a storm that the router keeps routing to (their health checks pass).",
+        value=len(guard.held),
+    )
+    yield CounterMetricFamily(
+        "tandem_router_registry_panics", "Registry removal storms the router held.", value=guard.panics
+    )
+    yield CounterMetricFamily(
+        "tandem_router_registry_held_released",
+        "Held workers removed after all: their checks failed, or the registry settled without them.",
+        value=guard.released,
+    )
 
 
 def _available_pairs(pool: WorkerPool, now: float) -> GaugeMetricFamily:

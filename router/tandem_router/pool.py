@@ -24,6 +24,7 @@ from tandem_router.policy import cache_aware as ca
 from tandem_router.policy import selection as sel
 from tandem_router.policy.load import WorkerLoad
 from tandem_router.policy.prefix_tree import PrefixTree, RoutingKey
+from tandem_router.registry_guard import RegistryGuard
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,7 @@ class WorkerPool:
         self._rr_prefills = 1
         self.mooncake_session_reuses = 0  # recreated groups that came back under an earlier Mooncake session id
         self.forged_endpoints = 0  # registry values ignored for lack of a valid operator signature
+        self.registry_guard: RegistryGuard | None = None  # etcd discovery's removal-storm guard (metrics, readiness)
 
     # -- membership (discovery) --------------------------------------------------------------------------------
     def upsert(self, spec: WorkerSpec) -> None:
@@ -192,6 +194,10 @@ class WorkerPool:
         self.workers.pop(key, None)
         self.pair_breakers.forget(key)
         self.trees.pop(key, None)
+
+    def restore(self, state: WorkerState) -> None:
+        """Put back a worker removed moments ago, with its breaker, load and models (a registry removal storm)."""
+        self.workers.setdefault(state.spec.key, state)
 
     def replace_all(self, specs: Iterable[WorkerSpec]) -> None:
         wanted = {s.key: s for s in specs}

@@ -10,8 +10,9 @@ import aiohttp
 import pytest
 
 from tandem import registry
+from tandem.leased_writer import LeasedWriter
 from tandem.registry import Endpoint, Role
-from tandem.registry_etcd import EndpointWatcher, EndpointWriter, parse_endpoint_url
+from tandem.registry_etcd import EndpointWatcher, parse_endpoint_url
 from tandem_dev.local_stack import instant_worker_argv, start_etcd
 from tandem_dev.procs import ManagedProcess
 from tandem_dev.stack_fixture import running_stack
@@ -46,6 +47,12 @@ async def watched(etcd: str) -> AsyncIterator[tuple[dict[str, Endpoint], Endpoin
     await watcher.stop()
 
 
+async def _put(writer: LeasedWriter, endpoint: Endpoint, cluster: str = "c1") -> str:
+    key = registry.endpoint_key("ns", cluster, endpoint)
+    await writer.put(key, registry.encode(endpoint))
+    return key
+
+
 async def _until(cond: object, within: float = 10.0) -> None:
     deadline = asyncio.get_running_loop().time() + within
     while not cond():  # type: ignore[operator]
@@ -64,32 +71,30 @@ async def test_watcher_sees_existing_new_changed_and_deleted_endpoints(
     etcd: str, watched: tuple[dict[str, Endpoint], EndpointWatcher]
 ) -> None:
     seen, watcher = watched
-    writer = EndpointWriter([etcd], "ns", "c1", ttl=30)
+    writer = LeasedWriter([etcd], ttl=30)
     await writer.start()
     try:
         first = _ep("decode-0", 1000)
-        key0 = await writer.put(first)
+        key0 = await _put(writer, first)
         watcher.start()
         await asyncio.wait_for(watcher.synced.wait(), 10)
         assert seen == {key0: first}
-        key1 = await writer.put(_ep("decode-1", 1001))
+        key1 = await _put(writer, _ep("decode-1", 1001))
         await _until(lambda: key1 in seen)
-        await writer.put(_ep("decode-1", 1001, epoch=1))
+        await _put(writer, _ep("decode-1", 1001, epoch=1))
         await _until(lambda: seen[key1].epoch == 1)
-        await writer.remove(first)
+        assert await writer.delete(key0)
         await _until(lambda: key0 not in seen)
         # A malformed value is skipped (and drops the key), never crashes the watcher.
-        etcd_client = writer._client
-        await etcd_client.put(key1.encode(), b"{not json")
+        await writer.client.put(key1.encode(), b"{not json")
         await _until(lambda: key1 not in seen)
-        assert registry.endpoint_key("ns", "c1", first) == key0
     finally:
-        await writer.close()
+        await writer.close(revoke=True)
 
 
 async def test_router_counts_a_recreated_group_that_reuses_a_mooncake_session(etcd: str) -> None:
     from tandem_router.config import DiscoveryMode, RouterSettings
-    from tandem_router.discovery import EtcdDiscovery
+    from tandem_router.discovery_etcd import EtcdDiscovery
     from tandem_router.pool import WorkerPool
     from tests.test_registry import incarnation
 
@@ -98,42 +103,40 @@ async def test_router_counts_a_recreated_group_that_reuses_a_mooncake_session(et
         discovery=DiscoveryMode.ETCD, etcd_endpoints=[etcd], cluster_namespace="ns", cluster_name="reuse"
     )
     discovery = EtcdDiscovery(pool, settings)
-    writer = EndpointWriter([etcd], "ns", "reuse", ttl=30)
+    writer = LeasedWriter([etcd], ttl=30)
     await writer.start()
     try:
         await discovery.start()
-        await writer.put(incarnation(0, "10.0.0.1:15100", "10.0.0.1:15101"))
+        await _put(writer, incarnation(0, "10.0.0.1:15100", "10.0.0.1:15101"), "reuse")
         await _until(lambda: any(w.spec.epoch == 0 for w in pool.workers.values()))
-        await writer.remove(incarnation(0))  # fenced: the key goes before the next incarnation comes
+        # fenced: the key goes before the next incarnation comes
+        await writer.delete(registry.endpoint_key("ns", "reuse", incarnation(0)))
         await _until(lambda: not pool.workers)
-        await writer.put(incarnation(1, "10.0.0.1:15102", "10.0.0.1:15103"))  # the next window: nothing reused
+        await _put(writer, incarnation(1, "10.0.0.1:15102", "10.0.0.1:15103"), "reuse")  # the next window: no reuse
         await _until(lambda: any(w.spec.epoch == 1 for w in pool.workers.values()))
         assert pool.mooncake_session_reuses == 0
-        await writer.put(
-            incarnation(2, "10.0.0.1:15100", "10.0.0.1:15101", "10.0.0.1:15103")
-        )  # a range too small to rotate
+        # a range too small to rotate
+        await _put(writer, incarnation(2, "10.0.0.1:15100", "10.0.0.1:15101", "10.0.0.1:15103"), "reuse")
         await _until(lambda: any(w.spec.epoch == 2 for w in pool.workers.values()))
         assert pool.mooncake_session_reuses == 1
     finally:
         await discovery.stop()
-        await writer.close()
+        await writer.close(revoke=True)
 
 
 async def test_lease_expiry_drops_the_endpoints_of_a_dead_writer(
     etcd: str, watched: tuple[dict[str, Endpoint], EndpointWatcher]
 ) -> None:
     seen, watcher = watched
-    writer = EndpointWriter([etcd], "ns", "c1", ttl=2)
+    writer = LeasedWriter([etcd], ttl=2)
     await writer.start()
-    key = await writer.put(_ep("decode-7", 1007))
+    key = await _put(writer, _ep("decode-7", 1007))
     watcher.start()
     await _until(lambda: key in seen)
     await asyncio.sleep(3)  # kept alive past its TTL
     assert key in seen
-    assert writer._keepalive is not None
-    writer._keepalive.cancel()  # the writer "dies": nobody refreshes the lease any more
+    await writer.close(revoke=False)  # the writer "dies": nobody refreshes the lease any more
     await _until(lambda: key not in seen, within=10)
-    await writer._client.close()
 
 
 def test_local_stack_registers_routes_and_replaces_a_killed_worker(tmp_path: Path) -> None:

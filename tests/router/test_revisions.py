@@ -6,7 +6,8 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 
 from tandem.registry import Endpoint, Role
-from tandem_router.discovery import endpoint_spec, pod_spec
+from tandem_router.discovery import pod_spec
+from tandem_router.discovery_etcd import endpoint_spec
 from tandem_router.metrics import RouterMetrics
 from tandem_router.pool import Pair, WorkerPool, WorkerSpec
 
