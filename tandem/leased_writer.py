@@ -97,19 +97,26 @@ class LeasedWriter:
 
     async def put(self, key: bytes | str, value: bytes) -> None:
         """Advertise ``key``: remembered, then put under the lease. A failed put raises, but the key stays
-        remembered, so it is put again with the others when a lost lease is replaced."""
+        remembered, and the keep-alive puts every advertised key again as soon as etcd answers."""
         key = _bytes(key)
         async with self._lock:
             if self._lease_id is None:
                 raise RuntimeError("LeasedWriter.put before start()")
             self._advertised[key] = value
+            landed = False
             try:
                 await self.client.put(key, value, lease=self._lease_id)
+                landed = True
             except Exception as err:
                 if lease_missing(err):  # gone before the keep-alive noticed: replace it now
                     self._lost = True
-                    self._wake.set()
                 raise
+            finally:
+                # Failed, or given up by its caller: every advertised key is put again once etcd answers (under a
+                # new lease if this one is gone), so the key still lands without the caller trying again.
+                if not landed:
+                    self._stale = True
+                    self._wake.set()
 
     async def delete(self, key: bytes | str) -> bool:
         """Stop advertising ``key`` and delete it now; True if it was in etcd."""

@@ -9,6 +9,10 @@ here, the dev cluster in ``tandem_dev.chaos_devcluster``) exposes its workers an
   (clients stop using it by themselves: their connections are refused); recovered when it answers ``/readiness``.
 - ``etcd``: one member of three killed, started again ``etcd_down_s`` later. Recovered when it answers
   ``/health``; the run shows whether anything else noticed.
+- ``registry``: every etcd member frozen (SIGSTOP, as a hung disk or a partition looks to clients) for
+  ``registry_freeze_s``, then thawed: longer than the writers' lease TTL, so etcd expires their leases on thawing.
+  Not fenced (nothing should stop serving); recovered when every router routes to every registered group again
+  and holds none that the registry removed (the writer put the keys back: ``tandem.leased_writer``).
 - ``transfer``: KV sends from one prefill to one decode fail (the simulator's ``/tandem/sim/faults`` with
   ``to_sessions``) for ``transfer_down_s``. Fenced at the routers' last failed attempt on that pair (none if no
   router tried it: the cache-aware policy can leave one pair idle); recovered when, after the link is back, the
@@ -33,13 +37,14 @@ from tandem_dev.chaos_report import FaultRecord
 from tandem_dev.local_stack import LocalStack, etcd_pki_of
 from tandem_dev.procs import ManagedProcess
 
-KINDS = ("prefill", "decode", "router", "etcd", "transfer")
+KINDS = ("prefill", "decode", "router", "etcd", "registry", "transfer")
 POLL_S = 0.1
 # What the routers count, summed over routers and over a router's restarts.
 COUNTERS = {
     "tandem_router_resumed_streams_total": "streams resumed",
     "tandem_router_retries_total": "retries on another pair",
     "tandem_router_stream_errors_total": "stream error events",
+    "tandem_router_registry_panics_total": "registry removal storms held",
 }
 
 
@@ -48,6 +53,7 @@ class Scrape:
     available: dict[str, float] = field(default_factory=dict)  # worker url -> 1 if its breaker admits traffic
     pair_failures: dict[tuple[str, str], float] = field(default_factory=dict)  # (prefill, decode) -> failures
     counters: dict[str, float] = field(default_factory=dict)
+    held: float = 0.0  # workers the registry removed in a storm that the router keeps routing to
 
 
 def parse(text: str) -> Scrape:
@@ -59,6 +65,8 @@ def parse(text: str) -> Scrape:
             elif sample.name == "tandem_router_pair_failures_total":
                 key = (sample.labels["prefill"], sample.labels["decode"])
                 out.pair_failures[key] = out.pair_failures.get(key, 0.0) + sample.value
+            elif sample.name == "tandem_router_registry_held_workers":
+                out.held = sample.value
             elif sample.name in COUNTERS:
                 name = COUNTERS[sample.name]
                 out.counters[name] = out.counters.get(name, 0.0) + sample.value
@@ -125,6 +133,7 @@ class ChaosTarget:
     routers: list[Router]
     http: aiohttp.ClientSession
     etcd_down_s: float = 2.0
+    registry_freeze_s: float = 20.0
     transfer_down_s: float = 5.0
     cap_s: float = 60.0
     # Counters as last scraped per router, and what earlier incarnations of each router had counted.
@@ -165,6 +174,7 @@ class ChaosTarget:
             "decode": self.kill_worker,
             "router": self._kill_router,
             "etcd": self._kill_etcd,
+            "registry": self._freeze_registry,
             "transfer": self._break_link,
         }
 
@@ -182,6 +192,8 @@ class ChaosTarget:
             return [f"router-{i}" for i in range(len(self.routers))]
         if kind == "etcd":
             return [p.name for p in self.cluster.etcds]
+        if kind == "registry":
+            return ["registry"]
         return [f"{p}>{d}" for p in groups[Role.PREFILL] for d in groups[Role.DECODE]]
 
     async def victims_now(self, kind: str) -> list[str]:
@@ -285,6 +297,31 @@ class ChaosTarget:
 
         record.recovered = await self.until(healthy, killed)
         record.note = f"down {self.etcd_down_s:g} s, then restarted; recovered: member answers /health"
+
+    async def _freeze_registry(self, victim: str, record: FaultRecord) -> None:
+        frozen = time.monotonic()
+        for member in self.cluster.etcds:
+            member.signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(self.registry_freeze_s)
+        finally:
+            for member in self.cluster.etcds:
+                member.signal(signal.SIGCONT)
+
+        async def converged() -> bool:
+            urls = [await self.cluster.worker_url(group) for role in Role for group in self.cluster.groups(role)]
+            scrapes = await self.scrape_all()
+            return (
+                None not in urls
+                and len(scrapes) == len(self.routers)
+                and all(s.held == 0 and all(s.available.get(str(u)) == 1 for u in urls) for s in scrapes)
+            )
+
+        record.recovered = await self.until(converged, frozen)
+        record.note = (
+            f"every etcd member frozen {self.registry_freeze_s:g} s; recovered: every router routes to every "
+            "registered group and holds none the registry removed"
+        )
 
     async def _break_link(self, victim: str, record: FaultRecord) -> None:
         prefill_url, decode_url = [await self.cluster.worker_url(group) for group in victim.split(">")]

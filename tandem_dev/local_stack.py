@@ -251,10 +251,15 @@ class LocalStack:
         self.router = ManagedProcess("router", argv, self.workdir / "router.log").start()
         await asyncio.to_thread(self.router.wait_http, f"{self.router_url}/readiness", 60.0)
 
-    async def _register_when_healthy(self, w: Worker) -> None:
+    async def _register_when_healthy(self, w: Worker, etcd_may_be_away: bool = False) -> None:
         await asyncio.to_thread(w.proc.wait_http, f"{w.url}/health", 120.0)
         assert self.writer is not None
-        await self.writer.put(*registry_entry(NAMESPACE, CLUSTER, w.endpoint(self.model), self.signer))
+        try:
+            await self.writer.put(*registry_entry(NAMESPACE, CLUSTER, w.endpoint(self.model), self.signer))
+        except Exception as err:  # a restart while etcd is away: the writer puts the key once etcd answers
+            if not etcd_may_be_away:
+                raise
+            self.say(f"  {w.group}: registration waits for etcd ({err!r})")
         w.registered = True
         self.say(f"  {w.group} ready at {w.url} (epoch {w.epoch})")
 
@@ -286,7 +291,7 @@ class LocalStack:
                     if w.role is Role.PREFILL:
                         self._new_bootstrap_port(w)
                     w.proc.start()
-                    task = asyncio.create_task(self._register_when_healthy(w))
+                    task = asyncio.create_task(self._register_when_healthy(w, etcd_may_be_away=True))
                     pending.add(task)
                     task.add_done_callback(pending.discard)
             if self.router is not None and not self.router.alive():

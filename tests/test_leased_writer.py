@@ -140,3 +140,22 @@ async def test_a_put_under_a_lease_etcd_no_longer_has_brings_every_key_back_at_o
         await _until_back(reader, want, lambda lease: lease == writer.lease_id != old, within=2)
     finally:
         await writer.close(revoke=True)
+
+
+async def test_a_put_that_failed_while_etcd_was_down_lands_once_etcd_answers(
+    etcd: tuple[ManagedProcess, str], reader: Any
+) -> None:
+    proc, endpoint = etcd
+    writer = await _advertised(endpoint, ttl=30)  # a lease that outlives the outage: only the failed put is missing
+    try:
+        proc.signal(signal.SIGKILL)
+        await asyncio.to_thread(proc.stop)
+        with pytest.raises((TimeoutError, ClientError)):  # never reached etcd (a frozen one may apply it later)
+            async with asyncio.timeout(2):  # a caller that gives up (the local stack registering a restart)
+                await writer.put(b"t/late", b"v-late")
+        proc.start()  # the same ports and data
+        took = await _until_back(reader, {**WANT, b"t/late": b"v-late"}, lambda lease: lease == writer.lease_id, 10)
+        print(f"\na put that failed while etcd was down landed {took:.2f} s after etcd was started again")
+        assert writer.lease_grants == 1  # the same lease (etcd keeps it over a restart): only the put was missing
+    finally:
+        await writer.close(revoke=True)
