@@ -161,3 +161,52 @@ def test_local_stack_registers_routes_and_replaces_a_killed_worker(tmp_path: Pat
                 assert stack.restarts == 1
 
         asyncio.run(scenario())
+
+
+async def test_a_registry_that_comes_back_forged_or_empty_takes_no_healthy_worker_out(
+    etcd: str, tmp_path: Path
+) -> None:
+    """Every value overwritten without the operator's signature, then the whole prefix gone: a storm both times,
+    so the four workers (healthy: no check has failed them) stay in routing; the operator's values back end it; gone
+    again, they leave once the connected registry has settled without them."""
+    from tandem.registry_signing import EndpointSigner, registry_entry, write_keypair
+    from tandem_router.config import DiscoveryMode, RouterSettings
+    from tandem_router.discovery_etcd import EtcdDiscovery
+    from tandem_router.pool import WorkerPool
+
+    write_keypair(tmp_path / "signing.pem", tmp_path / "verify.pem")
+    signer = EndpointSigner.from_file(tmp_path / "signing.pem")
+    settings = RouterSettings(
+        discovery=DiscoveryMode.ETCD, etcd_endpoints=[etcd], cluster_namespace="ns", cluster_name="storm",
+        registry_verify_key=tmp_path / "verify.pem",
+    )  # fmt: skip
+    endpoints = [_ep(f"decode-{i}", 2100 + i) for i in range(4)]
+    pool = WorkerPool()
+    discovery = EtcdDiscovery(pool, settings)
+    writer = LeasedWriter([etcd], ttl=30)
+    await writer.start()
+    try:
+        for endpoint in endpoints:
+            await writer.put(*registry_entry("ns", "storm", endpoint, signer))
+        await discovery.start()
+        await _until(lambda: len(pool.workers) == 4)
+        for endpoint in endpoints:  # someone else's values over every key
+            await writer.client.put(registry.endpoint_key("ns", "storm", endpoint).encode(), registry.encode(endpoint))
+        await _until(lambda: pool.forged_endpoints == 4)
+        assert len(pool.workers) == 4
+        assert discovery.guard.panicking
+        await writer.client.delete_prefix(registry.cluster_prefix("ns", "storm").encode())  # back empty
+        await asyncio.sleep(0.3)
+        assert len(pool.workers) == 4
+        for endpoint in endpoints:
+            await writer.put(*registry_entry("ns", "storm", endpoint, signer))
+        await _until(lambda: not discovery.guard.panicking)
+        assert len(pool.workers) == 4
+        await writer.delete_prefix(registry.cluster_prefix("ns", "storm"))
+        await _until(lambda: discovery.guard.panicking)
+        discovery.tick(asyncio.get_running_loop().time() + settings.registry_settle_s + 1)
+        assert pool.workers == {}
+        assert not discovery.guard.panicking
+    finally:
+        await discovery.stop()
+        await writer.close(revoke=True)
