@@ -53,7 +53,7 @@ def test_wire_form_is_camel_case_and_round_trips() -> None:
         ({"prefill": {"enableDpLmHead": True}}, "enableDpLmHead needs attnDpSize > 1"),
         ({"prefill": {"extraArgs": ["--tp-size=4"]}}, "extraArgs may not set flags the operator manages"),
         ({"prefill": {"extraArgs": ["--host", "0.0.0.0"]}}, "extraArgs may not set flags the operator manages"),
-        ({"transfer": {"protocol": "rdma"}}, "protocol rdma needs ibDevices"),
+        ({"transfer": {"protocol": "tcp", "ibDevices": ["mlx5_0"]}}, "ibDevices needs protocol rdma"),
         ({"decode": {"kvOffload": {"enabled": True}}}, "kvOffload.enabled needs a storageBackend"),
         (
             {"decode": {"kvOffload": {"enabled": True, "storageBackend": "mooncake"}}},
@@ -106,6 +106,7 @@ def test_invalid_specs_are_rejected_with_the_rule_message(overrides: dict[str, A
 
 def test_valid_edge_cases() -> None:
     spec(transfer={"protocol": "rdma", "ibDevices": ["mlx5_0", "mlx5_1"]})
+    spec(transfer={"protocol": "rdma"})  # no ibDevices: the worker finds the devices with an ACTIVE port
     spec(transfer={"protocol": "tcp", "hostNetwork": True})
     spec(prefill={"extraArgs": ["--chunked-prefill-size", "524288", "--enable-metrics-for-all-schedulers"]})
     spec(decode={"kvOffload": {"enabled": True, "storageBackend": "mooncake", "mooncakeStore": {}}})

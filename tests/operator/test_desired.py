@@ -65,7 +65,7 @@ def test_multi_node_group_ranks_and_leader_address() -> None:
     assert service["spec"]["publishNotReadyAddresses"] is True
     assert [p["metadata"]["name"] for p in pods] == ["kimi-decode-3-0", "kimi-decode-3-1"]
     for rank, pod in enumerate(pods):
-        command = container(pod)["command"]
+        command = container(pod)["args"]
         assert flag(command, "--dist-init-addr") == "kimi-decode-3.llm.svc:5001"
         assert (flag(command, "--nnodes"), flag(command, "--node-rank")) == ("2", str(rank))
         assert pod["metadata"]["labels"]["tandem.dev/rank"] == str(rank)
@@ -77,15 +77,15 @@ def test_only_prefill_leaders_carry_the_bootstrap_annotation() -> None:
     assert leader["metadata"]["annotations"] == {"sglang.ai/bootstrap-port": "8998"}
     assert "annotations" not in follower["metadata"]
     for pod in (leader, follower):
-        assert flag(container(pod)["command"], "--disaggregation-bootstrap-port") == "8998"
+        assert flag(container(pod)["args"], "--disaggregation-bootstrap-port") == "8998"
     decode_leader, _ = pods_of(group_manifests(ctx(kimi_spec(), Role.DECODE), 0))
     assert "annotations" not in decode_leader["metadata"]
-    assert "--disaggregation-bootstrap-port" not in container(decode_leader)["command"]
+    assert "--disaggregation-bootstrap-port" not in container(decode_leader)["args"]
 
 
 def test_single_node_group_has_no_dist_init() -> None:
     (pod,) = pods_of(group_manifests(ctx(kimi_spec(), Role.PREFILL), 0))
-    command = container(pod)["command"]
+    command = container(pod)["args"]
     assert "--dist-init-addr" not in command
     assert "--nnodes" not in command
 
@@ -94,7 +94,7 @@ def test_tcp_transfer_has_no_infiniband_and_forces_tcp() -> None:
     spec = kimi_spec(transfer={"protocol": "tcp"})
     (pod,) = pods_of(group_manifests(ctx(spec, Role.PREFILL), 0))
     c = container(pod)
-    assert "--disaggregation-ib-device" not in c["command"]
+    assert "--disaggregation-ib-device" not in c["args"]
     assert {"name": "MC_FORCE_TCP", "value": "true"} in c["env"]
     assert [v["name"] for v in pod["spec"]["volumes"]] == ["dshm", "jit-cache"]
     assert "privileged" not in c["securityContext"]
@@ -134,15 +134,20 @@ def test_user_env_overrides_operator_env_without_duplicates() -> None:
     assert {"name": "MC_TE_METRIC", "value": "false"} in env
 
 
-def test_offload_env_points_mooncake_at_etcd() -> None:
-    env = {
-        v["name"]: v.get("value")
-        for v in container(pods_of(group_manifests(ctx(kimi_spec(), Role.DECODE), 0))[0])["env"]
-    }
+def test_the_store_reuses_each_ranks_pd_engine_over_rdma() -> None:
+    # SGLang 0.5.23 MooncakeStore.__init__ reuses the PD engine when the metadata server is P2PHANDSHAKE, the protocol
+    # rdma and MOONCAKE_DEVICE the engine's own device string (--disaggregation-ib-device).
+    pod = pods_of(group_manifests(ctx(kimi_spec(), Role.DECODE), 0))[0]
+    env = {v["name"]: v.get("value") for v in container(pod)["env"]}
+    command = container(pod)["args"]
     assert env["MOONCAKE_MASTER"] == "etcd://etcd-0.etcd:2379;etcd-1.etcd:2379"
-    assert env["MOONCAKE_TE_META_DATA_SERVER"] == "etcd://etcd-0.etcd:2379;etcd-1.etcd:2379"
+    assert env["MOONCAKE_TE_META_DATA_SERVER"] == "P2PHANDSHAKE"
+    assert env["MOONCAKE_PROTOCOL"] == "rdma"
+    assert env["MOONCAKE_DEVICE"] == command[command.index("--disaggregation-ib-device") + 1]
+    assert env["MOONCAKE_LOCAL_HOSTNAME"] == "$(POD_IP)"  # an engine of its own (tcp) registers under the pod's IP
+    assert env["MC_STORE_CLUSTER_ID"] == "tandem"  # the chart's mooncakeMaster.clusterId
     assert env["MC_METADATA_CLUSTER_ID"] == "llm.kimi"
-    # rdma, 8 GPUs per pod: one RPC port per rank's Mooncake engine
+    # rdma, 8 GPUs per pod: one RPC port per rank's Mooncake engine, the Store's included
     assert (env["MC_MIN_RPC_PORT"], env["MC_MAX_RPC_PORT"]) == ("15100", "15107")
     assert env["MOONCAKE_GLOBAL_SEGMENT_SIZE"] == "0gb"  # mooncake_store._parse_global_segment_size: "<n>gb"
 
@@ -154,7 +159,7 @@ def test_mooncake_keys_go_to_their_own_etcd_when_named() -> None:
     }
     spec = kimi_spec(etcd=etcd)
     env = {v["name"]: v.get("value") for v in container(pods_of(group_manifests(ctx(spec, Role.DECODE), 0))[0])["env"]}
-    assert env["MOONCAKE_MASTER"] == env["MOONCAKE_TE_META_DATA_SERVER"] == "etcd://mc-0.mc:2379;mc-1.mc:2379"
+    assert env["MOONCAKE_MASTER"] == "etcd://mc-0.mc:2379;mc-1.mc:2379"
     assert template_hash(spec, Role.DECODE) != template_hash(kimi_spec(), Role.DECODE)  # the pods roll onto it
     with pytest.raises(pydantic.ValidationError, match="mooncakeEndpoints"):  # Mooncake's client has no TLS
         kimi_spec(etcd={"endpoints": ["https://r:2379"], "mooncakeEndpoints": ["https://mc:2379"]})
@@ -215,14 +220,44 @@ def test_recipe_env_volumes_and_gang_objects() -> None:
     mounts = {m["name"]: m["mountPath"] for m in container(pod)["volumeMounts"]}
     assert mounts["weights"] == "/models"
     assert mounts["jit-cache"] == "/var/cache/sglang"
-    command = container(pod)["command"]
+    command = container(pod)["args"]
     assert command[command.index("--context-length") + 1] == "262144"
     assert command[command.index("--speculative-draft-model-path") + 1] == "lightseekorg/kimi-k2.6-eagle3.1-mla"
 
 
+@pytest.mark.parametrize("host_network", [True, False])
+def test_every_worker_tells_sglang_its_pod_ip(host_network: bool) -> None:
+    spec = kimi_spec(transfer={"protocol": "rdma", "ibDevices": ["mlx5_0"], "hostNetwork": host_network})
+    for role in Role:
+        for pod in pods_of(group_manifests(ctx(spec, role), 0)):
+            assert "command" not in container(pod)  # the image's ENTRYPOINT (the preflight) runs the args
+            env = {v["name"]: v for v in container(pod)["env"]}
+            assert env["SGLANG_HOST_IP"] == {
+                "name": "SGLANG_HOST_IP",
+                "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
+            }
+            assert env["TANDEM_TRANSFER_PROTOCOL"]["value"] == "rdma"
+
+
+def test_rdma_without_devices_or_interface_leaves_them_to_the_entrypoint() -> None:
+    spec = kimi_spec(transfer={"protocol": "rdma", "hostNetwork": True})
+    env = {v["name"]: v.get("value") for v in container(pods_of(group_manifests(ctx(spec, Role.DECODE), 0))[0])["env"]}
+    assert env["TANDEM_TRANSFER_PROTOCOL"] == "rdma"
+    for name in ("NCCL_IB_HCA", "NVSHMEM_HCA_LIST", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        assert name not in env
+
+
+def test_an_nccl_only_socket_interface_form_is_not_given_to_gloo() -> None:
+    spec = kimi_spec(transfer={"protocol": "tcp", "socketInterface": "^docker,lo"})
+    env = {v["name"]: v.get("value") for v in container(pods_of(group_manifests(ctx(spec, Role.DECODE), 0))[0])["env"]}
+    assert env["NCCL_SOCKET_IFNAME"] == "^docker,lo"
+    assert "GLOO_SOCKET_IFNAME" not in env  # the entrypoint gives Gloo the interface that holds the pod's IP
+    assert env["TANDEM_TRANSFER_PROTOCOL"] == "tcp"
+
+
 def test_chunked_prefill_is_per_attention_dp_rank() -> None:
     spec = kimi_spec(decode={**kimi_spec().to_wire()["decode"], "chunkedPrefillSize": 4096})
-    command = container(pods_of(group_manifests(ctx(spec, Role.DECODE), 0))[0])["command"]
+    command = container(pods_of(group_manifests(ctx(spec, Role.DECODE), 0))[0])["args"]
     assert command[command.index("--chunked-prefill-size") + 1] == str(4096 * 16)  # attnDpSize 16
 
 
@@ -235,11 +270,12 @@ def test_prefill_hicache_with_mooncake_store_and_host_memory_check() -> None:
     }
     spec = kimi_spec(prefill={"hicache": hicache, "nodeMemoryGib": 2048})
     pod = pods_of(group_manifests(ctx(spec, Role.PREFILL), 0))[0]
-    command = container(pod)["command"]
+    command = container(pod)["args"]
     assert command[command.index("--hicache-size") + 1] == "96"
     assert "--enable-hierarchical-cache" in command
     env = {v["name"]: v.get("value") for v in container(pod)["env"]}
-    assert env["MOONCAKE_GLOBAL_SEGMENT_SIZE"] == "32gb"
+    # 32 GiB per rank: SGLang divides the variable by the attention-TP size (8 here) x PP size per rank
+    assert env["MOONCAKE_GLOBAL_SEGMENT_SIZE"] == "256gb"
     with pytest.raises(ValueError, match="must fit nodeMemoryGib"):
         kimi_spec(prefill={"hicache": hicache, "nodeMemoryGib": 1000})  # (96 + 32) x 8 = 1024 GiB
 
@@ -258,3 +294,27 @@ def test_worker_requests_have_a_cpu_and_memory_floor(resources: dict[str, Any], 
     spec = kimi_spec(prefill={**kimi_spec().to_wire()["prefill"], "resources": resources})
     c = container(pods_of(group_manifests(ctx(spec, Role.PREFILL), 0))[0])
     assert c["resources"]["requests"] == {**requests, "nvidia.com/gpu": "8"}
+
+
+def test_the_segment_is_per_rank_under_attention_dp_too() -> None:
+    offload = {"enabled": True, "storageBackend": "mooncake", "mooncakeStore": {"globalSegmentGib": 4}}
+    spec = kimi_spec(decode={"attnDpSize": 8, "kvOffload": offload})  # attention-TP size 16 / 8 = 2
+    env = {v["name"]: v.get("value") for v in container(pods_of(group_manifests(ctx(spec, Role.DECODE), 0))[0])["env"]}
+    assert env["MOONCAKE_GLOBAL_SEGMENT_SIZE"] == f"{4 * spec.decode.attn_tp_size}gb"
+    assert spec.decode.attn_tp_size == spec.decode.tp_size // 8
+
+
+def test_both_roles_get_one_page_size_64_by_default_with_a_store() -> None:
+    def page_size(spec: Any, role: Role) -> str | None:
+        command = container(pods_of(group_manifests(ctx(spec, role), 0))[0])["args"]
+        return command[command.index("--page-size") + 1] if "--page-size" in command else None
+
+    spec = kimi_spec()  # decode KV offload: a Mooncake Store
+    assert page_size(spec, Role.PREFILL) == page_size(spec, Role.DECODE) == "64"
+    chosen = kimi_spec(pageSize=32)
+    assert page_size(chosen, Role.PREFILL) == page_size(chosen, Role.DECODE) == "32"
+    no_store = kimi_spec(decode={"kvOffload": {"enabled": False}})
+    assert page_size(no_store, Role.PREFILL) is None  # SGLang's own default, the same for both roles
+    assert page_size(no_store, Role.DECODE) is None
+    with pytest.raises(pydantic.ValidationError, match=r"extraArgs may not set flags the operator manages"):
+        kimi_spec(decode={"extraArgs": ["--page-size=16"]})  # a mismatch with the prefill kills the decode

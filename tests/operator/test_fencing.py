@@ -34,8 +34,9 @@ def test_pod_facts_of_a_worker_pod() -> None:
     facts = pod_facts(live_pod(SPEC, Role.DECODE, 0, 1, epoch=3, ip="10.1.2.3"))
     assert facts is not None
     assert (facts.cluster, facts.group, facts.rank, facts.epoch, facts.ip) == ("kimi", DECODE_0, 1, 3, "10.1.2.3")
-    # tcp, 8 ranks per pod: an RPC and a data port each, in the window of epoch 3 (the last of the range's four)
-    assert (facts.mooncake_ports, facts.mooncake_rpc_port) == (tuple(range(15148, 15164)), None)
+    # tcp, 8 ranks per pod with decode KV offload: two engines per rank (PD, Store), an RPC and a data port each, in
+    # the window of epoch 3 (the last of the range's two)
+    assert (facts.mooncake_ports, facts.mooncake_rpc_port) == (tuple(range(15132, 15164)), None)
     assert facts.env["MC_METADATA_CLUSTER_ID"] == "serving.kimi"
 
 

@@ -121,7 +121,11 @@ async def test_a_pdcluster_becomes_ready_with_the_right_pods_and_scales(
     ("change", "field", "message"),
     [
         ({"decode": {"groups": 1, "nodesPerGroup": 2, "gpusPerNode": 1, "tpSize": 4}}, "spec.decode", "tpSize"),
-        ({"transfer": {"protocol": "rdma"}}, "spec.transfer.ibDevices", "protocol rdma needs ibDevices"),
+        (
+            {"transfer": {"protocol": "tcp", "ibDevices": ["mlx5_0"]}},
+            "spec.transfer.ibDevices",
+            "ibDevices needs protocol rdma",
+        ),
         ({"router": {"policy": "least_load"}}, "spec.router.policy", "Unsupported value"),
         (
             {"prefill": {"groups": 1, "gpusPerNode": 2, "tpSize": 2, "epSize": 1, "moeA2ABackend": "deepep"}},

@@ -50,14 +50,15 @@ def test_consecutive_epochs_never_share_a_port_and_stay_in_the_range() -> None:
 
 @pytest.mark.parametrize("host_network", [False, True])
 def test_a_recreated_pod_gets_the_next_window(host_network: bool) -> None:
-    # tcp, 8 ranks per pod: 16-port windows, 4 of them in decode's 64-port range from 15100
+    # tcp, 8 ranks per pod, decode KV offload: two engines per rank (PD and Store: the Store reuses the PD engine
+    # only over rdma), 32-port windows, 2 of them in decode's 64-port range from 15100
     spec = kimi_spec(transfer={"protocol": "tcp", "hostNetwork": host_network})
     ctx = RoleContext.build(CLUSTER, spec, Role.DECODE, POOL)
     first, second = (group_pod(ctx, 0, 0, epoch) for epoch in (4, 5))
-    assert (env_of(first)["MC_MIN_RPC_PORT"], env_of(first)["MC_MAX_RPC_PORT"]) == ("15100", "15115")  # wrapped
-    assert (env_of(second)["MC_MIN_RPC_PORT"], env_of(second)["MC_MAX_RPC_PORT"]) == ("15116", "15131")
+    assert (env_of(first)["MC_MIN_RPC_PORT"], env_of(first)["MC_MAX_RPC_PORT"]) == ("15100", "15131")  # wrapped
+    assert (env_of(second)["MC_MIN_RPC_PORT"], env_of(second)["MC_MAX_RPC_PORT"]) == ("15132", "15163")
     declared = [p for p in second["spec"]["containers"][0]["ports"] if p["name"].startswith("mooncake-")]
-    assert [p["containerPort"] for p in declared] == list(range(15116, 15132))
+    assert [p["containerPort"] for p in declared] == list(range(15132, 15164))
     if host_network:  # node ports: the scheduler keeps a pod off a node whose window another pod holds
         assert all(p["hostPort"] == p["containerPort"] for p in declared)
 
@@ -112,7 +113,7 @@ def test_invalid_ranges_are_rejected_with_a_message_naming_the_field(overrides: 
 def bootstrap_of(pod: dict[str, Any]) -> tuple[int, int, str]:
     """The pod's ``--disaggregation-bootstrap-port``, its container port named bootstrap, its annotation."""
     container = pod["spec"]["containers"][0]
-    argv = container["command"] + container.get("args", [])
+    argv = container.get("command", []) + container["args"]
     flag = int(argv[argv.index("--disaggregation-bootstrap-port") + 1])
     (declared,) = [p["containerPort"] for p in container["ports"] if p["name"] == "bootstrap"]
     return flag, declared, pod["metadata"]["annotations"]["sglang.ai/bootstrap-port"]

@@ -71,8 +71,9 @@ def test_leader_endpoint_of_a_decode_group_over_tcp() -> None:
     assert endpoint is not None
     assert (endpoint.group, endpoint.url, endpoint.bootstrap_port) == ("decode-3", "http://10.2.0.5:30001", None)
     assert (endpoint.ib_devices, endpoint.attn_dp_size) == ((), 16)
-    # tcp, 8 ranks per pod: each pod's window of epoch 1 (RPC and data ports, any may be a session), rank by rank
-    window = range(15116, 15132)
+    # tcp, 8 ranks per pod with decode KV offload: each pod's window of epoch 1 (RPC and data ports of the PD and the
+    # Store engines, any may be a session), rank by rank
+    window = range(15132, 15164)
     assert endpoint.mooncake_sessions == tuple(f"10.2.0.{ip}:{port}" for ip in (5, 6) for port in window)
 
 

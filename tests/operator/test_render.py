@@ -26,7 +26,7 @@ def test_the_kimi_recipe_renders_every_manifest() -> None:
     assert ("Service", "kimi-k26-decode-1") in kinds
     assert {m["metadata"]["namespace"] for m in manifests} == {"serving"}
     for pod in (m for m in manifests if m["kind"] == "Pod"):
-        command = pod["spec"]["containers"][0]["command"]
+        command = pod["spec"]["containers"][0]["args"]
         assert command[:3] == ["python3", "-m", "sglang.launch_server"]
         assert "--disaggregation-mode" in command
         assert pod["metadata"]["annotations"]["tandem.dev/epoch"] == "0"

@@ -59,6 +59,7 @@ from tandem_operator.api.transfer import TransferSpec as TransferSpec
 MANAGED_FLAGS = (
     "--model-path",
     "--served-model-name",
+    "--page-size",
     "--revision",
     "--host",
     "--port",
@@ -223,6 +224,11 @@ class PoolSpec(CrdModel):
         "needs no spare nodes but lowers capacity by one group during each step).",
     )
 
+    @property
+    def attn_tp_size(self) -> int:
+        """Tensor-parallel ranks of one attention-DP replica (SGLang's ``attn_tp_size``)."""
+        return self.tp_size // self.attn_dp_size
+
     cel_rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
             cel="self.tpSize == self.nodesPerGroup * self.gpusPerNode",
@@ -365,8 +371,12 @@ def _range_valid_for_mooncake(role: Role) -> Callable[[Any], bool]:
     return valid
 
 
+STORE_PAGE_SIZE = 64
+STORE_CEL = {"prefill": "self.prefill.hicache.enabled", "decode": "self.decode.kvOffload.enabled"}
+
+
 def _size_cel(role: str) -> str:
-    return ports_needed_cel(f"self.{role}.gpusPerNode", "self.transfer.protocol")
+    return ports_needed_cel(f"self.{role}.gpusPerNode", "self.transfer.protocol", STORE_CEL[role])
 
 
 def _all_ports_cel(role: str) -> str:
@@ -400,6 +410,14 @@ class PDClusterSpec(CrdModel):
     lifecycle: LifecycleSpec = Field(default_factory=LifecycleSpec)
     jit_cache: JitCacheSpec = Field(default_factory=JitCacheSpec)
     scheduling: GangSchedulingSpec = Field(default_factory=GangSchedulingSpec)
+    page_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=4096,
+        description="--page-size of both roles (tokens per KV page; one value, since a prefill and a decode whose "
+        "page sizes differ cannot exchange KV). Unset: 64 when a role uses a Mooncake Store (MLA on Hopper defaults "
+        "to 1, one Store key per token; upstream's PD + HiCache example passes 64 to both), else SGLang's default.",
+    )
     autoscaling: AutoscalingSpec | None = Field(
         default=None,
         description="SLO-driven autoscaling: when set, the operator owns both PDPools' replicas (a kubectl scale "
@@ -424,7 +442,7 @@ class PDClusterSpec(CrdModel):
                 Rule(
                     cel=f"self.{role}.ports.mooncakePorts >= {_size_cel(role)}",
                     message=f"{role}.ports.mooncakePorts must hold one pod's window: gpusPerNode x (2 with tcp, "
-                    "else 1) ports, one Mooncake engine per GPU rank",
+                    "else 1) ports, one Mooncake engine per GPU rank (two with a Mooncake Store over tcp)",
                     check=_range_holds_a_window(Role(role)),
                     field_path=f".{role}.ports.mooncakePorts",
                 ),
@@ -470,9 +488,18 @@ class PDClusterSpec(CrdModel):
         """The role's ``[MC_MIN_RPC_PORT, MC_MAX_RPC_PORT]`` at epoch 0 (one pod window): every rank of a pod gets its
         ports."""
         spec = self.role(role)
-        return range(
-            spec.ports.mooncake_rpc, spec.ports.mooncake_rpc + ports_needed(spec.gpus_per_node, self.transfer.protocol)
-        )
+        needed = ports_needed(spec.gpus_per_node, self.transfer.protocol, self.has_store(role))
+        return range(spec.ports.mooncake_rpc, spec.ports.mooncake_rpc + needed)
+
+    def effective_page_size(self) -> int | None:
+        """``--page-size`` for both roles: ``pageSize``, else 64 with a Mooncake Store, else SGLang's own."""
+        if self.page_size is not None:
+            return self.page_size
+        return STORE_PAGE_SIZE if self.has_store(Role.PREFILL) or self.has_store(Role.DECODE) else None
+
+    def has_store(self, role: Role) -> bool:
+        """The role's ranks open a Mooncake Store: prefill HiCache, or decode KV offload."""
+        return self.prefill.hicache.enabled if role is Role.PREFILL else self.decode.kv_offload.enabled
 
     def declared_range(self, role: Role) -> range:
         """The role's declared Mooncake range: the pod windows of successive epochs move through it."""

@@ -32,7 +32,15 @@ class MooncakeStoreSpec(CrdModel):
         default=0,
         ge=0,
         le=4096,
-        description="GiB each rank contributes to the store (MOONCAKE_GLOBAL_SEGMENT_SIZE; 0: a pure client).",
+        description="GiB each rank contributes to the store (0: a pure client). SGLang divides "
+        "MOONCAKE_GLOBAL_SEGMENT_SIZE by the attention-TP size per rank; the operator multiplies it back.",
+    )
+    cluster_id: str = Field(
+        default="tandem",
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        max_length=128,
+        description="MC_STORE_CLUSTER_ID: must equal the master's --cluster_id (the chart's mooncakeMaster.clusterId, "
+        "default tandem); a client under another id finds no master.",
     )
 
     cel_rules = (

@@ -21,7 +21,14 @@ class TransferSpec(CrdModel):
     """How KV moves from prefill to decode (Mooncake transfer engine)."""
 
     protocol: TransferProtocol = TransferProtocol.RDMA
-    ib_devices: list[IbDevice] = Field(default_factory=list, max_length=16, description="e.g. [mlx5_0, mlx5_1].")
+    ib_devices: list[IbDevice] = Field(
+        default_factory=list,
+        max_length=16,
+        description="RDMA devices for Mooncake (--disaggregation-ib-device), NCCL_IB_HCA and NVSHMEM_HCA_LIST, e.g. "
+        "[mlx5_0, mlx5_1]. Empty with protocol rdma: the worker uses every device in /sys/class/infiniband with an "
+        "ACTIVE port, found at start (name them when storage or front-end NICs are RDMA devices too). Only for "
+        "protocol rdma.",
+    )
     rdma_resource: str | None = Field(
         default=None,
         max_length=253,
@@ -56,7 +63,10 @@ class TransferSpec(CrdModel):
         default=None,
         pattern=r"^[A-Za-z0-9_.^,-]+$",
         max_length=64,
-        description="NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME (bootstrap and CPU collectives), e.g. eth0.",
+        description="NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME (bootstrap and CPU collectives), e.g. bond0. Unset: "
+        "the worker uses the interface that holds the pod's IP (with hostNetwork the node's), found at start. Set: "
+        "a named interface missing on the node fails the pod at start. NCCL's `^` (exclude) and `=` (exact) forms "
+        "go to NCCL only; Gloo then gets the interface found.",
     )
     ib_gid_index: int | None = Field(
         default=None, ge=0, le=255, description="NCCL_IB_GID_INDEX and NVSHMEM_IB_GID_INDEX (RoCE: usually 3)."
@@ -70,9 +80,10 @@ class TransferSpec(CrdModel):
             field_path=".failedSessionProbeSeconds",
         ),
         Rule(
-            cel="self.protocol != 'rdma' || (has(self.ibDevices) && self.ibDevices.size() > 0)",
-            message="protocol rdma needs ibDevices (e.g. [mlx5_0]); use protocol tcp without RDMA",
-            check=lambda s: s.protocol != TransferProtocol.RDMA or len(s.ib_devices) > 0,
+            cel="self.protocol == 'rdma' || !has(self.ibDevices) || self.ibDevices.size() == 0",
+            message="ibDevices needs protocol rdma (tcp uses no RDMA device); with rdma, leave ibDevices empty to "
+            "use every device with an ACTIVE port",
+            check=lambda s: s.protocol == TransferProtocol.RDMA or not s.ib_devices,
             field_path=".ibDevices",
         ),
     )

@@ -61,6 +61,9 @@ def sglang_args(spec: PDClusterSpec, placement: Placement) -> list[str]:
         args += ["--chunked-prefill-size", str(role.chunked_prefill_size * role.attn_dp_size)]
     if role.mem_fraction_static is not None:
         args += ["--mem-fraction-static", repr(role.mem_fraction_static)]
+    page_size = spec.effective_page_size()
+    if page_size is not None:  # the same for both roles: KV pages move from prefill to decode as they are
+        args += ["--page-size", str(page_size)]
 
     if role.nodes_per_group > 1:
         args += [
@@ -73,7 +76,8 @@ def sglang_args(spec: PDClusterSpec, placement: Placement) -> list[str]:
         ]
 
     args += ["--disaggregation-mode", placement.role.value, "--disaggregation-transfer-backend", "mooncake"]
-    if spec.transfer.protocol is TransferProtocol.RDMA:
+    if spec.transfer.protocol is TransferProtocol.RDMA and spec.transfer.ib_devices:
+        # none named: the worker image's entrypoint adds the devices with an ACTIVE port (images/README.md)
         args += ["--disaggregation-ib-device", ",".join(spec.transfer.ib_devices)]
     if placement.role is Role.PREFILL:
         args += ["--disaggregation-bootstrap-port", str(role.ports.bootstrap_at(placement.epoch))]

@@ -140,7 +140,10 @@ def mooncake_port_range(ctx: RoleContext) -> tuple[int, int]:
     """
     role = ctx.spec.role(ctx.role)
     rpc = role.ports.mooncake_rpc
-    return rpc, rpc + ports_needed(role.tp_size // role.nodes_per_group, ctx.spec.transfer.protocol) - 1
+    needed = ports_needed(
+        role.tp_size // role.nodes_per_group, ctx.spec.transfer.protocol, ctx.spec.has_store(ctx.role)
+    )
+    return rpc, rpc + needed - 1
 
 
 def rotate_window(window: tuple[int, int], declared_ports: int, epoch: int) -> tuple[int, int]:
@@ -169,6 +172,14 @@ def _env(ctx: RoleContext, epoch: int) -> list[dict[str, Any]]:
     env: dict[str, dict[str, Any]] = {
         "POD_IP": {"valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         "POD_NAME": {"valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        # The address SGLang 0.5.23 gives peers (the KV manager's local_ip for PD bootstrap in
+        # sglang/srt/disaggregation/common/conn.py, the Mooncake transfer engine's hostname in
+        # sglang/srt/distributed/device_communicators/mooncake_transfer_engine.py): get_local_ip_auto in
+        # sglang/srt/utils/network.py reads SGLANG_HOST_IP (or HOST_IP) first, else takes the source address of a
+        # route to 8.8.8.8, which on a multi-NIC host (hostNetwork) need not be the pod IP the operator registers.
+        "SGLANG_HOST_IP": {"valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        # The worker entrypoint finds the RDMA devices at start when rdma is asked for and ibDevices is empty.
+        "TANDEM_TRANSFER_PROTOCOL": {"value": transfer.protocol.value},
         "MC_MIN_RPC_PORT": {"value": str(low)},
         "MC_MAX_RPC_PORT": {"value": str(high)},
         "MC_TE_METRIC": {"value": "true"},
@@ -186,7 +197,7 @@ def _env(ctx: RoleContext, epoch: int) -> list[dict[str, Any]]:
         # Mooncake binds all interfaces unless told; peers must reach the pod's own address.
         env["MC_TCP_BIND_ADDRESS"] = {"valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     store = store_of(spec, ctx.role)
-    recipe = {**(store_env(spec, store) if store is not None else {}), **collective_env(spec)}
+    recipe = {**(store_env(spec, role, store) if store is not None else {}), **collective_env(spec)}
     env.update({name: {"value": value} for name, value in recipe.items()})
     for var in role.env:  # the user's values win
         env[var.name] = {"value": var.value}
@@ -319,7 +330,9 @@ def group_pod(ctx: RoleContext, group: int, rank: int, epoch: int = 0) -> dict[s
         "name": CONTAINER,
         "image": spec.images.worker,
         "imagePullPolicy": spec.images.pull_policy,
-        "command": launch_command(spec, placement),
+        # args, not command: a command would replace the image's ENTRYPOINT, and the worker image's
+        # (images/sglang-worker/entrypoint.sh) checks the pod and finds its interfaces and RDMA devices first.
+        "args": launch_command(spec, placement),
         "env": env,
         "ports": _container_ports(ctx, epoch),
         "resources": resources,

@@ -34,26 +34,54 @@ def store_of(spec: PDClusterSpec, role: Role) -> MooncakeStoreSpec | None:
     return None
 
 
-def store_env(spec: PDClusterSpec, store: MooncakeStoreSpec) -> dict[str, str]:
+def store_env(spec: PDClusterSpec, role: PrefillSpec | DecodeSpec, store: MooncakeStoreSpec) -> dict[str, str]:
+    """The Mooncake Store client's env, as SGLang 0.5.23 reads it (``MooncakeStoreConfig.load_from_env`` and
+    ``MooncakeStore.__init__`` in ``sglang/srt/mem_cache/storage/mooncake_store/mooncake_store.py``):
+
+    - ``MOONCAKE_TE_META_DATA_SERVER=P2PHANDSHAKE`` and ``MOONCAKE_DEVICE`` equal to ``--disaggregation-ib-device``:
+      over rdma the Store then reuses the rank's PD transfer engine (SGLang's condition: P2PHANDSHAKE, protocol rdma,
+      the same device string), so no second engine, port or hostname. With an ``etcd://`` metadata server every
+      rank started a second engine whose port the PD engines had taken ("No valid port found", after the load).
+    - Over tcp the Store starts a second engine per rank: it registers under ``MOONCAKE_LOCAL_HOSTNAME`` (SGLang's
+      default "localhost" made every rank and pod one name), the pod's IP here, and takes its RPC and data ports
+      from the rank's window, sized for it (``api.mooncake_ports.ports_per_rank``).
+    - ``MOONCAKE_GLOBAL_SEGMENT_SIZE`` is divided by the attention-TP size x PP size per rank (``rank_scale_factor``;
+      ``tp_size`` is ``attn_tp_size`` with attention DP: ``HiCacheController._generate_storage_config`` in
+      ``sglang/srt/managers/cache_controller.py``); ``globalSegmentGib`` is per rank, so it is multiplied back.
+    - ``MC_STORE_CLUSTER_ID``: the client finds its HA master under this id (Mooncake's ``MasterViewHelper``, default
+      "mooncake"); it must equal the master's ``--cluster_id``.
+    """
     etcd_hosts = ";".join(e.split("://", 1)[1] for e in spec.etcd.mooncake)
-    return {
+    env = {
         "MOONCAKE_MASTER": f"etcd://{etcd_hosts}" if store.master_ha else str(store.master_address),
-        "MOONCAKE_TE_META_DATA_SERVER": f"etcd://{etcd_hosts}",
+        "MOONCAKE_TE_META_DATA_SERVER": "P2PHANDSHAKE",
         "MOONCAKE_PROTOCOL": spec.transfer.protocol.value,
-        "MOONCAKE_DEVICE": ",".join(spec.transfer.ib_devices),
-        "MOONCAKE_GLOBAL_SEGMENT_SIZE": f"{store.global_segment_gib}gb",
+        "MOONCAKE_LOCAL_HOSTNAME": "$(POD_IP)",
+        "MOONCAKE_GLOBAL_SEGMENT_SIZE": f"{store.global_segment_gib * role.attn_tp_size}gb",
+        "MC_STORE_CLUSTER_ID": store.cluster_id,
     }
+    if spec.transfer.ib_devices:
+        env["MOONCAKE_DEVICE"] = ",".join(spec.transfer.ib_devices)
+    return env
 
 
 def collective_env(spec: PDClusterSpec) -> dict[str, str]:
-    """NCCL / NVSHMEM / Gloo: the HCAs of ``transfer.ibDevices``, the socket interface, the RoCE GID index."""
+    """NCCL / NVSHMEM / Gloo: the HCAs of ``transfer.ibDevices``, the socket interface, the RoCE GID index.
+
+    What the recipe leaves unset the worker image's entrypoint (``images/sglang-worker/entrypoint.sh``) finds on
+    the node at start: no ``ibDevices`` with rdma, every RDMA device with an ACTIVE port (also ``NCCL_IB_HCA`` and
+    ``NVSHMEM_HCA_LIST``); no ``socketInterface``, the interface that holds the pod's IP. Gloo takes only plain
+    interface names, so an NCCL-only form (``^`` to exclude, ``=`` for exact names) leaves Gloo to the entrypoint.
+    """
     transfer, env = spec.transfer, {}
     if transfer.protocol is TransferProtocol.RDMA and transfer.ib_devices:
         devices = ",".join(transfer.ib_devices)
         env["NCCL_IB_HCA"] = devices
         env["NVSHMEM_HCA_LIST"] = devices  # DeepEP's NVSHMEM uses only these HCAs
     if transfer.socket_interface:
-        env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = transfer.socket_interface
+        env["NCCL_SOCKET_IFNAME"] = transfer.socket_interface
+        if not transfer.socket_interface.startswith(("^", "=")):
+            env["GLOO_SOCKET_IFNAME"] = transfer.socket_interface
     if transfer.ib_gid_index is not None:
         env["NCCL_IB_GID_INDEX"] = env["NVSHMEM_IB_GID_INDEX"] = str(transfer.ib_gid_index)
     if spec.jit_cache.host_path:
