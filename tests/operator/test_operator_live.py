@@ -63,12 +63,12 @@ async def test_a_pdcluster_becomes_ready_with_the_right_pods_and_scales(
     by_name = {p.metadata.name: p for p in await pods(k8s_api, ns)}
     assert sorted(by_name) == ["sim-decode-0-0", "sim-decode-0-1", "sim-prefill-0-0"]
     leader, follower = by_name["sim-decode-0-0"], by_name["sim-decode-0-1"]
-    command = leader.spec.containers[0].command
+    command = leader.spec.containers[0].args
     assert command[:3] == ["python3", "-m", "sglang.launch_server"]
     flags = dict(itertools.pairwise(command))
     assert flags["--dist-init-addr"] == f"sim-decode-0.{ns}.svc:5001"
     assert (flags["--nnodes"], flags["--disaggregation-mode"], flags["--tp-size"]) == ("2", "decode", "2")
-    assert follower.spec.containers[0].command[command.index("--node-rank") + 1] == "1"
+    assert follower.spec.containers[0].args[command.index("--node-rank") + 1] == "1"
     env = {e.name: e.value for e in leader.spec.containers[0].env if e.value is not None}
     assert (env["MC_MIN_RPC_PORT"], env["MC_MAX_RPC_PORT"], env["MC_FORCE_TCP"]) == ("15100", "15101", "true")
     assert leader.spec.containers[0].resources.limits["nvidia.com/gpu"] == "1"
