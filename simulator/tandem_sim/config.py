@@ -135,6 +135,9 @@ class SimConfig:
     offload: bool
     hicache_storage_backend: str | None
     hicache_file_dir: str | None  # shared L3 pages (file backend): decode offload writes, prefill reads/writes
+    # prefill HiCache on the mooncake backend: the Store's env (tandem_sim.mooncake_store), opened by every rank
+    mooncake_store_env: Mapping[str, str] | None
+    pd_ib_device: str  # the PD engine's device string (SGLang: "" under MC_FORCE_TCP=1)
     enable_metrics: bool
     profile: SimProfile
     kv_bytes_per_token: int
@@ -308,6 +311,9 @@ def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> SimConfig:
     )
     if ns.hicache_storage_backend == "file" and uses_l3:
         file_dir = env.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR") or "/tmp/hicache"
+    store_env = None
+    if ns.hicache_storage_backend == "mooncake" and mode == "prefill" and ns.enable_hierarchical_cache:
+        store_env = {k: v for k, v in env.items() if k.startswith(("MOONCAKE_", "LOCAL_HOSTNAME"))}
     server_args = {k: v for k, v in vars(ns).items() if not k.startswith("sim_")}
     server_args.update(attn_dp_size=attn_dp, dp_size=dp_size, page_size=page_size, max_total_tokens=max_total)
     server_args.update(max_running_requests=max_running, chunked_prefill_size=chunk)
@@ -340,6 +346,8 @@ def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> SimConfig:
         offload=bool(ns.disaggregation_decode_enable_offload_kvcache),
         hicache_storage_backend=ns.hicache_storage_backend,
         hicache_file_dir=file_dir,
+        mooncake_store_env=store_env,
+        pd_ib_device="" if env.get("MC_FORCE_TCP") == "1" else str(getattr(ns, "disaggregation_ib_device", "") or ""),
         enable_metrics=bool(ns.enable_metrics),
         profile=profile,
         kv_bytes_per_token=int(ns.sim_kv_bytes_per_token),

@@ -5,8 +5,8 @@ With ``--hicache-storage-backend file`` SGLang's ``HiCacheFile`` keeps pages as 
 The decode's KV offload writes the pages it copied device->host; a prefill with the same backend writes its prompt
 pages through and, on a later request with the same prefix (the next turn of a conversation), reads the longest
 run of cached pages back instead of computing them. A page whose offload copy was poisoned (the second upstream
-race) therefore turns into wrong text on that next turn. The ``mooncake`` backend is simulated as host memory only
-(no shared store), so it serves no cross-worker prefix hits.
+race) therefore turns into wrong text on that next turn. The ``mooncake`` backend of a prefill's HiCache is
+the real Mooncake Store (``tandem_sim.mooncake_store``); decode offload to it is host memory only.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import os
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -42,6 +43,14 @@ def page_keys(tokens: model.Tokens, page_size: int, seed: int) -> list[str]:
         chain = chain_extend(chain, tokens.ids[start:end], tokens.words[start:end])
         keys.append(chain.hex())
     return keys
+
+
+class L3Store(Protocol):
+    """HiCache's L3 as the prefill uses it: the file backend, or the Mooncake Store (``tandem_sim.mooncake_store``)."""
+
+    def put(self, key: str, rows: np.ndarray) -> None: ...
+
+    def longest_prefix(self, keys: list[str]) -> list[np.ndarray]: ...
 
 
 class FileStore:

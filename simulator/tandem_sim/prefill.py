@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from tandem_sim import model
 from tandem_sim.config import SimConfig
-from tandem_sim.hicache import FileStore, page_keys
+from tandem_sim.hicache import FileStore, L3Store, page_keys
 from tandem_sim.kvpool import PagedPool
 from tandem_sim.metrics import Metrics
 from tandem_sim.ranks import KVLayout, Rank, head_slice
@@ -164,7 +164,7 @@ class PrefillSide:
         self._rng = random.Random(cfg.seed ^ 0x5EED ^ rank.tp_rank)
         self.failure_prob = cfg.transfer_failure_prob
         self.failure_sessions: frozenset[str] = frozenset()  # empty: the failure hits sends to every decode
-        self.l3 = (
+        self.l3: L3Store | None = (
             FileStore(cfg.hicache_file_dir, cfg.kv_bytes_per_token, cfg.page_size) if cfg.hicache_file_dir else None
         )
         self.bootstrap_waiting = 0

@@ -28,6 +28,7 @@ from tandem_sim.decode import DecodeSide, KVTransferError, SchedulerCrashError
 from tandem_sim.engine import Engine, RunningRequest
 from tandem_sim.kvpool import OutOfPagesError
 from tandem_sim.metrics import Metrics
+from tandem_sim.mooncake_store import MooncakeL3, open_store
 from tandem_sim.multinode import Rendezvous
 from tandem_sim.prefill import PrefillSide, TransferFailedError
 from tandem_sim.ranks import Topology
@@ -119,6 +120,7 @@ class Worker:
                     decode = DecodeSide(cfg, metrics, transfer, shard, rank, layout)
                     self.decode_ranks.append(decode)
                     self._decode_by_dp[rank.attn_dp_rank].append(decode)
+        self._open_stores()
         self.tasks: dict[str, asyncio.Task[Any]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self.crashed = asyncio.Event()  # a scheduler hit an exception: SGLang's server goes down with it
@@ -331,7 +333,22 @@ class Worker:
             return [dict(engine.internal_state()) for engine in self.engines.values()]
         return [{**self.engines[side.rank.attn_dp_rank].internal_state(), **side.internal_state()} for side in sides]
 
+    def _open_stores(self) -> None:
+        """HiCache's Mooncake Store of every prefill rank, once every rank's PD engine is up: SGLang's cache
+        controller opens it after the weights loaded, long after each scheduler started its PD engine."""
+        if self.cfg.mooncake_store_env is None:
+            return
+        for side in self.prefill_ranks:
+            try:
+                side.l3 = open_store(self.cfg, side.rank, side.transfer)
+            except Exception as err:
+                self.close_transfers()
+                raise RankStartError(side.rank.tp_rank, err) from err
+
     def close_transfers(self) -> None:
+        for side in self.prefill_ranks:
+            if isinstance(side.l3, MooncakeL3):
+                side.l3.close()
         for transfer in self.transfers:
             transfer.close()
 
