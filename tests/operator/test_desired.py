@@ -169,7 +169,7 @@ def test_template_hash_ignores_group_count_and_other_role() -> None:
     base = kimi_spec()
     scaled = kimi_spec(prefill={**base.to_wire()["prefill"], "groups": 7})
     assert template_hash(base, Role.PREFILL) == template_hash(scaled, Role.PREFILL)
-    changed_decode = kimi_spec(decode={**base.to_wire()["decode"], "extraArgs": ["--cuda-graph-max-bs-decode", "480"]})
+    changed_decode = kimi_spec(decode={**base.to_wire()["decode"], "extraArgs": ["--stream-interval", "2"]})
     assert template_hash(base, Role.PREFILL) == template_hash(changed_decode, Role.PREFILL)
     assert template_hash(base, Role.DECODE) != template_hash(changed_decode, Role.DECODE)
     assert compat_revision(base) == compat_revision(changed_decode)
@@ -318,3 +318,12 @@ def test_both_roles_get_one_page_size_64_by_default_with_a_store() -> None:
     assert page_size(no_store, Role.DECODE) is None
     with pytest.raises(pydantic.ValidationError, match=r"extraArgs may not set flags the operator manages"):
         kimi_spec(decode={"extraArgs": ["--page-size=16"]})  # a mismatch with the prefill kills the decode
+
+
+def test_decode_batch_and_graphs_follow_attention_dp() -> None:
+    spec = kimi_spec(decode={**kimi_spec().to_wire()["decode"], "maxRunningRequests": 512})  # attnDpSize 16
+    command = container(pods_of(group_manifests(ctx(spec, Role.DECODE), 0))[0])["args"]
+    assert command[command.index("--max-running-requests") + 1] == "512"
+    assert command[command.index("--cuda-graph-max-bs-decode") + 1] == "32"  # 512 // 16: one rank's share
+    with pytest.raises(pydantic.ValidationError, match="maxRunningRequests must be a multiple of attnDpSize"):
+        kimi_spec(decode={**kimi_spec().to_wire()["decode"], "maxRunningRequests": 100})

@@ -60,6 +60,8 @@ MANAGED_FLAGS = (
     "--model-path",
     "--served-model-name",
     "--page-size",
+    "--max-running-requests",
+    "--cuda-graph-max-bs-decode",
     "--revision",
     "--host",
     "--port",
@@ -318,6 +320,24 @@ class DecodeSpec(PoolSpec):
     deepep_mode: DeepEPMode = DeepEPMode.LOW_LATENCY
     ports: PortSet = Field(default_factory=_decode_ports, json_schema_extra={"default": _decode_ports().to_wire()})
     kv_offload: KvOffloadSpec = Field(default_factory=KvOffloadSpec)
+    max_running_requests: int | None = Field(
+        default=None,
+        ge=1,
+        le=1 << 20,
+        description="--max-running-requests of the whole decode server; the operator also passes "
+        "--cuda-graph-max-bs-decode = maxRunningRequests / attnDpSize, the batch of one attention-DP rank (SGLang "
+        "caps each rank's decode graphs at max_running_requests // attn_dp_size, moe_hook.py). Unset: SGLang's own.",
+    )
+
+    cel_rules: ClassVar[tuple[Rule, ...]] = (
+        *PoolSpec.cel_rules,
+        Rule(
+            cel="!has(self.maxRunningRequests) || self.maxRunningRequests % self.attnDpSize == 0",
+            message="maxRunningRequests must be a multiple of attnDpSize (each attention-DP rank runs an equal share)",
+            check=lambda s: s.max_running_requests is None or s.max_running_requests % s.attn_dp_size == 0,
+            field_path=".maxRunningRequests",
+        ),
+    )
 
 
 class RouterSpec(CrdModel):

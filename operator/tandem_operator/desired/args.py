@@ -61,6 +61,10 @@ def sglang_args(spec: PDClusterSpec, placement: Placement) -> list[str]:
         args += ["--chunked-prefill-size", str(role.chunked_prefill_size * role.attn_dp_size)]
     if role.mem_fraction_static is not None:
         args += ["--mem-fraction-static", repr(role.mem_fraction_static)]
+    if isinstance(role, DecodeSpec) and role.max_running_requests is not None:
+        # one attention-DP rank's batch gets CUDA graphs up to its share, no more, no less
+        per_rank = role.max_running_requests // role.attn_dp_size
+        args += ["--max-running-requests", str(role.max_running_requests), "--cuda-graph-max-bs-decode", str(per_rank)]
     page_size = spec.effective_page_size()
     if page_size is not None:  # the same for both roles: KV pages move from prefill to decode as they are
         args += ["--page-size", str(page_size)]
