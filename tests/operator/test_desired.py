@@ -327,3 +327,15 @@ def test_decode_batch_and_graphs_follow_attention_dp() -> None:
     assert command[command.index("--cuda-graph-max-bs-decode") + 1] == "32"  # 512 // 16: one rank's share
     with pytest.raises(pydantic.ValidationError, match="maxRunningRequests must be a multiple of attnDpSize"):
         kimi_spec(decode={**kimi_spec().to_wire()["decode"], "maxRunningRequests": 100})
+
+
+def test_a_w4a16_checkpoint_runs_one_node_a_group_with_standard_dispatch() -> None:
+    w4a16 = {**kimi_spec().to_wire()["model"], "moeQuantization": "w4a16"}
+    with pytest.raises(pydantic.ValidationError, match=r"decode: model\.moeQuantization w4a16"):
+        kimi_spec(model=w4a16)  # the fixture's decode spans 2 nodes
+    one_node = {"groups": 1, "nodesPerGroup": 1, "tpSize": 8, "epSize": 8, "attnDpSize": 8}
+    assert kimi_spec(model=w4a16, decode=one_node).model.moe_quantization == "w4a16"
+    with pytest.raises(pydantic.ValidationError, match=r"prefill: model\.moeQuantization w4a16"):
+        kimi_spec(model=w4a16, decode=one_node, prefill={"moeA2ABackend": "deepep"})
+    with pytest.raises(pydantic.ValidationError, match="enableEplb needs epSize > 1"):
+        kimi_spec(prefill={"enableEplb": True, "epSize": 1})

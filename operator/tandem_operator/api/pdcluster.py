@@ -139,6 +139,12 @@ class ModelSpec(CrdModel):
     weight_cache: WeightCacheSpec | None = Field(
         default=None, description="Node-local weights (hostPath, prefetched); path then names the copy in it."
     )
+    moe_quantization: Literal["w4a16", "fp8", "bf16"] | None = Field(
+        default=None,
+        description="The checkpoint's MoE weights, for the checks that depend on them: w4a16 (Kimi K2.6's INT4, "
+        "compressed-tensors run by Marlin) takes only SGLang 0.5.23's standard dispatch "
+        "(CompressedTensorsWNA16MoE.apply_weights), so no DeepEP and no group over several nodes.",
+    )
 
     cel_rules = (
         Rule(
@@ -257,6 +263,12 @@ class PoolSpec(CrdModel):
             field_path=".epSize",
         ),
         Rule(
+            cel="!self.enableEplb || self.epSize > 1",
+            message="enableEplb needs epSize > 1 (SGLang asserts it: parallel_hook.handle_eplb_and_dispatch)",
+            check=lambda s: not s.enable_eplb or s.ep_size > 1,
+            field_path=".enableEplb",
+        ),
+        Rule(
             cel="!self.enableDpLmHead || self.attnDpSize > 1",
             message="enableDpLmHead needs attnDpSize > 1",
             check=lambda s: not s.enable_dp_lm_head or s.attn_dp_size > 1,
@@ -371,6 +383,16 @@ class EtcdSpec(CrdModel):
         return list(self.mooncake_endpoints or self.endpoints)
 
 
+def _w4a16_fits(role: Role) -> Callable[[Any], bool]:
+    def fits(spec: Any) -> bool:
+        pool = spec.role(role)
+        return bool(
+            spec.model.moe_quantization != "w4a16" or (pool.moe_a2a_backend == "none" and pool.nodes_per_group == 1)
+        )
+
+    return fits
+
+
 def _fixed_ports_outside_range(role: Role) -> Callable[[Any], bool]:
     return lambda spec: not set(spec.role(role).ports.fixed()) & set(spec.declared_range(role))
 
@@ -449,6 +471,15 @@ class PDClusterSpec(CrdModel):
             rule
             for role in ("prefill", "decode")
             for rule in (
+                Rule(
+                    cel=f"!has(self.model.moeQuantization) || self.model.moeQuantization != 'w4a16' || "
+                    f"(self.{role}.moeA2ABackend == 'none' && self.{role}.nodesPerGroup == 1)",
+                    message=f"{role}: model.moeQuantization w4a16 (Marlin MoE) takes only SGLang 0.5.23's standard "
+                    "dispatch: moeA2ABackend none and nodesPerGroup 1 (the MoE traffic of a group over several nodes "
+                    "would cross them over IB on every layer)",
+                    check=_w4a16_fits(Role(role)),
+                    field_path=f".{role}.nodesPerGroup",
+                ),
                 Rule(
                     cel=f"[self.{role}.ports.http, self.{role}.ports.bootstrap, self.{role}.ports.bootstrap + "
                     f"self.{role}.ports.bootstrapPorts - 1, self.{role}.ports.distInit].all(p, "
