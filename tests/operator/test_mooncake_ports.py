@@ -57,15 +57,17 @@ def initialize(ip: str, env: dict[str, str], ranks: int = 1) -> tuple[dict[str, 
 
 
 def test_the_pods_tcp_range_starts_every_rank() -> None:
-    ctx = RoleContext.build(CLUSTER, TCP, Role.DECODE, POOL)
+    ctx = RoleContext.build(CLUSTER, TCP, Role.PREFILL, POOL)  # no Mooncake Store: the PD engines alone
     low, high = mooncake_port_range(ctx)
-    assert (low, high) == (15100, 15115)  # 8 ranks x (RPC + TCP data port)
+    assert (low, high) == (15000, 15015)  # 8 ranks x (RPC + TCP data port)
     env = pod_env(group_pod(ctx, 0, 0), "127.0.0.2")
     assert (env["MC_MIN_RPC_PORT"], env["MC_MAX_RPC_PORT"], env["MC_TCP_BIND_ADDRESS"]) == (
-        "15100",
-        "15115",
+        "15000",
+        "15015",
         "127.0.0.2",
     )
+    store = RoleContext.build(CLUSTER, TCP, Role.DECODE, POOL)  # KV offload to the Store: its engine's ports too
+    assert mooncake_port_range(store) == (15100, 15131)  # measured in tests/test_mooncake_store_ports.py
     result, log = initialize("127.0.0.2", env, ranks=8)
     assert result["rcs"] == [0] * 8, log
     data = [int(p) for p in re.findall(r"TcpTransport: listen on port (\d+)", log)]
