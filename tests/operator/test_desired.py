@@ -48,6 +48,27 @@ def test_prefill_group_golden() -> None:
     check_golden("prefill-group-1", group_manifests(ctx(kimi_spec(), Role.PREFILL), 1))
 
 
+RECIPE = Path(__file__).parents[2] / "deploy" / "kimi-k26-h200.yaml"
+
+
+@pytest.mark.parametrize("role", list(Role))
+def test_the_shipped_k26_recipe_golden(role: Role) -> None:
+    """What deploy/kimi-k26-h200.yaml runs on the H200s, pod by pod (the fixture above is a generic multi-node
+    example): one node a group (W4A16 Marlin MoE), the Store reusing the PD engine, no memory-fraction override."""
+    spec = PDClusterSpec.model_validate(yaml.safe_load(RECIPE.read_text())["spec"])
+    manifests = group_manifests(ctx(spec, role), 0)
+    check_golden(f"kimi-k26-h200-{role.value}-group-0", manifests)
+    (pod,) = pods_of(manifests)
+    args = container(pod)["args"]
+    assert "--mem-fraction-static" not in args
+    assert args[args.index("--page-size") + 1] == "64"
+    env = {v["name"]: v.get("value") for v in container(pod)["env"]}
+    assert "NCCL_SOCKET_IFNAME" not in env  # the entrypoint finds the interface that holds the pod's IP
+    if role is Role.PREFILL:
+        assert env["MOONCAKE_TE_META_DATA_SERVER"] == "P2PHANDSHAKE"
+        assert env["MOONCAKE_GLOBAL_SEGMENT_SIZE"] == "256gb"  # 32 GiB a rank x attention-TP 8
+
+
 def container(pod: dict[str, Any]) -> dict[str, Any]:
     (only,) = pod["spec"]["containers"]
     assert isinstance(only, dict)
