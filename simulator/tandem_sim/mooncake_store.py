@@ -24,6 +24,7 @@ size is what the operator checks against host memory); pages are whole simulated
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
     from tandem_sim.config import SimConfig
     from tandem_sim.ranks import Rank
     from tandem_sim.transfer import MooncakeTransfer
+
+log = logging.getLogger("tandem_sim")
 
 LOCAL_BUFFER = 16 << 20  # DEFAULT_LOCAL_BUFFER_SIZE
 SEGMENT_CAP = 32 << 20  # what a simulated rank mounts, whatever the logical segment
@@ -124,7 +127,9 @@ class MooncakeL3:
         )
         if rc:
             raise StoreStartError(f"Failed to setup Mooncake store, error code: {rc}")
+        log.info("Mooncake store setup successfully.", extra={"tp_rank": self.tp_rank, "reused_pd_engine": reuse})
         self._warmup()
+        log.info("Mooncake store warmup successfully.", extra={"tp_rank": self.tp_rank})
 
     def _warmup(self) -> None:
         import time
