@@ -141,7 +141,10 @@ async def restart_decode_under_load(
 
     ``same_data_port``: the new decode also gets the old TCP data port (the prefill's cached descriptor is right,
     but its pooled connections to that port are the dead process's), else another one."""
-    base, other = _free_run(4), _free_run(2)  # the decode's window [base + 1, base + 2]: either neighbour is free
+    base = _free_run(4)  # the decode's window [base + 1, base + 2]: either neighbour is free ...
+    other = _free_run(2)
+    while other + 1 >= base and other <= base + 3:  # ... so the prefill's window must not take one of them
+        other = _free_run(2)
     prefill_env = {**env, "MC_MIN_RPC_PORT": str(other), "MC_MAX_RPC_PORT": str(other + 1)}
     decode_env = {**env, "MC_MIN_RPC_PORT": str(base + 1), "MC_MAX_RPC_PORT": str(base + 2)}
     p_port, d_port, bootstrap, r_port = free_port(), free_port(), free_port(), free_port()
