@@ -26,7 +26,7 @@ table-tested without etcd.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 
@@ -112,14 +112,6 @@ class RegistryGuard:
         if not self.held:
             self.panic_since = None
         return release
-
-    def forget(self, keys: Collection[str]) -> None:
-        """Keys discovery dropped for its own reasons (a worker replaced under the same registry key)."""
-        for key in keys:
-            self.held.pop(key, None)
-            self.registered.discard(key)
-        if not self.held:
-            self.panic_since = None
 
     def _forget_before(self, cutoff: float) -> None:
         while self._recent and self._recent[0][0] < cutoff:

@@ -25,6 +25,7 @@ size is what the operator checks against host memory); pages are whole simulated
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -132,8 +133,6 @@ class MooncakeL3:
         log.info("Mooncake store warmup successfully.", extra={"tp_rank": self.tp_rank})
 
     def _warmup(self) -> None:
-        import time
-
         key, value = "sglang_mooncake_store_warmup_key" + uuid.uuid4().hex, bytes(4096)
         for _ in range(WARMUP_TRIES):
             if self.store.put(key, value) == 0:
