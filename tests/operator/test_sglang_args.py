@@ -18,6 +18,7 @@ SPECS = {
         prefill={"extraArgs": ["--enable-metrics-for-all-schedulers"], "memFractionStatic": 0.82},
         decode={"nodesPerGroup": 2, "tpSize": 16, "epSize": 16, "enableTwoBatchOverlap": True},
     ),
+    "deterministic": kimi_spec(deterministicInference=True),
 }
 
 
@@ -28,3 +29,11 @@ def test_command_line_parses_with_sglang_flags(name: str, role: Role, rank: int)
     command = launch_command(SPECS[name], Placement(role=role, node_rank=rank, leader_address="g.ns.svc"))
     assert tuple(command[: len(LAUNCH)]) == LAUNCH
     assert validate_command(command[len(LAUNCH) :]) == []
+
+
+@pytest.mark.parametrize("role", list(Role))
+def test_deterministic_inference_is_set_on_both_roles_only_when_asked(role: Role) -> None:
+    """A prefill computes the first token and the KV, the decode the rest: both must run batch-invariant kernels."""
+    placement = Placement(role=role, node_rank=0, leader_address="g.ns.svc")
+    assert "--enable-deterministic-inference" in launch_command(SPECS["deterministic"], placement)
+    assert "--enable-deterministic-inference" not in launch_command(SPECS["kimi-rdma-offload"], placement)

@@ -460,6 +460,15 @@ class PDClusterSpec(CrdModel):
         "page sizes differ cannot exchange KV). Unset: 64 when a role uses a Mooncake Store (MLA on Hopper defaults "
         "to 1, one Store key per token; upstream's PD + HiCache example passes 64 to both), else SGLang's default.",
     )
+    deterministic_inference: bool = Field(
+        default=False,
+        description="--enable-deterministic-inference on both roles: batch-invariant kernels, so a temperature-0 "
+        "answer does not depend on the batch around it and a resumed stream continues token for token. Off (SGLang's "
+        "default): near-tied tokens can flip with the batch size, and the router's integrity checks tell such "
+        "flips from corruption by their logprobs. Cost: SGLang publishes a 34.35% overhead with CUDA graphs (LMSYS, "
+        "2025-09-22); on Hopper with no --attention-backend SGLang picks fa3, which keeps the radix cache, and with "
+        "tp > 1 it forces NCCL's tree all-reduce and turns custom all-reduce off.",
+    )
     autoscaling: AutoscalingSpec | None = Field(
         default=None,
         description="SLO-driven autoscaling: when set, the operator owns both PDPools' replicas (a kubectl scale "

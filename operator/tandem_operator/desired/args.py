@@ -65,6 +65,8 @@ def sglang_args(spec: PDClusterSpec, placement: Placement) -> list[str]:
         # one attention-DP rank's batch gets CUDA graphs up to its share, no more, no less
         per_rank = role.max_running_requests // role.attn_dp_size
         args += ["--max-running-requests", str(role.max_running_requests), "--cuda-graph-max-bs-decode", str(per_rank)]
+    if spec.deterministic_inference:  # both roles: the first token comes out of the prefill, the rest the decode
+        args.append("--enable-deterministic-inference")
     page_size = spec.effective_page_size()
     if page_size is not None:  # the same for both roles: KV pages move from prefill to decode as they are
         args += ["--page-size", str(page_size)]
