@@ -126,6 +126,12 @@ def sim_worker_argv(role: Role, port: int, bootstrap_port: int | None) -> list[s
     return argv
 
 
+def deterministic_sim_worker_argv(role: Role, port: int, bootstrap_port: int | None) -> list[str]:
+    """``sim_worker_argv`` with ``--enable-deterministic-inference`` (batch-invariant answers): for runs that judge
+    every answer by text equality with the uninterrupted one (chaos), as a user wanting that guarantee runs SGLang."""
+    return [*sim_worker_argv(role, port, bootstrap_port), "--enable-deterministic-inference"]
+
+
 def instant_worker_argv(role: Role, port: int, bootstrap_port: int | None) -> list[str]:
     """The router's instant PD worker (no KV transfer): for tests of discovery and supervision alone."""
     return [

@@ -30,6 +30,7 @@ def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SimWorke
     started: list[SimWorker] = []
     try:
         extra = ["--enable-metrics", "--tool-call-parser", "kimi_k2", "--reasoning-parser", "kimi_k2"]
+        extra.append("--enable-deterministic-inference")  # PD answers are compared with the aggregated worker's
         started.append(start_prefill("prefill", log_dir, [*extra, "--tp-size", str(DP), "--attn-dp-size", str(DP)]))
         started.append(start_decode("decode", log_dir, extra))
         started.append(start_worker("aggregated", log_dir, extra))

@@ -86,11 +86,13 @@ async def test_killed_prefill_fails_in_flight_within_heartbeat_then_restart_serv
 @pytest.mark.netns
 @pytest.mark.timeout(90)
 async def test_failed_send_blacklists_and_probe_recovers(tmp_path: Path, proc_factory: list[ManagedProcess]) -> None:
-    prefill = start_prefill("prefill", tmp_path, ["--enable-metrics"], env=FAST_PD_ENV)
+    # the PD answer is compared with the aggregated worker's: batch-invariant kernels, as a user wanting that runs
+    deterministic = ["--enable-deterministic-inference"]
+    prefill = start_prefill("prefill", tmp_path, ["--enable-metrics", *deterministic], env=FAST_PD_ENV)
     proc_factory.append(prefill.proc)
-    decode = start_decode("decode", tmp_path, env=FAST_PD_ENV)
+    decode = start_decode("decode", tmp_path, deterministic, env=FAST_PD_ENV)
     proc_factory.append(decode.proc)
-    reference = start_worker("aggregated", tmp_path)
+    reference = start_worker("aggregated", tmp_path, deterministic)
     proc_factory.append(reference.proc)
     rng = random.Random(12)
     body = prompts(1, seed=3)[0]

@@ -33,6 +33,7 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimWorker]:
             "4",
             "--log-level",
             "debug",
+            "--enable-deterministic-inference",  # texts of repeated and continued prompts are compared
         ],
     )
     yield w

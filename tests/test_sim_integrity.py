@@ -23,7 +23,8 @@ CONCURRENCY = 64
 # A small decode pool: 64 concurrent requests need ~5k tokens, the pool holds 2k, so pages are reused constantly.
 DECODE_POOL = ["--max-total-tokens", "2048", "--page-size", "4"]
 OFFLOAD = ["--disaggregation-decode-enable-offload-kvcache", "--hicache-storage-backend", "file"]
-SPEED = ["--sim-inter-token-ms", "1", "--enable-metrics"]
+# Outputs are compared with the aggregated worker's text: batch-invariant kernels, as a user wanting that runs SGLang.
+SPEED = ["--sim-inter-token-ms", "1", "--enable-metrics", "--enable-deterministic-inference"]
 
 
 def _start(tmp_path: Path, procs: list[ManagedProcess], race: bool) -> tuple[SimWorker, SimWorker, SimWorker]:
@@ -108,3 +109,32 @@ async def test_injected_offload_race_garbles_with_foreign_prompt_text(
     index = _leak_index(results)
     leaks = [i for i, body, got, _ in mismatched if index.check(str(i), body["text"], got["text"]) is not None]
     assert len(leaks) >= max(5, len(mismatched) // 10), f"{len(leaks)} of {len(mismatched)} garbled outputs leak"
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(120)
+async def test_the_offload_race_switches_at_runtime_on_a_decode_with_offload_only(
+    tmp_path: Path, proc_factory: list[ManagedProcess]
+) -> None:
+    """``/tandem/sim/faults`` ``{"offload_race": bool}``: a decode that starts, then stops garbling (the bench's
+    probation scenario); a prefill refuses it with a message naming what it needs."""
+    prefill, decode, _ = _start(tmp_path, proc_factory, race=False)
+    async with aiohttp.ClientSession() as sess:
+
+        async def switch(url: str, on: object) -> tuple[int, dict[str, Any]]:
+            async with sess.post(f"{url}/tandem/sim/faults", json={"offload_race": on}) as resp:
+                return resp.status, await resp.json()
+
+        async def racing() -> bool:
+            async with sess.get(f"{decode.url}/server_info") as resp:
+                return bool((await resp.json())["tandem_sim"]["inject_offload_race"])
+
+        assert not await racing()
+        assert await switch(decode.url, True) == (200, {"offload_race": True})
+        assert await racing()
+        assert await switch(decode.url, False) == (200, {"offload_race": False})
+        assert not await racing()
+        status, doc = await switch(prefill.url, True)
+        assert status == 400
+        assert "--disaggregation-decode-enable-offload-kvcache" in doc["error"]
+        assert (await switch(decode.url, "yes"))[0] == 400

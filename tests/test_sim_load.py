@@ -21,7 +21,10 @@ from tests.simhelpers import REAL_WORDS, bounded, metric_sum, prompts
 pytestmark = pytest.mark.procs
 
 # Tight batching knobs so that a few dozen requests queue, share decode steps and get chunked prefills.
-LOADED = ["--enable-metrics", "--page-size", "4", "--max-running-requests", "4"]
+# These tests compare texts across batches and cache states: batch-invariant kernels, as a user wanting that runs
+# SGLang (default numerics: tests/test_sim_numerics_server.py).
+DETERMINISTIC = "--enable-deterministic-inference"
+LOADED = ["--enable-metrics", "--page-size", "4", "--max-running-requests", "4", DETERMINISTIC]
 LOADED += ["--max-prefill-tokens", "64", "--chunked-prefill-size", "16"]
 
 
@@ -77,8 +80,8 @@ async def test_same_text_whatever_the_concurrency_and_cache_state(tmp_path: Path
     with other traffic, and again on a worker whose cache is too small to keep anything (LRU eviction)."""
     targets = [_greedy(words, seed) for seed, words in enumerate((5, 23, 40, 77))]
     noise = [dict(b, sampling_params={**b["sampling_params"], "temperature": 0.0}) for b in prompts(24, seed=3)]
-    cold = start_worker("cold", tmp_path, ["--disable-radix-cache"])
-    tiny = start_worker("tiny", tmp_path, ["--max-total-tokens", "256", "--page-size", "4"])
+    cold = start_worker("cold", tmp_path, ["--disable-radix-cache", DETERMINISTIC])
+    tiny = start_worker("tiny", tmp_path, ["--max-total-tokens", "256", "--page-size", "4", DETERMINISTIC])
     try:
         async with aiohttp.ClientSession() as sess:
             reference = [(await _generate(sess, cold.url, body))["text"] for body in targets]
@@ -121,8 +124,8 @@ async def test_requests_queue_behind_max_running_requests(loaded: SimWorker) -> 
 async def test_pd_prefill_reports_cache_hits_and_decode_text_is_unchanged(tmp_path: Path, loaded: SimWorker) -> None:
     """A PD pair: the prefill's radix cache serves the second request (``meta_info.cached_tokens`` on the prefill's
     answer, as SGLang's prefill reports it); the decode's text is the aggregated worker's, hit or not."""
-    prefill = start_prefill("pd-prefill", tmp_path, ["--page-size", "4"])
-    decode = start_decode("pd-decode", tmp_path, ["--page-size", "4"])
+    prefill = start_prefill("pd-prefill", tmp_path, ["--page-size", "4", DETERMINISTIC])
+    decode = start_decode("pd-decode", tmp_path, ["--page-size", "4", DETERMINISTIC])
     body = _greedy(30, seed=11)
     n = len(model.tokenize(body["text"]).ids)
     try:

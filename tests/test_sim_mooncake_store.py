@@ -99,7 +99,9 @@ def before_this_change(etcd: str) -> dict[str, str]:
 
 
 def _args(page_size: int = PAGE) -> list[str]:
-    return ["--tp-size", str(RANKS), "--page-size", str(page_size), "--enable-metrics", "--sim-inter-token-ms", "1"]
+    # deterministic: an answer read back from the Store is compared with the first (a hit changes the prefill batch)
+    return ["--tp-size", str(RANKS), "--page-size", str(page_size), "--enable-metrics", "--sim-inter-token-ms", "1",
+            "--enable-deterministic-inference"]  # fmt: skip
 
 
 def _hicache() -> list[str]:

@@ -36,20 +36,28 @@ def _prefill_args(*extra: str) -> list[str]:
     return ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", bootstrap, *extra]
 
 
+# PD texts are compared with the reference: batch-invariant kernels, as a user wanting that runs SGLang.
+DETERMINISTIC = "--enable-deterministic-inference"
+
+
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, SimWorker]]:
     log_dir = tmp_path_factory.mktemp("sim-ranks")
     procs: list[SimWorker] = []
     try:
-        reference = start_worker("reference", log_dir)
+        reference = start_worker("reference", log_dir, [DETERMINISTIC])
         procs.append(reference)
-        mha_prefill = start_group("mha-prefill", log_dir, 2, _prefill_args("--tp-size", "4", "--sim-kv-heads", "8"))
+        mha_prefill = start_group(
+            "mha-prefill", log_dir, 2, _prefill_args("--tp-size", "4", "--sim-kv-heads", "8", DETERMINISTIC)
+        )
         procs += mha_prefill
-        mha_decode = start_decode("mha-decode", log_dir, ["--tp-size", "2", "--sim-kv-heads", "8"])
+        mha_decode = start_decode("mha-decode", log_dir, ["--tp-size", "2", "--sim-kv-heads", "8", DETERMINISTIC])
         procs.append(mha_decode)
-        mla_prefill = start_worker("mla-prefill", log_dir, _prefill_args("--tp-size", "2"))
+        mla_prefill = start_worker("mla-prefill", log_dir, _prefill_args("--tp-size", "2", DETERMINISTIC))
         procs.append(mla_prefill)
-        mla_decode = start_group("mla-decode", log_dir, 2, ["--disaggregation-mode", "decode", "--tp-size", "4"])
+        mla_decode = start_group(
+            "mla-decode", log_dir, 2, ["--disaggregation-mode", "decode", "--tp-size", "4", DETERMINISTIC]
+        )
         procs += mla_decode
         yield {
             "reference": reference,

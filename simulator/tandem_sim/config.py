@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from tandem.sglang_args import SGLANG_VERSION, add_sglang_flags
 from tandem_sim.model import MIN_KV_BYTES
+from tandem_sim.numerics import DETERMINISTIC_OVERHEAD, Numerics, decode_capture_sizes, default_decode_max_bs
 from tandem_sim.profiles import DEFAULT_PROFILE, PROFILES, SimProfile
 from tandem_sim.ranks import KVLayout, Topology, check_parallel_flags, layout_error
 
@@ -139,7 +140,10 @@ class SimConfig:
     mooncake_store_env: Mapping[str, str] | None
     pd_ib_device: str  # the PD engine's device string (SGLang: "" under MC_FORCE_TCP=1)
     enable_metrics: bool
-    profile: SimProfile
+    profile: SimProfile  # step times (x 1.3435 with --enable-deterministic-inference)
+    # --enable-deterministic-inference: batch-invariant kernels, so no batch-variant numerics (numerics.py)
+    deterministic_inference: bool
+    decode_cuda_graph_bs: tuple[int, ...]  # decode batch sizes are padded up to these (empty: no padding)
     kv_bytes_per_token: int
     seed: int
     inject_offload_race: bool
@@ -155,6 +159,10 @@ class SimConfig:
     @property
     def kv_layout(self) -> KVLayout:
         return KVLayout(self.kv_bytes_per_token, self.kv_heads, self.topology.attn_tp_size)
+
+    def numerics(self) -> Numerics:
+        """The server's GPU numerics: batch-variant (SGLang's default) or batch-invariant."""
+        return Numerics(self.deterministic_inference, self.decode_cuda_graph_bs)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -235,6 +243,20 @@ def _profile(ns: argparse.Namespace) -> SimProfile:
     return profile
 
 
+def _decode_cuda_graph_bs(ns: argparse.Namespace) -> tuple[int, ...]:
+    """The decode CUDA-graph capture sizes SGLang 0.5.23 would use on an H200 (``memory_hook.py``:
+    ``_handle_gpu_memory_settings``; ``cuda_graph_hook.py``: ``generate_decode_cuda_graph_batch_sizes``): a decode
+    batch replays the smallest graph that holds it (``numerics.padded_batch_size``). No graphs or no padding: ()."""
+    if ns.disable_cuda_graph or ns.disable_decode_cuda_graph or ns.disable_cuda_graph_padding:
+        return ()
+    if ns.cuda_graph_bs_decode:
+        return tuple(sorted({int(bs) for bs in ns.cuda_graph_bs_decode}))
+    max_bs = ns.cuda_graph_max_bs_decode
+    if max_bs is None:
+        max_bs = default_decode_max_bs(int(ns.tp_size), ns.max_running_requests)
+    return decode_capture_sizes(int(max_bs), speculative=ns.speculative_algorithm is not None)
+
+
 def _batching(ns: argparse.Namespace) -> tuple[int, int, int]:
     """``--max-running-requests``, ``--max-prefill-tokens``, ``--chunked-prefill-size`` (SGLang's defaults: 256
     here for the first, 16384, and 8192 for an H200-sized GPU, ``server_args._handle_gpu_memory_settings``)."""
@@ -297,6 +319,9 @@ def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> SimConfig:
     page_size = _positive("--page-size", int(ns.page_size or 1))
     max_running, max_prefill, chunk = _batching(ns)
     profile = _profile(ns)
+    deterministic = bool(ns.enable_deterministic_inference)
+    if deterministic:  # batch-invariant kernels cost 34.35% (numerics.DETERMINISTIC_OVERHEAD)
+        profile = replace(profile, overhead=DETERMINISTIC_OVERHEAD)
     max_total = _positive("--max-total-tokens", int(ns.max_total_tokens or 65536))
     max_total -= max_total % page_size
     context_length = int(ns.context_length or 32768)
@@ -350,6 +375,8 @@ def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> SimConfig:
         pd_ib_device="" if env.get("MC_FORCE_TCP") == "1" else str(getattr(ns, "disaggregation_ib_device", "") or ""),
         enable_metrics=bool(ns.enable_metrics),
         profile=profile,
+        deterministic_inference=deterministic,
+        decode_cuda_graph_bs=_decode_cuda_graph_bs(ns),
         kv_bytes_per_token=int(ns.sim_kv_bytes_per_token),
         seed=int(ns.sim_seed),
         inject_offload_race=bool(ns.sim_inject_offload_race),

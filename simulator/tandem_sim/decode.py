@@ -29,6 +29,7 @@ import orjson
 from tandem_sim.config import SimConfig
 from tandem_sim.kvpool import PagedPool
 from tandem_sim.metrics import Metrics
+from tandem_sim.numerics import PrefillVariant
 from tandem_sim.ranks import KVLayout, Rank, RankMapping, rank_mapping
 from tandem_sim.transfer import MooncakeTransfer
 
@@ -73,6 +74,7 @@ class RoomWait:
     done: asyncio.Future[None]
     senders: frozenset[str]  # rank urls that really send (not MLA's dummies)
     remaining: int
+    first: PrefillVariant | None = None  # the prefill batch that computed the first token (from a success)
 
 
 class DecodeSide:
@@ -187,8 +189,11 @@ class DecodeSide:
             peer.registered.add(url)
         return url
 
-    async def receive_kv(self, room: int, bootstrap_host: str, bootstrap_port: int, pages: list[int]) -> None:
-        """Wait until the prefill wrote this room's KV into ``pages``; raises KVTransferError."""
+    async def receive_kv(
+        self, room: int, bootstrap_host: str, bootstrap_port: int, pages: list[int]
+    ) -> PrefillVariant | None:
+        """Wait until the prefill wrote this room's KV into ``pages``; raises KVTransferError. Returns the variant of
+        the prefill batch that computed the first token (None if the prefill did not say)."""
         addr = f"{bootstrap_host}:{bootstrap_port}"
         self.waiting += 1
         self._gauge()
@@ -209,7 +214,8 @@ class DecodeSide:
             peer.rooms[room] = done
             mapping, mla = peer.mapping, self.layout.is_mla
             senders = frozenset(url for t, url in targets if not mapping.is_dummy(t, mla))
-            self._outcomes[room] = RoomWait(done, senders, mapping.required_prefill_response_num)
+            wait = RoomWait(done, senders, mapping.required_prefill_response_num)
+            self._outcomes[room] = wait
             self._settled[room] = {url: loop.create_future() for _, url in targets}
             for t, url in targets:
                 hand_over = {
@@ -223,6 +229,7 @@ class DecodeSide:
             try:
                 await asyncio.wait_for(asyncio.shield(done), timeout=self.cfg.pd.waiting_timeout_s)
                 self._settled.pop(room, None)  # the KV is in: nothing left to quiesce
+                return wait.first
             except TimeoutError:
                 elapsed = time.monotonic() - started
                 raise KVTransferError(
@@ -268,6 +275,8 @@ class DecodeSide:
                 if wait is None or wait.done.done():
                     continue
                 if reply.get("status") == "success":
+                    if wait.first is None:
+                        wait.first = PrefillVariant.from_json(reply.get("first_token_variant"))
                     if url in wait.senders:
                         wait.remaining -= 1
                         if wait.remaining <= 0:

@@ -27,6 +27,7 @@ from tandem_sim.config import SimConfig
 from tandem_sim.hicache import FileStore
 from tandem_sim.kvpool import PagedPool, ShardedPool
 from tandem_sim.metrics import Metrics
+from tandem_sim.numerics import PrefillVariant, StepLogprobs, Variant
 from tandem_sim.radix import RadixCache
 from tandem_sim.ranks import KVLayout
 from tandem_sim.stepper import Stepper
@@ -47,6 +48,8 @@ class RunningRequest:
     next_offload_pos: int = -1  # first position of the next page to copy device->host (-1: not started)
     l3_chain: tuple[int, bytes] | None = None  # (end position, key) of the last page put in the L3 store
     prompt_pages_released: int = 0  # race 1: how many leading pages were handed back early
+    top_logprobs: int | None = None  # logprobs asked for (the top k too); None: not asked for
+    output_logprobs: list[StepLogprobs] = field(default_factory=list)  # one per output token, when asked for
     finished: bool = False
     released: bool = False
 
@@ -85,7 +88,10 @@ class Engine:
         self.poisoned_pages = 0
         self._token_seconds: deque[list[int]] = deque(maxlen=11)
         # One scheduler per attention-DP group: its batch loop and (prefill/aggregated) its radix prefix cache.
-        self.stepper = Stepper(cfg.profile, cfg.max_prefill_tokens, cfg.chunked_prefill_size)
+        self.numerics = cfg.numerics()
+        # --sim-inject-offload-race, switchable at runtime (``/tandem/sim/faults``): a decode that garbles, then stops
+        self.offload_race = cfg.inject_offload_race
+        self.stepper = Stepper(cfg.profile, cfg.max_prefill_tokens, cfg.chunked_prefill_size, numerics=self.numerics)
         self.radix = RadixCache(cfg.page_size) if cfg.radix_cache and cfg.mode != "decode" else None
         self._prefilling = 0  # prompts waiting for or in prefill batches (SGLang's waiting queue)
         self._admitted_prefilling = 0  # of those, the ones holding pool pages (counted in _running)
@@ -125,7 +131,7 @@ class Engine:
             self.radix.insert(tokens.ids, tokens.words, self._cache_capacity())
         if self.cfg.offload and not req.released:
             self._offload_tail(req)
-        if req.inflight_offloads == 0 or self.cfg.inject_offload_race:
+        if req.inflight_offloads == 0 or self.offload_race:
             await self._free(req)
         self._gauges()
 
@@ -139,15 +145,16 @@ class Engine:
         self._gauges()
 
     # -- prefill -----------------------------------------------------------------------------------------------
-    async def prefill(self, prompt: model.Tokens, admitted: bool = True) -> int:
-        """Run the prompt through prefill batches; returns its cached tokens (skipped compute). ``admitted``: the
-        request holds pool pages (aggregated mode), so it counts as running once its prefill is done."""
+    async def prefill(self, prompt: model.Tokens, admitted: bool = True) -> PrefillVariant:
+        """Run the prompt through prefill batches; returns the variant of the batch that finished it (what computed
+        the first token), which holds its cached tokens (skipped compute). ``admitted``: the request holds pool pages
+        (aggregated mode), so it counts as running once its prefill is done."""
         cached = self.radix.match_prefix(prompt.ids, prompt.words) if self.radix is not None else 0
         self._prefilling += 1
         self._admitted_prefilling += admitted
         self._gauges()
         try:
-            await self.stepper.prefill(len(prompt.ids) - cached)
+            variant = await self.stepper.prefill(len(prompt.ids) - cached, cached)
         finally:
             self._prefilling -= 1
             self._admitted_prefilling -= admitted
@@ -159,7 +166,7 @@ class Engine:
         m.cache_hit_rate.set(cached / max(1, len(prompt.ids)))
         if cached:
             m.cached_tokens.inc(cached)
-        return cached
+        return variant
 
     def _cache_capacity(self) -> int:
         """Tokens the tree may hold: what running requests leave of ``--max-total-tokens``."""
@@ -176,34 +183,47 @@ class Engine:
         return read
 
     # -- decoding ----------------------------------------------------------------------------------------------
-    async def decode(self, req: RunningRequest, on_token: Callable[[int, str], Awaitable[bool]] | None = None) -> str:
+    async def decode(
+        self,
+        req: RunningRequest,
+        on_token: Callable[[int, str], Awaitable[bool]] | None = None,
+        first: Variant | None = None,
+    ) -> str:
         """Generate until EOS/stop/length. Returns the finish reason type ("stop" or "length").
 
-        ``on_token(token, word)`` is awaited after each token; returning False stops generation (a stop string
+        ``first``: the variant of the prefill batch that computed the first token (a PD decode gets it from the
+        prefill's outcome; None: unperturbed). ``on_token(token, word)`` is awaited after each token (its logprobs,
+        when asked for, are then ``req.output_logprobs[-1]``); returning False stops generation (a stop string
         matched).
         """
         self.stepper.join()
         try:
-            return await self._decode_loop(req, on_token)
+            return await self._decode_loop(req, on_token, first)
         finally:
             self.stepper.leave()
 
-    async def _decode_loop(self, req: RunningRequest, on_token: Callable[[int, str], Awaitable[bool]] | None) -> str:
-        decoder = model.Decoder(self.weights, req.prompt_len, req.params, self._read_rows(req))
+    async def _decode_loop(
+        self, req: RunningRequest, on_token: Callable[[int, str], Awaitable[bool]] | None, first: Variant | None
+    ) -> str:
+        decoder = model.Decoder(
+            self.weights, req.prompt_len, req.params, self._read_rows(req), self.numerics, req.top_logprobs
+        )
         last = time.monotonic()
+        variant = first
         for step in range(req.params.max_new_tokens):
             position = req.prompt_len + len(req.output_ids)
             if step:  # the first token comes out of the prefill; every later one takes a decode step of the batch
-                await self.stepper.decode_step(position)
+                variant = await self.stepper.decode_step(position)
                 now = time.monotonic()
                 self.metrics.inter_token_latency.observe(now - last)
                 last = now
-            token, word = decoder.next_token()
+            token, word = decoder.next_token(variant)
             if token == model.EOS_ID:
                 return "stop"
-            self.pool.write(
-                req.pages, position, model.compute_kv(self.weights, model.Tokens([token], [word]), position)
-            )
+            assert decoder.last_row is not None
+            self.pool.write(req.pages, position, decoder.last_row)
+            if decoder.logprobs is not None:
+                req.output_logprobs.append(decoder.logprobs)
             req.output_ids.append(token)
             req.output_words.append(word)
             self._maybe_offload(req)
@@ -238,7 +258,7 @@ class Engine:
         if req.prompt_len + len(req.output_ids) < start + ps:
             return
         req.next_offload_pos += ps
-        if self.cfg.inject_offload_race and req.prompt_pages_released == 0:
+        if self.offload_race and req.prompt_pages_released == 0:
             # Race 1 (upstream bug): prompt slots handed back on the first offload, still attended to.
             full_prompt_pages = req.prompt_len // ps
             if full_prompt_pages:

@@ -1,6 +1,6 @@
 """The simulated model: word tokenizer, chat template, per-token KV bytes and a decoder that reads its KV.
 
-Pure computation, no I/O. Four properties make the simulator useful for integrity testing:
+Pure computation, no I/O. Five properties make the simulator useful for integrity testing:
 
 * KV bytes are a deterministic function of (seed, token id, surface word, position): prefill and decode agree
   only when they run the same ``--sim-seed`` ("weights"). A slot's bytes hold the token id, the position it was
@@ -14,11 +14,17 @@ Pure computation, no I/O. Four properties make the simulator useful for integrit
   which repeats the *foreign prompt's words*, as the upstream offload race did.
 * Clean output never loops: a word that would make the output's tail one phrase repeated three times is
   replaced by a common word (the router's detectors flag loops; a clean model must not trip them).
-* Aggregated mode computes the same KV locally, so it is the reference text for PD mode.
+* Aggregated mode computes the same KV locally, so it is the reference text for PD mode (token for token under
+  the same kernels; with ``--enable-deterministic-inference`` under any).
+* GPU numerics are batch-variant by default (``numerics.py``): a greedy step whose top two candidates are nearly
+  tied flips with the batch it ran in (decode batch padded to its CUDA graph; the first token's prefill batch), as
+  real SGLang without ``--enable-deterministic-inference`` does, so the same prompt alone and in a crowded batch
+  can give different answers, which first differ at such a near-tie.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
@@ -27,6 +33,18 @@ from functools import cache, lru_cache
 
 import numpy as np
 import numpy.typing as npt
+
+from tandem_sim.numerics import (
+    DETERMINISTIC,
+    TAIL_STEP,
+    Candidate,
+    Numerics,
+    StepLogprobs,
+    Variant,
+    margin,
+    tail_ratio,
+    top_two_logprobs,
+)
 
 VOCAB_SIZE = 4096
 EOS_ID = 0
@@ -297,16 +315,38 @@ class Decoder:
     model: the running state is a rolling digest over the context rows, so decoding ``k`` tokens after prompt
     ``P`` leaves the same state as prefilling ``P`` plus those ``k`` tokens. A stream resumed elsewhere with its
     generated tokens appended to the prompt (the router's resume) therefore continues token for token, as a
-    temperature-0 continuation does on SGLang (up to batch-dependent numerics, not modelled).
+    temperature-0 continuation does on SGLang with ``--enable-deterministic-inference``.
+
+    Batch-variant numerics (``numerics.py``, SGLang's default): each step has a top-1 token and a runner-up (a
+    common word, never the top-1, never a template marker, never one that closes a loop) whose logit gap is a
+    function of the state (``numerics.margin``); ``next_token(variant)`` adds the perturbation of the kernels that
+    ran the step (``Numerics.perturbation``: the padded decode batch size, or for the first token the prefill
+    batch) and takes the runner-up when the gap goes negative. The flipped token rolls into the state, so the
+    answer diverges from there, as on a GPU. A step without a variant, a deterministic ``Numerics``, EOS and a
+    collapsed (corrupted-KV) loop are never flipped. The hot path adds no hash: the margin is read from the state,
+    and the perturbation is hashed only at near-ties (about 1 step in 100) or when logprobs are asked for
+    (``top_logprobs`` not None: ``self.logprobs`` then holds the step's ``StepLogprobs``).
     """
 
-    def __init__(self, w: Weights, prompt_len: int, params: SamplingParams, read_rows: Callable[[int, int], KV]):
+    def __init__(
+        self,
+        w: Weights,
+        prompt_len: int,
+        params: SamplingParams,
+        read_rows: Callable[[int, int], KV],
+        numerics: Numerics | None = None,
+        top_logprobs: int | None = None,
+    ):
         self.w = w
         self.params = params
         self.read_rows = read_rows
         self.prompt_len = prompt_len
         self.length = prompt_len
         self.step_index = 0
+        self.numerics = DETERMINISTIC if numerics is None else numerics
+        self.top_logprobs = top_logprobs  # None: no logprobs; k: the chosen token's logprob and the top k
+        self.logprobs: StepLogprobs | None = None  # the last step's (when asked for)
+        self.last_row: KV | None = None  # the KV row of the last token (what the caller writes at length - 1)
         prompt_kv = read_rows(0, prompt_len)
         state = hashlib.blake2b(params.key(), digest_size=16, key=b"prompt").digest()
         for row in prompt_kv:
@@ -316,6 +356,21 @@ class Decoder:
         self.words: list[str] = [slot.word for slot in tail]  # the context's last words (loop guard)
         self.last_token = tail[-1].token if tail else EOS_ID
         self._loop: tuple[int, int] | None = None  # collapsed: (first position, period) of the slots it repeats
+
+    def fork(self, read_rows: Callable[[int, int], KV]) -> Decoder:
+        """A copy that continues from the same state over another copy of the context (``calibration``)."""
+        twin = copy.copy(self)
+        twin.read_rows = read_rows
+        twin.words = list(self.words)
+        return twin
+
+    def near_tie(self) -> bool:
+        """Some variant could flip the next step (a clean, batch-variant step whose margin is below sigma)."""
+        return self._loop is None and self.numerics.near_tie(self.state)
+
+    def flips(self, variant: Variant | None) -> bool:
+        """The next step takes the runner-up under ``variant`` (unless it ends in EOS or a collapse)."""
+        return margin(self.state) + self.numerics.perturbation(self.state, variant) < 0
 
     def _read(self, pos: int) -> tuple[SlotReading, bytes]:
         raw = self.read_rows(pos, 1)[0].tobytes()
@@ -331,9 +386,62 @@ class Decoder:
         start = min(pos, self.prompt_len - period) if pos < self.prompt_len else max(0, pos - period + 1)
         self._loop = (start, period)
 
-    def next_token(self) -> tuple[int, str]:
-        """One decode step: read a context slot, pick a token and its word. The caller writes its KV at
-        ``self.length``."""
+    def _runner_up(self, top: int) -> tuple[int, str]:
+        """The step's second candidate: a common word from the state's bytes 4..7, not the top-1, not closing a
+        loop."""
+        common = COMMON_WORDS_END - FIRST_WORD_ID
+        first = int.from_bytes(self.state[4:8], "little")
+        recent = self.words[-3 * MAX_LOOP_PERIOD :]
+        token, word = top, ""
+        for attempt in range(64):
+            token = FIRST_WORD_ID + (first + 97 * attempt) % common
+            word = vocabulary()[token]
+            if token != top and not closes_loop([*recent, word]):
+                break
+        return token, word
+
+    def _tail(self, avoid: tuple[int, int], first_logprob: float, count: int) -> tuple[Candidate, ...]:
+        """Candidates 3.. of the step's top logprobs: distinct common words, ``TAIL_STEP`` nats apart."""
+        common = COMMON_WORDS_END - FIRST_WORD_ID
+        start = int.from_bytes(self.state[8:12], "little")
+        out: list[Candidate] = []
+        j = 0
+        while len(out) < count and j < common:
+            token = FIRST_WORD_ID + (start + 131 * j) % common
+            j += 1
+            if token not in avoid:
+                out.append(Candidate(token, vocabulary()[token], first_logprob - TAIL_STEP * len(out)))
+        return tuple(out)
+
+    def _numerics(self, token: int, word: str, variant: Variant | None) -> tuple[int, str]:
+        """Apply the step's perturbation (a near-tie may flip to the runner-up) and record its logprobs."""
+        state, numerics = self.state, self.numerics
+        want = self.top_logprobs is not None
+        clean = self._loop is None
+        if not want and not (clean and variant is not None and numerics.near_tie(state)):
+            return token, word
+        gap = margin(state)
+        eps = numerics.perturbation(state, variant) if clean else 0.0
+        observed = gap + eps
+        runner, runner_word = self._runner_up(token)
+        top = Candidate(token, word, 0.0)
+        second = Candidate(runner, runner_word, 0.0)
+        if observed < 0:
+            top, second = second, top
+        if want:
+            lp_top, lp_runner, lp_tail = top_two_logprobs(observed, tail_ratio(state))
+            hi, lo = (lp_top, lp_runner) if observed >= 0 else (lp_runner, lp_top)
+            k = self.top_logprobs or 0
+            tail = self._tail((token, runner), lp_tail, k - 2) if k > 2 else ()
+            self.logprobs = StepLogprobs(
+                Candidate(top.token, top.word, hi), Candidate(second.token, second.word, lo), gap, eps, tail
+            )
+        return top.token, top.word
+
+    def next_token(self, variant: Variant | None = None) -> tuple[int, str]:
+        """One decode step under ``variant`` (what the kernels saw: ``numerics.DecodeVariant`` of the step's padded
+        batch, or the ``PrefillVariant`` for the first token; None: unperturbed). Read a context slot, pick a token
+        and its word. The caller writes its KV (``self.last_row``) at ``self.length - 1``."""
         h = hashlib.blake2b(self.state, digest_size=16, key=b"step").digest()
         if self._loop is None:
             pos = int.from_bytes(h[0:4], "little") % self.length
@@ -356,6 +464,7 @@ class Decoder:
         if token < FIRST_WORD_ID:
             token = FIRST_WORD_ID + token  # never emit template markers
             word = vocabulary()[token]
+        self.logprobs = None
         if self._loop is None:
             attempt = 0
             while attempt < 64 and closes_loop([*self.words[-3 * MAX_LOOP_PERIOD :], word]):
@@ -363,6 +472,7 @@ class Decoder:
                 word = vocabulary()[token]
                 attempt += 1
             # EOS only after a common word: a prompt ending in a template marker is never answered with nothing.
+            # EOS is never flipped (its decision is the state's alone).
             if (
                 not self.params.ignore_eos
                 and self.step_index >= self.params.min_new_tokens
@@ -370,9 +480,13 @@ class Decoder:
                 and h[9] < 3
             ):
                 token, word = EOS_ID, ""
+        if token != EOS_ID:
+            token, word = self._numerics(token, word, variant)
         self.step_index += 1
         if token != EOS_ID:
-            self.state = _roll(self.state, _one_token_kv(self.w, token, word, self.length).tobytes())
+            row = _one_token_kv(self.w, token, word, self.length)
+            self.last_row = row
+            self.state = _roll(self.state, row.tobytes())
             self.length += 1
             self.words.append(word)
             self.last_token = token

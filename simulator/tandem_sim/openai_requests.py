@@ -4,7 +4,9 @@
 a list, one room per choice, as a router sends it). A completions ``prompt`` may be a batch (a list of strings or
 of token-id lists): items are prompt-major, ``n`` per prompt, as ``OpenAIServingCompletion`` numbers its choices;
 ``echo`` puts each prompt's text in front of its choices' text; ``suffix`` is accepted and, as in SGLang without a
-completion template, unused; ``logprobs`` (an integer for completions) is accepted, but no logprobs are computed.
+completion template, unused; ``logprobs`` (completions: the number of top logprobs; chat: ``logprobs`` with
+``top_logprobs``) asks for the output tokens' logprobs (``return_logprob``, ``top_logprobs_num``, with text), as
+``OpenAIServingChat/Completion._convert_to_internal_request`` do.
 Tool calling and reasoning fields are validated and passed through as SGLang does: ``tools``/``tool_choice`` with
 ``"required"`` or a named function make the answer a call of that function (SGLang constrains decoding to the
 tool's schema); ``separate_reasoning`` and ``chat_template_kwargs`` are accepted (the simulated model emits no
@@ -98,6 +100,9 @@ def _check_pass_through(body: dict[str, Any], chat: bool) -> None:
     logprobs = body.get("logprobs")
     if not chat and logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)):
         raise BadRequestError("logprobs: Input should be a valid integer")
+    top = body.get("top_logprobs")
+    if chat and top is not None and (isinstance(top, bool) or not isinstance(top, int)):
+        raise BadRequestError("top_logprobs: Input should be a valid integer")
     for name in ("chat_template_kwargs", "stream_options", "response_format"):
         if body.get(name) is not None and not isinstance(body[name], dict):
             raise BadRequestError(f"{name}: Input should be a valid dictionary")
@@ -155,6 +160,16 @@ def _completion_prompts(prompt: Any) -> list[tuple[model.Tokens, str]]:
     return prompts
 
 
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """The top-logprobs count asked for, None without logprobs (chat: ``return_logprob=request.logprobs``,
+    ``top_logprobs_num=request.top_logprobs or 0``; completions: ``return_logprob=request.logprobs is not None``,
+    ``top_logprobs_num=request.logprobs``)."""
+    if chat:
+        return max(0, int(body.get("top_logprobs") or 0)) if body.get("logprobs") is True else None
+    logprobs = body.get("logprobs")
+    return None if logprobs is None else max(0, int(logprobs))
+
+
 def parse_openai(body: Any, *, chat: bool, mode: str, context_length: int) -> OpenAIRequest:
     if not isinstance(body, dict):
         raise BadRequestError("Request body must be a JSON object")
@@ -173,6 +188,7 @@ def parse_openai(body: Any, *, chat: bool, mode: str, context_length: int) -> Op
     stream = bool(body.get("stream", False))
     items = []
     rank = routed_dp_rank(body)
+    top = _logprobs(body, chat)
     for p, (prompt, _) in enumerate(prompts):
         params = sampling_params(
             _openai_sampling(body),
@@ -181,7 +197,9 @@ def parse_openai(body: Any, *, chat: bool, mode: str, context_length: int) -> Op
             default_max=context_length,
         )
         items += [
-            GenerateInput(rids[p * n + i], prompt, model.replace_sample(params, i), stream, rooms[p * n + i], rank)
+            GenerateInput(
+                rids[p * n + i], prompt, model.replace_sample(params, i), stream, rooms[p * n + i], rank, top, True
+            )
             for i in range(n)
         ]
     echo = tuple(text for _, text in prompts for _ in range(n)) if not chat and body.get("echo") else ()

@@ -27,6 +27,7 @@ from tandem_sim.config import SimConfig
 from tandem_sim.hicache import FileStore, L3Store, page_keys
 from tandem_sim.kvpool import PagedPool
 from tandem_sim.metrics import Metrics
+from tandem_sim.numerics import PrefillVariant
 from tandem_sim.ranks import KVLayout, Rank, head_slice
 from tandem_sim.transfer import MooncakeTransfer
 
@@ -72,6 +73,9 @@ class RoomState:
     result: asyncio.Future[str | None]  # None = success, else the failure reason
     infos: dict[str, HandOver] = field(default_factory=dict)  # by decode session id
     created: float = field(default_factory=time.monotonic)
+    # The prefill batch that computed the room's first token (SGLang computes it on the prefill and sends it along
+    # with the KV): the decode decodes step 0 under its numerics.
+    first: PrefillVariant | None = None
 
 
 @dataclass
@@ -183,14 +187,16 @@ class PrefillSide:
         self.decodes[reg.session_id] = reg
         self._unblacklist(reg.session_id)
 
-    async def await_transfer(self, room: int, hand_over: HandOver) -> str | None:
-        """A decode rank's side of the room: hand over destination pages, wait for the outcome (None = success)."""
+    async def await_transfer(self, room: int, hand_over: HandOver) -> tuple[str | None, PrefillVariant | None]:
+        """A decode rank's side of the room: hand over destination pages, wait for the outcome (None = success) and
+        the variant of the prefill batch that computed the first token."""
         state = self._room(room)
         state.infos[hand_over.session_id] = hand_over
         if len(state.infos) >= hand_over.required_dst_info_num and not state.handed_over.done():
             state.handed_over.set_result(None)
         try:
-            return await asyncio.wait_for(asyncio.shield(state.result), timeout=self.cfg.pd.bootstrap_timeout_s)
+            reason = await asyncio.wait_for(asyncio.shield(state.result), timeout=self.cfg.pd.bootstrap_timeout_s)
+            return reason, state.first
         except TimeoutError:
             # No prefill request came for the room: drop it without failing the decode, which gives up on its
             # own waiting timeout (KVPoll.WaitingForInput), as SGLang's decode does.
@@ -202,9 +208,11 @@ class PrefillSide:
                 self.rooms.pop(room, None)
 
     # -- client-facing ------------------------------------------------------------------------------------------
-    async def prefill(self, room: int, kv: npt.NDArray[np.uint8]) -> None:
-        """Send this rank's part of the prompt KV (``kv``: the whole rows) for ``room``; raises TransferFailedError."""
+    async def prefill(self, room: int, kv: npt.NDArray[np.uint8], first: PrefillVariant | None = None) -> None:
+        """Send this rank's part of the prompt KV (``kv``: the whole rows) for ``room``; raises TransferFailedError.
+        ``first``: the prefill batch that computed the first token, told to the decode with the success outcome."""
         state = self._room(room)
+        state.first = first
         try:
             await self._prefill(room, kv, state)
         except TransferFailedError as err:

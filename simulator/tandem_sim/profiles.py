@@ -28,6 +28,11 @@ Derivation (per DP group = per GPU):
 
 ``time_factor`` multiplies every simulated time (a run at factor 4 is 4x slower, so Python's own work per token
 stays small next to the simulated GPU time on a 2-core machine); the bench divides measured times by it.
+
+``overhead`` multiplies every step time too: ``--enable-deterministic-inference`` sets it to 1.3435, SGLang's
+published cost of its batch-invariant kernels ("With CUDA graphs enabled ... reducing performance overhead to
+34.35%", LMSYS, "Towards Deterministic Inference in SGLang and Reproducible RL Training", 2025-09-22;
+``numerics.DETERMINISTIC_OVERHEAD``).
 """
 
 from __future__ import annotations
@@ -44,10 +49,11 @@ class SimProfile:
     decode_ms_per_seq: float  # per running sequence in the step
     decode_ms_per_kv_token: float  # per KV token attended in the step (sum of the sequences' lengths)
     time_factor: float = 1.0
+    overhead: float = 1.0  # step-time factor of the kernels: 1.3435 with --enable-deterministic-inference
 
     def scaled(self, ms: float) -> float:
         """Seconds of wall time for ``ms`` of simulated GPU time."""
-        return ms * self.time_factor / 1000.0
+        return ms * self.overhead * self.time_factor / 1000.0
 
     def prefill_s(self, tokens: int) -> float:
         return self.scaled(self.prefill_base_ms + self.prefill_ms_per_token * tokens) if tokens else 0.0

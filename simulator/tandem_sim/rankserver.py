@@ -88,7 +88,8 @@ class RankServer:
         return _json({"status": "ok"})
 
     async def channel(self, request: web.Request) -> web.WebSocketResponse:
-        """One decode rank's hand-over channel: hand-overs in, ``{room, status[, reason]}`` out."""
+        """One decode rank's hand-over channel: hand-overs in, ``{room, status[, reason | first_token_variant]}``
+        out (a success carries the variant of the prefill batch that computed the first token: ``numerics.py``)."""
         ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE, heartbeat=None)
         await ws.prepare(request)
         tasks: set[asyncio.Task[None]] = set()
@@ -114,10 +115,12 @@ class RankServer:
     async def _answer(self, ws: web.WebSocketResponse, room: int, hand_over: HandOver) -> None:
         reply: dict[str, Any] = {"room": room}
         try:
-            reason = await self.prefill.await_transfer(room, hand_over)
+            reason, first = await self.prefill.await_transfer(room, hand_over)
         except RoomExpiredError:
             reply["status"] = "expired"  # settles the room; the decode fails it on its own timeout
         else:
             reply.update({"status": "success"} if reason is None else {"status": "failed", "reason": reason})
+            if reason is None and first is not None:
+                reply["first_token_variant"] = first.to_json()
         with contextlib.suppress(ConnectionError, RuntimeError):
             await ws.send_bytes(orjson.dumps(reply))

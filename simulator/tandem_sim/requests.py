@@ -38,6 +38,8 @@ class GenerateInput:
     stream: bool
     bootstrap: Bootstrap | None
     routed_dp_rank: int | None = None  # the attention-DP rank the client asked for (decode and aggregated only)
+    top_logprobs_num: int | None = None  # ``return_logprob``: the output tokens' logprobs and the top k of each
+    return_text_in_logprobs: bool = False  # each logprob triple carries the token's text (else null)
 
     @property
     def input_ids(self) -> list[int]:
@@ -219,6 +221,14 @@ def routed_dp_rank(body: dict[str, Any]) -> int | None:
     return rank
 
 
+def logprob_requests(body: dict[str, Any], count: int) -> list[int | None]:
+    """Per prompt: None without ``return_logprob``, else ``top_logprobs_num`` (0 when absent). Both may be lists,
+    one entry per prompt (``GenerateReqInput.normalize_batch_and_arguments``)."""
+    wanted = _per_item(body.get("return_logprob"), count, "return_logprob")
+    tops = _per_item(body.get("top_logprobs_num"), count, "top_logprobs_num")
+    return [max(0, int(top or 0)) if want else None for want, top in zip(wanted, tops, strict=True)]
+
+
 def parse_generate(body: Any, *, mode: str, context_length: int) -> ParsedRequest:
     if not isinstance(body, dict):
         raise BadRequestError("Request body must be a JSON object")
@@ -237,19 +247,21 @@ def parse_generate(body: Any, *, mode: str, context_length: int) -> ParsedReques
     else:
         prompts = [prompt_tokens(text, input_ids)]
     raw_params = _per_item(body.get("sampling_params"), len(prompts), "sampling_params")
-    expanded: list[tuple[model.Tokens, model.SamplingParams]] = []
-    for prompt, raw in zip(prompts, raw_params, strict=True):
+    logprobs = logprob_requests(body, len(prompts))
+    expanded: list[tuple[model.Tokens, model.SamplingParams, int | None]] = []
+    for prompt, raw, top in zip(prompts, raw_params, logprobs, strict=True):
         params = sampling_params(raw, context_length=context_length, prompt_len=len(prompt.ids), default_max=128)
         n = raw.get("n", 1) if isinstance(raw, dict) else 1
-        expanded += [(prompt, p) for p in _samples(params, n)]
+        expanded += [(prompt, p, top) for p in _samples(params, n)]
     count = len(expanded)
     rooms = bootstrap_list(body, mode, count)
     rids = item_rids(body.get("rid"), count)
     stream = bool(body.get("stream", False))
     rank = routed_dp_rank(body)
+    text_in_logprobs = body.get("return_text_in_logprobs") is True
     items = [
-        GenerateInput(rid, prompt, params, stream, room, rank)
-        for rid, (prompt, params), room in zip(rids, expanded, rooms, strict=True)
+        GenerateInput(rid, prompt, params, stream, room, rank, top, text_in_logprobs)
+        for rid, (prompt, params, top), room in zip(rids, expanded, rooms, strict=True)
     ]
     ignored = ignored_fields(body, GENERATE_FIELDS)
     return ParsedRequest(items, batch or count > 1, stream, ignored, body.get("return_prompt_token_ids") is True)

@@ -10,6 +10,10 @@ from typing import Any
 
 import orjson
 
+from tandem_sim.numerics import StepLogprobs
+
+LogprobEntry = tuple[float, int, str]  # (logprob, token id, token text): SGLang's triple
+
 
 @dataclass
 class Outcome:
@@ -22,6 +26,19 @@ class Outcome:
     finish_reason: dict[str, Any] | None = None
     cached_tokens: int = 0  # prompt tokens served by the radix cache (SGLang's req.cached_tokens)
     started: float = field(default_factory=time.monotonic)
+    top_logprobs_num: int | None = None  # logprobs asked for (``return_logprob``), with the top k of each token
+    text_in_logprobs: bool = False  # ``return_text_in_logprobs``: the token text in each triple (else null)
+    token_logprobs: list[LogprobEntry] = field(default_factory=list)  # one per output token
+    top_logprobs: list[list[LogprobEntry]] = field(default_factory=list)  # one list per output token (k > 0)
+
+    def add_logprobs(self, step: StepLogprobs, word: str, spaced: bool) -> None:
+        """The logprobs of the output token just added (``word``). A token's text is its word with the separator
+        before it (``spaced``: not the answer's first word, or the prompt ends in a word), so the token texts
+        concatenate to the text, as a tiktoken-style tokenizer decodes single tokens."""
+        prefix = " " if spaced else ""
+        self.token_logprobs.append((step.chosen.logprob, step.chosen.token, prefix + word))
+        if self.top_logprobs_num:
+            self.top_logprobs.append([(c.logprob, c.token, prefix + c.word) for c in step.top(self.top_logprobs_num)])
 
 
 def sse(doc: Any) -> bytes:
@@ -32,7 +49,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def meta_info(out: Outcome) -> dict[str, Any]:
-    return {
+    info: dict[str, Any] = {
         "id": out.rid,
         "finish_reason": out.finish_reason,
         "prompt_tokens": out.prompt_tokens,
@@ -40,6 +57,58 @@ def meta_info(out: Outcome) -> dict[str, Any]:
         "cached_tokens": out.cached_tokens,
         "weight_version": "default",
         "e2e_latency": time.monotonic() - out.started,
+    }
+    if out.top_logprobs_num is not None:
+        info.update(logprob_meta_info(out))
+    return info
+
+
+def _triple(entry: LogprobEntry, text: bool) -> list[Any]:
+    return [entry[0], entry[1], entry[2] if text else None]
+
+
+def logprob_meta_info(out: Outcome) -> dict[str, Any]:
+    """``return_logprob`` fields of ``meta_info`` (``TokenizerManager.convert_logprob_style`` ->
+    ``add_logprob_to_meta_info``, ``detokenize_logprob_tokens``): ``[logprob, token_id, text or null]`` per output
+    token, cumulative in every streamed chunk; input logprobs are empty (SGLang's default ``logprob_start_len`` -1
+    means the output tokens only)."""
+    text = out.text_in_logprobs
+    info: dict[str, Any] = {
+        "input_token_logprobs": [],
+        "output_token_logprobs": [_triple(e, text) for e in out.token_logprobs],
+        "output_token_logprobs_length": len(out.token_logprobs),
+    }
+    if out.top_logprobs_num:
+        info["input_top_logprobs"] = []
+        info["output_top_logprobs"] = [[_triple(e, text) for e in row] for row in out.top_logprobs]
+    return info
+
+
+def chat_logprobs(out: Outcome, start: int = 0, end: int | None = None) -> dict[str, Any] | None:
+    """A chat choice's ``logprobs`` for output tokens ``start:end`` (``serving_chat._build_token_logprobs_from_raw``:
+    ``{"content": [{token, bytes, logprob, top_logprobs: [{token, bytes, logprob}]}]}``); None when not asked for."""
+    if out.top_logprobs_num is None:
+        return None
+    tops = out.top_logprobs[start:end] if out.top_logprobs_num else []
+    content = []
+    for i, (logprob, _, text) in enumerate(out.token_logprobs[start:end]):
+        row = tops[i] if i < len(tops) else []
+        top = [{"token": t, "bytes": list(t.encode()), "logprob": lp} for lp, _, t in row]
+        content.append({"token": text, "bytes": list(text.encode()), "logprob": logprob, "top_logprobs": top})
+    return {"content": content}
+
+
+def completion_logprobs(out: Outcome, start: int = 0, end: int | None = None) -> dict[str, Any] | None:
+    """A completions choice's ``logprobs`` for output tokens ``start:end`` (``openai/utils.to_openai_style_logprobs``:
+    ``text_offset`` is -1 per token, "not supported yet"); None when not asked for."""
+    if out.top_logprobs_num is None:
+        return None
+    entries = out.token_logprobs[start:end]
+    return {
+        "text_offset": [-1] * len(entries),
+        "token_logprobs": [lp for lp, _, _ in entries],
+        "tokens": [text for _, _, text in entries],
+        "top_logprobs": [{t: lp for lp, _, t in row} for row in out.top_logprobs[start:end]],
     }
 
 
@@ -108,7 +177,8 @@ def completion_body(
     for index, out in enumerate(outs):
         reason, matched = openai_finish(out)
         text = echo[index] + out.text if echo else out.text
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason, "matched_stop": matched}
+        logprobs = completion_logprobs(out)
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason, "matched_stop": matched}
         choices.append(choice)
     return {
         "id": outs[0].rid,
@@ -135,8 +205,9 @@ def chat_body(outs: Sequence[Outcome], model_name: str, created: int, tool_call:
     choices = []
     for index, out in enumerate(outs):
         message, reason, matched = chat_message(out, tool_call)
+        logprobs = chat_logprobs(out)
         choices.append(
-            {"index": index, "message": message, "logprobs": None, "finish_reason": reason, "matched_stop": matched}
+            {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason, "matched_stop": matched}
         )
     return {
         "id": outs[0].rid,
@@ -149,15 +220,23 @@ def chat_body(outs: Sequence[Outcome], model_name: str, created: int, tool_call:
 
 
 def completion_chunk(
-    out: Outcome, index: int, model_name: str, created: int, text: str, final: bool, with_usage: bool
+    out: Outcome,
+    index: int,
+    model_name: str,
+    created: int,
+    text: str,
+    final: bool,
+    with_usage: bool,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     reason, matched = openai_finish(out) if final else (None, None)
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason, "matched_stop": matched}
     return {
         "id": out.rid,
         "object": "text_completion",
         "created": created,
         "model": model_name,
-        "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason, "matched_stop": matched}],
+        "choices": [choice],
         "usage": usage([out]) if with_usage else None,
     }
 
@@ -170,6 +249,7 @@ def chat_chunk(
     delta: dict[str, Any],
     finish: tuple[str | None, Any],
     with_usage: bool,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     reason, matched = finish
     return {
@@ -178,7 +258,7 @@ def chat_chunk(
         "created": created,
         "model": model_name,
         "choices": [
-            {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason, "matched_stop": matched}
+            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason, "matched_stop": matched}
         ],
         "usage": usage([out]) if with_usage else None,
     }

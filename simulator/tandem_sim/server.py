@@ -246,7 +246,10 @@ class Server:
         info["tandem_sim"] = {
             "seed": self.cfg.seed,
             "kv_bytes_per_token": self.cfg.kv_bytes_per_token,
-            "inject_offload_race": self.cfg.inject_offload_race,
+            "inject_offload_race": any(e.offload_race for e in self.worker.engines.values()),
+            # numerics.py: batch-variant greedy output unless --enable-deterministic-inference
+            "deterministic_inference": self.cfg.deterministic_inference,
+            "decode_cuda_graph_bs": list(self.cfg.decode_cuda_graph_bs),
         }
         return web.Response(body=orjson.dumps(info, default=str), content_type="application/json")
 
@@ -282,20 +285,33 @@ class Server:
         return web.Response(body=self.worker.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def faults(self, request: web.Request) -> web.Response:
-        """Fault injection: ``transfer_failure_prob`` (SGLANG_TEST_DISAGG_FAILURE_PROB at runtime), limited to sends
-        to the decode sessions in ``to_sessions`` when given (a broken link between this prefill and one decode)."""
+        """Fault injection at runtime. On a prefill: ``transfer_failure_prob`` (SGLANG_TEST_DISAGG_FAILURE_PROB),
+        limited to sends to the decode sessions in ``to_sessions`` when given (a broken link between this prefill and
+        one decode). On a worker with decode KV offload: ``offload_race`` switches ``--sim-inject-offload-race``
+        (a decode that starts or stops garbling)."""
         try:
             body = await request.json()
+            if isinstance(body, dict) and set(body) == {"offload_race"} and isinstance(body["offload_race"], bool):
+                return self._switch_race(body["offload_race"])
             prob = float(body["transfer_failure_prob"])
             sessions = frozenset(str(s) for s in body.get("to_sessions", []))
         except (ValueError, KeyError, TypeError, AttributeError, json.JSONDecodeError) as err:
-            return _json({"error": f"expected {{'transfer_failure_prob': float, 'to_sessions'?: [str]}}: {err!r}"}, 400)
+            expected = "{'transfer_failure_prob': float, 'to_sessions'?: [str]} or {'offload_race': bool}"
+            return _json({"error": f"expected {expected}: {err!r}"}, 400)
         if not 0.0 <= prob <= 1.0 or not self.worker.prefill_ranks:
             return _json({"error": "transfer_failure_prob must be in [0, 1], on a prefill worker"}, 400)
         for rank in self.worker.prefill_ranks:
             rank.failure_prob = prob
             rank.failure_sessions = sessions
         return _json({"transfer_failure_prob": prob, "to_sessions": sorted(sessions)})
+
+    def _switch_race(self, on: bool) -> web.Response:
+        if not self.cfg.offload or not self.worker.engines:
+            need = "offload_race needs a decode with --disaggregation-decode-enable-offload-kvcache"
+            return _json({"error": need}, 400)
+        for engine in self.worker.engines.values():
+            engine.offload_race = on
+        return _json({"offload_race": on})
 
 
 async def cancel_all(tasks: dict[str, asyncio.Task[Any]]) -> None:

@@ -11,8 +11,10 @@ Modelled on SGLang 0.5.23's scheduler loop (``managers/scheduler.py``: ``Schedul
   step join the next one (requests join and leave the running batch between steps).
 
 A step's duration comes from the profile (``profiles.py``): prefill ``base + per_token * tokens``; decode
-``base + per_seq * B + per_kv_token * sum(context)``. Outputs never depend on batching: the stepper only decides
-*when* a request's work is done.
+``base + per_seq * B + per_kv_token * sum(context)``. The stepper decides *when* a request's work is done, and
+tells it what the kernels saw (``numerics.py``): a decode step returns its ``DecodeVariant`` (the batch size padded
+to its CUDA graph), a prefill the ``PrefillVariant`` of the batch that finished the prompt; without
+``--enable-deterministic-inference`` those change the greedy output at near-ties, as on a GPU.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tandem_sim.numerics import DecodeVariant, Numerics, PrefillVariant
 from tandem_sim.profiles import SimProfile
 
 GATHER_TURNS = 64  # event-loop turns a step waits for running sequences to ask for their next token
@@ -30,8 +33,9 @@ GATHER_TURNS = 64  # event-loop turns a step waits for running sequences to ask 
 @dataclass(eq=False)
 class _Prefill:
     remaining: int
-    done: asyncio.Future[None]
-    chunks: int = 0
+    done: asyncio.Future[PrefillVariant]
+    cached: int = 0  # the prompt's radix-cached tokens (skipped)
+    chunks: int = 0  # chunks cut off the prompt before the batch that finishes it
 
 
 @dataclass
@@ -51,14 +55,16 @@ class Stepper:
         max_prefill_tokens: int,
         chunked_prefill_size: int,
         on_decode_step: Callable[[int], None] | None = None,
+        numerics: Numerics | None = None,
     ) -> None:
         self.profile = profile
         self.max_prefill_tokens = max_prefill_tokens
         # -1 (SGLang: chunking disabled) means a prompt is never cut: the prefill budget alone limits the batch.
         self.chunk = chunked_prefill_size if chunked_prefill_size > 0 else 0
         self.on_decode_step = on_decode_step
+        self.numerics = Numerics() if numerics is None else numerics
         self._prefills: deque[_Prefill] = deque()
-        self._decoders: list[tuple[int, asyncio.Future[None]]] = []
+        self._decoders: list[tuple[int, asyncio.Future[DecodeVariant]]] = []
         self._loop_task: asyncio.Task[None] | None = None
         self._members = 0  # sequences in their decode phase (the running batch)
         self.stats = StepStats()
@@ -67,26 +73,28 @@ class Stepper:
     def waiting_prefills(self) -> int:
         return len(self._prefills)
 
-    async def prefill(self, tokens: int) -> None:
-        """Return once ``tokens`` prompt tokens (the uncached part) went through prefill batches."""
+    async def prefill(self, tokens: int, cached: int = 0) -> PrefillVariant:
+        """Return once ``tokens`` prompt tokens (the uncached part; ``cached`` more came from the radix cache) went
+        through prefill batches: the variant of the batch that finished the prompt (it computes the first token)."""
         if tokens <= 0:
-            return
-        job = _Prefill(tokens, asyncio.get_running_loop().create_future())
+            return PrefillVariant(0, 0, cached)
+        job = _Prefill(tokens, asyncio.get_running_loop().create_future(), cached)
         self._prefills.append(job)
         self._kick()
         try:
-            await asyncio.shield(job.done)
+            return await asyncio.shield(job.done)
         except asyncio.CancelledError:
             if job in self._prefills:
                 self._prefills.remove(job)  # an aborted request leaves the waiting queue
             raise
 
-    async def decode_step(self, context_tokens: int) -> None:
-        """Return after the next decode step that includes this sequence (``context_tokens`` attended)."""
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    async def decode_step(self, context_tokens: int) -> DecodeVariant:
+        """Return after the next decode step that includes this sequence (``context_tokens`` attended): the step's
+        variant (its batch size, padded to the CUDA graph it replays)."""
+        done: asyncio.Future[DecodeVariant] = asyncio.get_running_loop().create_future()
         self._decoders.append((context_tokens, done))
         self._kick()
-        await done
+        return await done
 
     def _kick(self) -> None:
         if self._loop_task is None or self._loop_task.done():
@@ -150,7 +158,7 @@ class Stepper:
         for job in finished:
             self._prefills.remove(job)
             if not job.done.done():
-                job.done.set_result(None)
+                job.done.set_result(PrefillVariant(taken, job.chunks + 1, job.cached))
 
     async def _decode_batch(self) -> None:
         batch, self._decoders = self._decoders, []
@@ -158,9 +166,10 @@ class Stepper:
         self.stats.decode_steps += 1
         self.stats.max_decode_batch = max(self.stats.max_decode_batch, size)
         await asyncio.sleep(self.profile.decode_s(size, sum(tokens for tokens, _ in batch)))
+        variant = self.numerics.decode_variant(size)
         for _, done in batch:
             if not done.done():
-                done.set_result(None)
+                done.set_result(variant)
         if self.on_decode_step is not None:
             self.on_decode_step(size)
 

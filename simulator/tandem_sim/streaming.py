@@ -22,12 +22,24 @@ class OpenAIStream:
         self.sent_chars = [0] * len(req.items)
         self.sent_role = [False] * len(req.items)
         self.echoed = [False] * len(req.items)
+        self.sent_logprobs = [0] * len(req.items)  # output tokens whose logprobs went out (SGLang's n_prev_token)
 
     def progress(self, index: int) -> OnProgress:
         async def on_progress(out: Outcome) -> None:
             await self.emit(index, out, final=False)
 
         return on_progress
+
+    def _new_logprobs(self, index: int, out: Outcome) -> dict[str, Any] | None:
+        """Logprobs of the output tokens not sent yet, None when there are none (``serving_chat.
+        _process_streaming_logprobs``, ``serving_completions``: ``n_prev_token < total_output_logprobs``)."""
+        start, end = self.sent_logprobs[index], len(out.token_logprobs)
+        if out.top_logprobs_num is None or start >= end:
+            return None
+        self.sent_logprobs[index] = end
+        if self.chat:
+            return responses.chat_logprobs(out, start, end)
+        return responses.completion_logprobs(out, start, end)
 
     async def emit(self, index: int, out: Outcome, final: bool) -> None:
         delta_text = out.text[self.sent_chars[index] :]
@@ -37,7 +49,10 @@ class OpenAIStream:
             if self.req.echo and not self.echoed[index]:  # the first chunk of a choice carries its echo
                 delta_text = self.req.echo[index] + delta_text
                 self.echoed[index] = True
-            chunk = responses.completion_chunk(out, index, self.model_name, self.created, delta_text, final, with_usage)
+            logprobs = self._new_logprobs(index, out)
+            chunk = responses.completion_chunk(
+                out, index, self.model_name, self.created, delta_text, final, with_usage, logprobs
+            )
             await self.resp.write(responses.sse(chunk))
             return
         tool_call = self.req.tool_call
@@ -54,5 +69,6 @@ class OpenAIStream:
             finish = (None, None)
         if tool_call and not final and "role" not in delta:
             return  # a forced tool call is streamed as one call at the end
-        chunk = responses.chat_chunk(out, index, self.model_name, self.created, delta, finish, with_usage)
+        logprobs = self._new_logprobs(index, out)
+        chunk = responses.chat_chunk(out, index, self.model_name, self.created, delta, finish, with_usage, logprobs)
         await self.resp.write(responses.sse(chunk))

@@ -30,6 +30,7 @@ from tandem_sim.kvpool import OutOfPagesError
 from tandem_sim.metrics import Metrics
 from tandem_sim.mooncake_store import MooncakeL3, open_store
 from tandem_sim.multinode import Rendezvous
+from tandem_sim.numerics import PrefillVariant
 from tandem_sim.prefill import PrefillSide, TransferFailedError
 from tandem_sim.ranks import Topology
 from tandem_sim.requests import GenerateInput
@@ -132,6 +133,7 @@ class Worker:
     async def run(self, inp: GenerateInput, on_progress: OnProgress | None = None) -> Outcome:
         """Run one request to the end. Raises GenerationError (SGLang's status and message)."""
         out = Outcome(inp.rid, len(inp.input_ids))
+        out.top_logprobs_num, out.text_in_logprobs = inp.top_logprobs_num, inp.return_text_in_logprobs
         started = time.monotonic()
         if self.cfg.mode == "prefill":
             await self._run_prefill(inp, out)
@@ -147,10 +149,19 @@ class Worker:
         room = inp.bootstrap.room
         dp_rank = room % self.cfg.attn_dp_size
         try:
-            out.cached_tokens = await self.engines[dp_rank].prefill(inp.prompt, admitted=False)
-            message = {"op": "prefill", "room": room, "ids": inp.prompt.ids, "words": inp.prompt.words}
+            # The batch that finishes the prompt computes the first token (SGLang: on the prefill server): its
+            # variant goes to the decode with the success outcome.
+            first = await self.engines[dp_rank].prefill(inp.prompt, admitted=False)
+            out.cached_tokens = first.cached_tokens
+            message = {
+                "op": "prefill",
+                "room": room,
+                "ids": inp.prompt.ids,
+                "words": inp.prompt.words,
+                "first": first.to_json(),
+            }
             remote = [self._call(node, message, TransferFailedError) for node in self._remote_nodes[dp_rank]]
-            await run_together([self._prefill_here(dp_rank, room, inp.prompt), *remote])
+            await run_together([self._prefill_here(dp_rank, room, inp.prompt, first), *remote])
         except TransferFailedError as err:
             raise GenerationError(
                 f"Prefill transfer failed for request rank=0 req.rid={inp.rid!r} req.bootstrap_room={room} "
@@ -170,7 +181,7 @@ class Worker:
         return routed
 
     async def _run_decode(self, inp: GenerateInput, out: Outcome, on_progress: OnProgress | None) -> None:
-        req = RunningRequest(inp.rid, inp.prompt, inp.params)
+        req = RunningRequest(inp.rid, inp.prompt, inp.params, top_logprobs=out.top_logprobs_num)
         dp_rank = self._decode_rank(inp.routed_dp_rank)
         engine = self.engines[dp_rank]
         try:
@@ -180,19 +191,23 @@ class Worker:
         received = False
         pd = bool(self.decode_ranks)
         try:
+            first: PrefillVariant | None  # the prefill batch that computed the first token
             if pd:
-                received = await self._receive(inp, req, dp_rank)
+                first = await self._receive(inp, req, dp_rank)
             else:
-                out.cached_tokens = await engine.prefill(inp.prompt)
+                first = await engine.prefill(inp.prompt)
+                out.cached_tokens = first.cached_tokens
                 engine.write_prompt_kv_locally(req)
-                received = True
-            first = time.monotonic()
+            received = True
+            first_at = time.monotonic()
             stops = inp.params.stop
 
             async def on_token(token: int, word: str) -> bool:
                 out.output_ids.append(token)
                 if len(out.output_ids) == 1:
-                    self.metrics.ttft.observe(first - out.started)
+                    self.metrics.ttft.observe(first_at - out.started)
+                if req.top_logprobs is not None:
+                    out.add_logprobs(req.output_logprobs[-1], word, len(out.output_ids) > 1 or inp.continues_text)
                 before = len(out.text)
                 text = f"{out.text} {word}" if out.text or inp.continues_text else word
                 for stop in stops:
@@ -206,7 +221,7 @@ class Worker:
                     await on_progress(out)
                 return True
 
-            reason = await engine.decode(req, on_token)
+            reason = await engine.decode(req, on_token, first)
             if out.finish_reason is None:
                 if reason == "stop":
                     out.finish_reason = {"type": "stop", "matched": model.EOS_ID}
@@ -221,11 +236,13 @@ class Worker:
             else:
                 await engine.release(req)
 
-    async def _prefill_here(self, dp_rank: int, room: int, prompt: model.Tokens) -> None:
+    async def _prefill_here(
+        self, dp_rank: int, room: int, prompt: model.Tokens, first: PrefillVariant | None = None
+    ) -> None:
         group = self._prefill_by_dp.get(dp_rank)
         if group:
             kv = group[0].prompt_kv(prompt)  # every rank computes the same rows; each sends its part
-            await run_together([rank.prefill(room, kv) for rank in group])
+            await run_together([rank.prefill(room, kv, first) for rank in group])
 
     async def _call(self, node: int, message: dict[str, Any], error: Callable[[str], Exception]) -> dict[str, Any]:
         """Run ``message`` on the ranks of ``node`` (SGLang: TP rank 0 broadcasts the batch to the TP group)."""
@@ -243,14 +260,16 @@ class Worker:
         dp_rank = int(message.get("dp", message["room"] % self.cfg.attn_dp_size))
         if message["op"] == "prefill":
             try:
-                await self._prefill_here(dp_rank, int(message["room"]), model.Tokens(message["ids"], message["words"]))
+                prompt = model.Tokens(message["ids"], message["words"])
+                first = PrefillVariant.from_json(message.get("first"))
+                await self._prefill_here(dp_rank, int(message["room"]), prompt, first)
             except TransferFailedError as err:
                 return {"error": str(err)}
             return {"error": None}
         pages = [int(p) for p in message["pages"]]
         ranks = self._decode_by_dp[dp_rank]
         try:
-            await run_together(
+            firsts = await run_together(
                 [r.receive_kv(int(message["room"]), message["host"], int(message["port"]), pages) for r in ranks]
             )
         except SchedulerCrashError as err:
@@ -260,24 +279,31 @@ class Worker:
         except KVTransferError as err:
             return {"error": err.reason}
         n = int(message["tokens"])
+        first = next((f for f in firsts if f is not None), None)
         return {
             "error": None,
             "rows": {str(r.rank.attn_tp_rank): r.pool.read(pages, 0, n).tobytes().hex() for r in ranks},
+            "first": None if first is None else first.to_json(),
         }
 
-    async def _receive_remote(self, node: int, message: dict[str, Any], room: int, pages: list[int]) -> None:
+    async def _receive_remote(
+        self, node: int, message: dict[str, Any], room: int, pages: list[int]
+    ) -> PrefillVariant | None:
         reply = await self._call(node, message, lambda reason: KVTransferError(room, reason))
         engine = self.engines[int(message["dp"])]
         for attn_tp_rank, rows in reply["rows"].items():
             shard = engine.pool.shards[int(attn_tp_rank)]
             data = np.frombuffer(bytes.fromhex(rows), dtype=np.uint8).reshape(-1, shard.kv_bytes)
             shard.write(pages, 0, data)
+        return PrefillVariant.from_json(reply.get("first"))
 
     async def _deferred_release(self, room: int, req: RunningRequest, dp_rank: int) -> None:
         await asyncio.gather(*(rank.quiesce(room) for rank in self._decode_by_dp[dp_rank]))
         await self.engines[dp_rank].release(req)
 
-    async def _receive(self, inp: GenerateInput, req: RunningRequest, dp_rank: int) -> bool:
+    async def _receive(self, inp: GenerateInput, req: RunningRequest, dp_rank: int) -> PrefillVariant | None:
+        """Receive the prompt's KV from the prefill; returns the variant of the prefill batch that computed the first
+        token (SGLang computes it on the prefill), None if the prefill did not say (step 0 then runs unperturbed)."""
         if inp.bootstrap is None:
             raise GenerationError("decode mode requires bootstrap fields", 400)
         b = inp.bootstrap
@@ -294,7 +320,7 @@ class Worker:
         local = [rank.receive_kv(b.room, b.host, port, req.pages) for rank in self._decode_by_dp[dp_rank]]
         remote = [self._receive_remote(node, message, b.room, req.pages) for node in self._remote_nodes[dp_rank]]
         try:
-            await run_together([*local, *remote])
+            firsts = await run_together([*local, *remote])
         except SchedulerCrashError as err:
             log.error(f"Scheduler hit an exception: RuntimeError: {err}")
             self.crashed.set()
@@ -305,7 +331,7 @@ class Worker:
                 f"decode_req.req.bootstrap_room={b.room} with exception {err}",
                 500,
             ) from None
-        return True
+        return next((f for f in firsts if f is not None), None)
 
     async def health_generate(self) -> None:
         """SGLang's health check: a 1-token generation; PD modes run it without a peer (fake bootstrap)."""
