@@ -11,6 +11,7 @@ from tandem_router.integrity.detectors import (
     find_bad_text,
     find_repetition_loop,
 )
+from tandem_router.integrity.divergence import Answer
 from tandem_router.integrity.quarantine import IntegrityBook, QuarantinePolicy, Transition
 
 PROMPT_A = "please summarise the quarterly report of the northern mining company for the board meeting tomorrow"
@@ -209,14 +210,15 @@ def test_policy_validation() -> None:
     ],
 )
 def test_consensus(answers: dict[tuple[str, str], str], reference: str | None, failed: set[tuple[str, str]]) -> None:
-    verdict = judge(answers)
-    assert verdict.reference == reference
+    verdict = judge({pair: Answer(text) for pair, text in answers.items()})
+    assert (verdict.reference.text if verdict.reference is not None else None) == reference
     assert verdict.failed == failed
     assert verdict.passed == frozenset(answers) - failed if reference else verdict.passed == frozenset()
 
 
 def test_explicit_reference_wins_over_majority() -> None:
-    verdict = judge({("p", "d0"): "bad", ("p", "d1"): "bad", ("p", "d2"): "good"}, reference="good")
+    answers = {("p", "d0"): Answer("bad"), ("p", "d1"): Answer("bad"), ("p", "d2"): Answer("good")}
+    verdict = judge(answers, reference=Answer("good"))
     assert verdict.failed == {("p", "d0"), ("p", "d1")}
 
 

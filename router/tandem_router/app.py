@@ -93,6 +93,7 @@ def integrity_config(settings: RouterSettings) -> IntegrityConfig:
         enabled=settings.integrity,
         leak_ngram=settings.leak_ngram_words,
         independent_clients=settings.integrity_independent_clients,
+        near_tie_nats=settings.integrity_near_tie_nats,
         policy=QuarantinePolicy(
             threshold=settings.quarantine_threshold,
             window_s=settings.quarantine_window_s,

@@ -1,8 +1,12 @@
 """Known-answer canaries: deterministic probes through each specific (prefill, decode) pair.
 
 Every ``interval_s`` one canary prompt (temperature 0, fixed seed) goes through every pair the pool can form,
-quarantined ones included. The reference answer is the pool's strict-majority answer for that prompt
-(``integrity.consensus``); pairs that disagree fail the canary. Canary rounds never release a quarantined pair.
+quarantined ones included, with the top-two logprobs of every token. The reference answer is the answer a strict
+majority of the pool's answers is SAME or NUMERICAL with (``integrity.consensus``): without
+``--enable-deterministic-inference`` a near-tied token may flip with the batch on a clean pair, and that is counted
+(``tandem_integrity_canaries_total{result="numerical"}``), never a failure. Pairs whose answer is DIFFERENT from
+the reference fail the canary. The router picks the prompts and asks for the logprobs, so no client can make a
+canary look like corruption or like numerics. Canary rounds never release a quarantined pair.
 
 Bursts: every canary whose reference is known, cycled up to ``size`` concurrent requests through one pair.
 They confirm a detector finding that a shadow re-run cannot (the suspect request was not deterministic), and
@@ -21,8 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tandem_router.integrity.consensus import judge
+from tandem_router.integrity.divergence import Answer, Kind, compare
 from tandem_router.integrity.monitor import IntegrityMonitor, PairKey
-from tandem_router.pair_request import texts_from_pair
+from tandem_router.pair_request import answers_from_pair
 from tandem_router.pool import Pair
 from tandem_router.transport import Transport
 
@@ -64,7 +69,7 @@ class CanaryProber:
         self.cfg = cfg or CanaryConfig()
         self._tasks: set[asyncio.Task[None]] = set()
         self.rng = rng or random.Random()
-        self.references: dict[str, str] = {}
+        self.references: dict[str, Answer] = {}
         self._round = 0
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -92,22 +97,29 @@ class CanaryProber:
         if len(pairs) < 2:
             return  # one answer is no consensus; nothing to compare against
         answers = await asyncio.gather(*(self.probe(pair, prompt) for pair in pairs))
-        by_pair: dict[PairKey, str] = {p.key: a for p, a in zip(pairs, answers, strict=True) if a is not None}
-        verdict = judge(by_pair, self.references.get(prompt) if len(by_pair) < 3 else None)
+        by_pair: dict[PairKey, Answer] = {p.key: a for p, a in zip(pairs, answers, strict=True) if a is not None}
+        near_tie = self.monitor.cfg.near_tie_nats
+        verdict = judge(by_pair, self.references.get(prompt) if len(by_pair) < 3 else None, near_tie)
         if verdict.reference is None:
             log.warning("canary round without a majority answer", extra={"pairs": len(pairs), "answered": len(by_pair)})
             return
         self.references[prompt] = verdict.reference
         log.info(
             "canary round",
-            extra={"pairs": len(pairs), "answered": len(by_pair), "failed": sorted(verdict.failed)},
+            extra={
+                "pairs": len(pairs),
+                "answered": len(by_pair),
+                "failed": sorted(verdict.failed),
+                "numerical": len(verdict.numerical),
+            },
         )
         # Quarantined pairs' answers count towards the consensus but not for their release: that is the job of
         # the scheduled burst re-probes (one quiet clean answer proves little against a load-dependent race).
         for key in verdict.passed - self.monitor.quarantined_keys():
-            self.monitor.canary_result(key, True)
+            self.monitor.canary_result(key, True, numerical_at=verdict.verdicts[key].token)
         for key in verdict.failed - self.monitor.quarantined_keys():
-            self.monitor.canary_result(key, False, f"canary answer differs from the pool's: {by_pair[key][:80]!r}")
+            why = f"canary answer differs from the pool's ({verdict.verdicts[key].reason}): {by_pair[key].text[:80]!r}"
+            self.monitor.canary_result(key, False, why)
 
     async def probation_bursts(self) -> None:
         """A burst at the pool's live concurrency through each pair on probation that mirroring left idle."""
@@ -135,19 +147,24 @@ class CanaryProber:
         prompts = [known[i % len(known)] for i in range(max(len(known), min(size, MAX_BURST)))]
         answers = await asyncio.gather(*(self.probe(pair, prompt) for prompt in prompts))
         for prompt, answer in zip(prompts, answers, strict=True):
-            if answer is not None:
-                wrong = answer != self.references[prompt]
-                reason = f"canary burst answer differs: {answer[:80]!r}" if wrong else ""
-                self.monitor.canary_result(pair.key, not wrong, reason)
+            if answer is None:
+                continue
+            verdict = compare(self.references[prompt], answer, self.monitor.cfg.near_tie_nats)
+            if verdict.kind is Kind.DIFFERENT:
+                why = f"canary burst answer differs ({verdict.reason}): {answer.text[:80]!r}"
+                self.monitor.canary_result(pair.key, False, why)
+            else:
+                self.monitor.canary_result(pair.key, True, numerical_at=verdict.token)
 
-    async def probe(self, pair: Pair, prompt: str) -> str | None:
-        """The decode's text for ``prompt`` through exactly this pair, or None if the pair could not answer."""
+    async def probe(self, pair: Pair, prompt: str) -> Answer | None:
+        """The decode's answer (text and logprobs) for ``prompt`` through exactly this pair, or None if the pair
+        could not answer."""
         params = {
             "temperature": 0.0,
             "max_new_tokens": self.cfg.max_new_tokens,
             "sampling_seed": self.cfg.seed,  # SGLang 0.5.23 SamplingParams
         }
-        texts = await texts_from_pair(
+        answers = await answers_from_pair(
             self.transport,
             pair,
             "/generate",
@@ -156,4 +173,4 @@ class CanaryProber:
             request_id=f"canary-{self.rng.getrandbits(48):x}",
             timeout_s=self.cfg.timeout_s,
         )
-        return texts[0] if texts is not None and len(texts) == 1 else None
+        return answers[0] if answers is not None and len(answers) == 1 else None

@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tandem.registry import EtcdTLS
 from tandem.registry_signing import EndpointVerifier
+from tandem_router.integrity.divergence import NEAR_TIE_NATS
 from tandem_router.policy.cache_aware import CacheAwareConfig
 from tandem_router.policy.selection import Policy
 
@@ -135,6 +136,13 @@ class RouterSettings(BaseSettings):
         default=0.01, ge=0, le=1, description="Fraction of deterministic requests re-run on a second pair and compared."
     )
     leak_ngram_words: int = Field(default=8, ge=3, le=64, description="Words of another prompt that count as a leak.")
+    integrity_near_tie_nats: float = Field(
+        default=NEAR_TIE_NATS,
+        ge=0,
+        le=10,
+        description="Largest top-1 minus runner-up logprob margin at which a flipped token is GPU numerics, not "
+        "corruption (canaries, shadows, probation; 0: only exact ties).",
+    )
     log_level: str = "info"
 
     @property
@@ -224,6 +232,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--client-id-header", help="header that names the client (only if a trusted proxy sets it)")
     p.add_argument("--report-after-quarantines", type=int)
     p.add_argument("--leak-ngram-words", type=int)
+    p.add_argument(
+        "--integrity-near-tie-nats", type=float, help="margin within which a flipped token is numerics (0.5)"
+    )
     p.add_argument("--shadow-rate", type=float, help="fraction of deterministic requests shadowed (default 0.01)")
     p.add_argument("--log-level")
     return p

@@ -1,7 +1,9 @@
 """One non-streaming request through exactly this (prefill, decode) pair, outside the client path.
 
-Used by the integrity checks (canaries, shadow comparison): fresh bootstrap fields, the body to both workers at
-once, the decode's texts back. Any failure to answer is ``None``: reachability is the breakers' business.
+Used by the integrity checks (canaries, shadow and confirmation re-runs, probation mirrors, tie-breaks): fresh
+bootstrap fields, a copy of the body that asks for the top-two logprobs of every output token
+(``divergence.with_logprobs``: comparisons tell numerics from corruption with them) to both workers at once, the
+decode's answers back. Any failure to answer is ``None``: reachability is the breakers' business.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from tandem_router.integrity.textextract import body_texts
+from tandem_router.integrity.divergence import Answer, body_answers, with_logprobs
 from tandem_router.policy import bootstrap
 from tandem_router.pool import Pair
 from tandem_router.transport import Request, Transport, WorkerError
@@ -21,7 +23,7 @@ from tandem_router.transport import Request, Transport, WorkerError
 log = logging.getLogger("tandem.router.integrity")
 
 
-async def texts_from_pair(
+async def answers_from_pair(
     transport: Transport,
     pair: Pair,
     path: str,
@@ -30,10 +32,10 @@ async def texts_from_pair(
     rng: random.Random,
     request_id: str,
     timeout_s: float,
-) -> list[str] | None:
+) -> list[Answer] | None:
     data = orjson.dumps(
         bootstrap.inject(
-            {**body, "stream": False},
+            {**with_logprobs(path, body), "stream": False},
             host=bootstrap.bootstrap_host(pair.prefill.url),
             port=pair.prefill.bootstrap_port,
             items=0,
@@ -55,4 +57,4 @@ async def texts_from_pair(
         return None
     if p_status != 200 or d_status != 200:
         return None
-    return body_texts(path, d_body)
+    return body_answers(path, d_body)

@@ -4,12 +4,29 @@ A pair on probation serves no client. The live requests that trusted pairs answe
 replayed to it in a closed loop that keeps its mirrored requests in flight at its target (``mirror_targets``:
 each of its workers carries what a serving worker of its role carries), so the pair carries the load it would
 carry if it served: races that need load (the decode KV-offload slot reuse) show here, not in front of clients.
-Deterministic requests (temperature 0 or a seed) are compared with the text the client got; a mismatch is re-run
-on a third, trusted pair and counts against the pair on probation only when that third pair agrees with the
-client's text (so numerical non-determinism between pairs blames nobody); without a third pair, or when it
-disagrees with both, the pair is not proven clean either: its streak of clean comparisons restarts.
+Deterministic requests (temperature 0 or a seed) are mirrored as a copy that asks for the top-two logprobs and
+compared with the text the client got (``integrity.divergence``): SAME is a clean comparison; DIFFERENT is re-run
+on a third, trusted pair and counts against the pair on probation only when that third pair's answer agrees with
+the client's text (SAME or NUMERICAL) and is DIFFERENT from the mirrored one; without a third pair, or when it
+settles nothing, the pair is not proven clean either: its streak of clean comparisons restarts.
 Non-deterministic requests are mirrored for the load only. ``comparisons_to_release`` clean comparisons in a row
 release the pair (``integrity.quarantine``).
+
+Probation must release a clean pair under batch-variant numerics (SGLang without
+``--enable-deterministic-inference``: a near-tied token flips with the batch, and the answer diverges from there)
+and never a garbling one. A NUMERICAL answer proves the pair clean only as far as it agreed: what follows the flip
+is not compared. So it counts as a clean comparison only when at least ``min_agreed_tokens`` (8,
+``divergence.MIN_AGREED_TOKENS``) tokens agreed before the flip; an earlier flip counts neither way (not clean,
+not a mismatch: the streak is kept). Why a prefix: in PD the first output token is computed by the prefill (it
+is handed to the decode with the KV), so a flip at token 0 says nothing about the decode's data path, where the
+offload races live; from the second token on every decode step attends over the transferred KV. Why 8: an agreed
+prefix of 8 tokens means the decode computed 7 steps over that KV exactly as the trusted pair did, and a decode that
+reads another request's KV departs with a token drawn from the wrong distribution, not the trusted answer's
+near-tied runner-up (that departure is DIFFERENT and goes to the tie-break). Clean pairs seldom flip that early
+(near-ties come about once in 100 steps; the published first divergence was at token 103), so skipping those
+costs a clean pair little and never resets its streak. Canary bursts through a pair on probation follow the same
+rule (``IntegrityMonitor.comparison``). The logprobs compared come only from the router's own mirrors and
+tie-breaks, never from a client.
 
 The extra load is the quarantined pair's own share of the traffic, on its own decode, plus the matching prefill
 work on its prefill.
@@ -26,6 +43,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from tandem.registry import Role
+from tandem_router.integrity.divergence import Answer, compare
 from tandem_router.integrity.monitor import IntegrityMonitor, PairKey
 from tandem_router.pool import Pair, WorkerPool
 from tandem_router.proxy import ProxyRequest
@@ -131,26 +149,30 @@ class ProbationMirror:
     async def drain(self) -> None:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def _run(self, pair: Pair, req: ProxyRequest, tag: str) -> str | None:
+    async def _run(self, pair: Pair, req: ProxyRequest, tag: str) -> Answer | None:
         return await rerun(self.transport, pair, req, tag, self.rng, self.timeout_s)
 
     async def _mirror(self, pair: Pair, served: _Served) -> None:
         try:
-            text = await self._run(pair, served.req, "mirror")
+            answer = await self._run(pair, served.req, "mirror")
         finally:
             self.in_flight[pair.key] -= 1
-        if text is None:
+        if answer is None:
             return  # no answer: reachability is the breakers' business; the next live answer refills
         self._fill()
         if served.reference is None:
             return
-        if text == served.reference:
-            self.monitor.comparison(pair.key, True)
+        near_tie = self.monitor.cfg.near_tie_nats
+        trusted = Answer(served.reference)
+        verdict = compare(trusted, answer, near_tie)
+        if verdict.agrees:
+            self.monitor.comparison(pair.key, True, numerical_at=verdict.token)
             return
         third = self._tiebreaker(served.req, {pair.key, served.trusted.key})
         tie = await self._run(third, served.req, "tiebreak") if third is not None else None
-        if tie == served.reference:
-            self.monitor.comparison(pair.key, False, f"mirrored answer differs from two trusted pairs: {text[:80]!r}")
+        if tie is not None and compare(tie, trusted, near_tie).agrees and not compare(tie, answer, near_tie).agrees:
+            why = f"mirrored answer differs from two trusted pairs ({verdict.reason}): {answer.text[:80]!r}"
+            self.monitor.comparison(pair.key, False, why)
         else:
             log.info("probation mismatch not confirmed by a third pair", extra={"request_id": served.req.request_id})
             self.monitor.inconclusive(pair.key)

@@ -1,14 +1,23 @@
-"""Sampled shadow comparison: re-run a finished deterministic request on a second pair and compare the text.
+"""Sampled shadow comparison: re-run a finished deterministic request on a second pair and compare the answers.
 
-A deterministic request (temperature 0, or an explicit seed) must give the same text on every healthy pair. For a
-sampled fraction of them (``rate``), the same body goes to a second pair, with a new bootstrap room, after the
-client got its answer; if the texts differ, a third pair breaks the tie and the pair in the minority gets an
-integrity failure. No third pair, or three different answers: nobody is blamed. At most ``max_in_flight``
-shadows run at once, so the extra load stays bounded whatever the traffic.
+A deterministic request (temperature 0, or an explicit seed) gives the same text on every healthy pair up to GPU
+numerics: without ``--enable-deterministic-inference`` a near-tied token may flip with the batch and the rest of
+the answer diverge (``integrity.divergence``). For a sampled fraction of them (``rate``), a copy of the body that
+asks for the top-two logprobs goes to a second pair, with a new bootstrap room, after the client got its answer
+(the client's response is untouched). An answer SAME or NUMERICAL with the client's counts as agreement
+(``tandem_integrity_shadows_total{result="match"|"numerical"}``); a DIFFERENT one goes to a third pair, and the pair
+whose answer is DIFFERENT from the third while the other agrees with it gets an integrity failure. No third pair,
+or a third that agrees with both or neither: nobody is blamed. At most ``max_in_flight`` shadows run at once, so
+the extra load stays bounded whatever the traffic.
+
+Clients cannot make their own requests look like corruption or like numerics: the answers compared are the same
+request's on different pairs, the client's one enters as the text it was sent, and the logprobs come only from the
+re-runs the router makes.
 
 The same comparison *confirms* a detector finding (``confirm``): the suspect request itself is re-run on two other
 pairs, preferably ones that share no worker with the suspect pair. A client that provoked the finding with its
-own prompt gets the same text everywhere, so nothing is blamed; a garbling pair is in the minority.
+own prompt gets the same answer everywhere (up to numerics), so nothing is blamed; a garbling pair is in the
+minority.
 """
 
 from __future__ import annotations
@@ -19,8 +28,9 @@ import random
 import time
 from typing import Any
 
+from tandem_router.integrity.divergence import Answer, compare
 from tandem_router.integrity.monitor import IntegrityMonitor
-from tandem_router.pair_request import texts_from_pair
+from tandem_router.pair_request import answers_from_pair
 from tandem_router.pool import Pair, WorkerPool
 from tandem_router.proxy import ProxyRequest
 from tandem_router.transport import Transport
@@ -40,12 +50,13 @@ def deterministic(body: dict[str, Any]) -> bool:
 
 async def rerun(
     transport: Transport, pair: Pair, req: ProxyRequest, tag: str, rng: random.Random, timeout_s: float = 60.0
-) -> str | None:
-    """The text of a client request re-run through exactly ``pair`` (None if it could not answer, or not one)."""
-    texts = await texts_from_pair(
+) -> Answer | None:
+    """The answer (text and top-two logprobs) of a client request re-run through exactly ``pair`` (None if it
+    could not answer, or not one)."""
+    answers = await answers_from_pair(
         transport, pair, req.route.value, req.body, rng=rng, request_id=f"{tag}-{req.request_id}", timeout_s=timeout_s
     )
-    return texts[0] if texts is not None and len(texts) == 1 else None
+    return answers[0] if answers is not None and len(answers) == 1 else None
 
 
 class ShadowSampler:
@@ -107,18 +118,24 @@ class ShadowSampler:
         other = await self._run(second, req)
         if other is None:
             return
-        self.monitor.shadow_result(other == text)
-        if other == text:
+        near_tie = self.monitor.cfg.near_tie_nats
+        client = Answer(text)
+        verdict = compare(client, other, near_tie)
+        self.monitor.shadow_result(verdict.kind)
+        if verdict.agrees:
             return
         third = self._other_pair(req, [original, second])
         if third is None:
             log.info("shadow mismatch without a third pair to break the tie", extra={"request_id": req.request_id})
             return
         tie = await self._run(third, req)
-        if tie == other:
+        if tie is None:
+            return
+        with_client, with_other = compare(tie, client, near_tie).agrees, compare(tie, other, near_tie).agrees
+        if with_other and not with_client:
             self.monitor.failure(original.key, f"shadow: text differs from two other pairs ({text[:60]!r})")
-        elif tie == text:
-            self.monitor.failure(second.key, f"shadow: text differs from two other pairs ({other[:60]!r})")
+        elif with_client and not with_other:
+            self.monitor.failure(second.key, f"shadow: text differs from two other pairs ({other.text[:60]!r})")
 
-    async def _run(self, pair: Pair, req: ProxyRequest) -> str | None:
+    async def _run(self, pair: Pair, req: ProxyRequest) -> Answer | None:
         return await rerun(self.transport, pair, req, "shadow", self.rng)

@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry
 
 from tandem.registry import Role
 from tandem_router.canary import CanaryProber
+from tandem_router.integrity.divergence import Answer
 from tandem_router.integrity.monitor import IntegrityConfig, IntegrityMonitor
 from tandem_router.integrity.quarantine import QuarantinePolicy
 from tandem_router.pool import Pair, WorkerSpec
@@ -22,8 +23,9 @@ class FixedAnswers(CanaryProber):
         super().__init__(monitor, Transport(), lambda: PAIRS)
         self.answers = answers
 
-    async def probe(self, pair: Pair, prompt: str) -> str | None:
-        return self.answers.get(pair.decode.url)
+    async def probe(self, pair: Pair, prompt: str) -> Answer | None:
+        text = self.answers.get(pair.decode.url)
+        return None if text is None else Answer(text)
 
 
 def _monitor() -> IntegrityMonitor:

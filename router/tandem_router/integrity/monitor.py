@@ -33,6 +33,7 @@ from tandem_router.integrity.detectors import (
     find_bad_text,
     find_repetition_loop,
 )
+from tandem_router.integrity.divergence import MIN_AGREED_TOKENS, NEAR_TIE_NATS, Kind
 from tandem_router.integrity.evidence import DetectorEvidence
 from tandem_router.integrity.quarantine import (
     FailureOutcome,
@@ -66,6 +67,8 @@ class IntegrityConfig:
     independent_clients: int = 2  # clients whose findings quarantine without a confirmation
     confirm_interval_s: float = 1.0  # at most one confirmation per pair per interval
     suspicion_s: float = 30.0  # after an unconfirmed finding, the pair's deterministic answers are all compared
+    near_tie_nats: float = NEAR_TIE_NATS  # a flipped token within this margin is numerics (``divergence``)
+    min_agreed_tokens: int = MIN_AGREED_TOKENS  # a numerical divergence proves a pair on probation clean after this
     policy: QuarantinePolicy = field(default_factory=QuarantinePolicy)
 
 
@@ -269,18 +272,26 @@ class IntegrityMonitor:
             self.metrics.quarantines.inc()
             log.error("pair quarantined", extra={"prefill": p[0], "decode": p[1], "reason": reason})
 
-    def canary_result(self, pair: PairKey, clean: bool, reason: str = "") -> None:
-        self.metrics.canaries.labels("pass" if clean else "fail").inc()
+    def canary_result(self, pair: PairKey, clean: bool, reason: str = "", numerical_at: int | None = None) -> None:
+        """A canary answer of ``pair``: ``clean`` unless DIFFERENT from the reference; ``numerical_at``: the token
+        where a clean answer parted from the reference by numerics (never a failure)."""
+        label = "fail" if not clean else "pass" if numerical_at is None else "numerical"
+        self.metrics.canaries.labels(label).inc()
         if self.book.in_probation(pair):
-            self.comparison(pair, clean, reason)
+            self.comparison(pair, clean, reason, numerical_at)
         elif not clean and not self.book.is_quarantined(pair):
             self.failure(pair, reason)
 
-    def comparison(self, pair: PairKey, clean: bool, reason: str = "") -> None:
-        """A pair on probation answered like a trusted pair (``clean``) or not."""
+    def comparison(self, pair: PairKey, clean: bool, reason: str = "", numerical_at: int | None = None) -> None:
+        """A pair on probation answered like a trusted pair (``clean``) or not. A clean answer that parted from the
+        trusted one by numerics before ``min_agreed_tokens`` tokens proves nothing either way (``probation.py``)."""
         if not self.book.in_probation(pair):
             return
-        self.metrics.comparisons.labels("match" if clean else "mismatch").inc()
+        if clean and numerical_at is not None and numerical_at < self.cfg.min_agreed_tokens:
+            self.metrics.comparisons.labels("numerical_early").inc()
+            return
+        label = "mismatch" if not clean else "match" if numerical_at is None else "numerical"
+        self.metrics.comparisons.labels(label).inc()
         transition = self.book.record_comparison(pair, clean, self.clock(), reason)
         if transition is Transition.RELEASED:
             self.metrics.releases.inc()
@@ -296,8 +307,11 @@ class IntegrityMonitor:
             self.metrics.comparisons.labels("inconclusive").inc()
             self.book.record_inconclusive(pair, self.clock())
 
-    def shadow_result(self, match: bool) -> None:
-        self.metrics.shadows.labels("match" if match else "mismatch").inc()
+    def shadow_result(self, kind: Kind) -> None:
+        """A shadow comparison's verdict: ``match`` (same text), ``numerical`` (agreement up to numerics) or
+        ``mismatch``."""
+        label = {Kind.SAME: "match", Kind.NUMERICAL: "numerical", Kind.DIFFERENT: "mismatch"}[kind]
+        self.metrics.shadows.labels(label).inc()
 
     def start_probations(self) -> list[PairKey]:
         started = self.book.start_probations(self.clock())

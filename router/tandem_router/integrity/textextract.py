@@ -36,6 +36,11 @@ def _texts(route: str, doc: Any, *, delta: bool) -> list[str]:
     return [_choice_text(route, c, delta=delta) for c in choices if isinstance(c, dict)]
 
 
+def doc_texts(route: str, doc: Any) -> list[str]:
+    """Texts of a parsed complete (non-streaming) response."""
+    return _texts(route, doc, delta=False)
+
+
 def body_texts(route: str, body: bytes) -> list[str]:
     """Texts of a complete (non-streaming) response body; [] when it is not JSON."""
     try:
