@@ -27,6 +27,7 @@ SECTIONS: dict[str, str] = {
     "sim-load": "tandem_dev.sim.bench_load",
     "router": "tandem_dev.router.bench",
     "prefix": "tandem_dev.router.bench_prefix",
+    "integrity": "tandem_dev.router.bench_integrity",
     "operator": "tandem_dev.operator.bench",
     "images": "tandem_dev.images.bench",
     "autoscale": "tandem_dev.autoscale_bench",

@@ -7,6 +7,8 @@ chat streams (``--concurrency`` at a time, at most ``--streams``, for ``--durati
 prompts whose uninterrupted answers were taken first. Meanwhile ``--faults`` faults, drawn from ``--seed``, hit
 one process each (``tandem_dev.chaos_faults``), one after the other. Every stream is judged against its reference
 (``tandem_dev.chaos_report``): lost before its first byte, broken after it (error event or cut), hung, garbled.
+Text equality with the reference holds only with batch-invariant kernels: the workers run
+``--enable-deterministic-inference`` (the dev-cluster setting: ``spec.deterministicInference``).
 
 The run stops by itself: the load ends after ``--duration``, each fault's measurement after ``--cap-s``, a silent
 stream after ``--hang-s``. It binds loopback only and must run inside a loopback-only network namespace
@@ -37,7 +39,7 @@ from tandem_dev.chaos_faults import KINDS, ChaosTarget, LocalCluster, Router
 from tandem_dev.chaos_load import LoadSpec, Routers, reference, run_load
 from tandem_dev.chaos_plots import plot_recovery, plot_timeline
 from tandem_dev.chaos_report import ChaosReport, faults_table, summary_table, violations
-from tandem_dev.local_stack import MODEL, LocalStack, sim_worker_argv
+from tandem_dev.local_stack import MODEL, LocalStack, deterministic_sim_worker_argv
 from tandem_dev.procs import ManagedProcess, free_port
 
 SETTING = "local stack: 3-member etcd, 2 prefill + 2 decode simulated workers, 2 routers"
@@ -90,7 +92,8 @@ async def run_chaos(args: ChaosArgs, workdir: Path) -> ChaosReport:
     """Start the stack, run the load and the faults, stop everything it started; return what it measured."""
 
     def worker_argv(role: Role, port: int, bootstrap_port: int | None) -> list[str]:
-        return [*sim_worker_argv(role, port, bootstrap_port), "--sim-inter-token-ms", str(args.inter_token_ms)]
+        argv = deterministic_sim_worker_argv(role, port, bootstrap_port)
+        return [*argv, "--sim-inter-token-ms", str(args.inter_token_ms)]
 
     # restart_etcd=False: the etcd fault starts its member again itself, after ChaosTarget.etcd_down_s.
     stack = LocalStack(workdir, router_port=0, etcd_members=3, worker_argv=worker_argv, say=_say, restart_etcd=False)

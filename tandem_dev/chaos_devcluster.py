@@ -68,6 +68,7 @@ def manifest(namespace: str, etcd: list[str], inter_token_ms: float) -> dict[str
     spec = doc["spec"]
     spec["etcd"]["endpoints"] = [f"http://{e}" for e in etcd]
     spec["decode"].update(nodesPerGroup=1, tpSize=1)
+    spec["deterministicInference"] = True  # streams are judged by text equality with the uninterrupted answer
     for role in ("prefill", "decode"):
         spec[role].update(groups=GROUPS, extraArgs=[f"--sim-inter-token-ms={inter_token_ms:g}"])
     return doc

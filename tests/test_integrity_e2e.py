@@ -8,7 +8,6 @@ races), an aggregated worker as the ground truth, and ``tandem router`` with its
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,15 +18,14 @@ import aiohttp
 import orjson
 import pytest
 
-from tandem_dev.procs import ManagedProcess, free_port
-from tandem_dev.sim.testing import SimWorker, start_decode, start_prefill, start_worker
+from tandem_dev.procs import ManagedProcess
+from tandem_dev.router.integrity_stack import IntegrityStack, integrity_state, start_integrity_stack
+from tandem_dev.sim.testing import SimWorker
 from tests.simhelpers import bounded, metric_sum, prompts
 
-# A small decode pool (pages reused constantly) with 16-token pages, so a reused page holds a run of another
-# prompt's words long enough for the prompt-leak detector (8 words).
-DECODE_POOL = ["--max-total-tokens", "2048", "--page-size", "16"]
-OFFLOAD = ["--disaggregation-decode-enable-offload-kvcache", "--hicache-storage-backend", "file"]
-SPEED = ["--sim-inter-token-ms", "1"]
+# These tests compare answers with the aggregated worker's text, so every worker runs batch-invariant kernels, as a
+# user who wants that guarantee runs SGLang. Under the default batch-variant numerics: tests/test_integrity_numerics.py.
+WORKERS = ["--sim-inter-token-ms", "1", "--enable-deterministic-inference"]
 LOAD_AFTER_QUARANTINE_S = 60.0
 
 
@@ -40,35 +38,10 @@ class Outcome:
     text: str
 
 
-@dataclass
-class Stack:
-    prefills: list[SimWorker]
-    decodes: list[SimWorker]
-    reference: SimWorker
-    router_url: str
-
-
 def _start_stack(
     tmp_path: Path, procs: list[ManagedProcess], race: Sequence[bool], router_flags: Sequence[str]
-) -> Stack:
-    # SGLang's decode refuses (and its scheduler dies on) a prefill with another --page-size
-    prefills = [start_prefill(f"prefill{i}", tmp_path, [*SPEED, *DECODE_POOL[2:]]) for i in range(2)]
-    decodes = [
-        start_decode(f"decode{i}", tmp_path, [*DECODE_POOL, *OFFLOAD, *SPEED] + (["--sim-inject-offload-race"] * r))
-        for i, r in enumerate(race)
-    ]
-    reference = start_worker("aggregated", tmp_path, SPEED)
-    procs += [w.proc for w in (*prefills, *decodes, reference)]
-    port = free_port()
-    argv = [sys.executable, "-m", "tandem.cli", "router", "--port", str(port), "--policy", "round_robin"]
-    for p in prefills:
-        argv += ["--prefill", p.url, str(p.bootstrap_port)]
-    for d in decodes:
-        argv += ["--decode", d.url]
-    router = ManagedProcess("router", [*argv, *router_flags], tmp_path / "router.log").start()
-    procs.append(router)
-    router.wait_http(f"http://127.0.0.1:{port}/readiness", timeout=30)
-    return Stack(prefills, decodes, reference, f"http://127.0.0.1:{port}")
+) -> IntegrityStack:
+    return start_integrity_stack(tmp_path, procs, race, router_flags, WORKERS)
 
 
 async def _generate(
@@ -116,10 +89,13 @@ async def _references(sess: aiohttp.ClientSession, reference: SimWorker, bodies:
     return list(await bounded(32, [one(b) for b in bodies]))
 
 
+def _reference(stack: IntegrityStack) -> SimWorker:
+    assert stack.reference is not None
+    return stack.reference
+
+
 async def _integrity(sess: aiohttp.ClientSession, url: str) -> dict[str, Any]:
-    async with sess.get(f"{url}/integrity") as resp:
-        doc: dict[str, Any] = await resp.json()
-        return doc
+    return dict(await integrity_state(sess, url))
 
 
 @dataclass
@@ -172,7 +148,7 @@ async def test_garbling_decode_is_quarantined_and_never_released_into_traffic_wi
         results = await _load(sess, stack.router_url, bodies, concurrency=48, until=done)
         seen = await watcher
         wanted = dict(
-            zip((orjson.dumps(b) for b in unique), await _references(sess, stack.reference, unique), strict=True)
+            zip((orjson.dumps(b) for b in unique), await _references(sess, _reference(stack), unique), strict=True)
         )
         doc = await _integrity(sess, stack.router_url)
         quarantines = await metric_sum(stack.router_url, "tandem_integrity_quarantines_total")
@@ -222,7 +198,7 @@ async def test_clean_run_of_10000_requests_has_no_false_positive(
         elapsed = time.monotonic() - started
         print(f"\nclean run: {len(results)} requests in {elapsed:.1f} s ({len(results) / elapsed:.0f} req/s)")
         wanted = dict(
-            zip((orjson.dumps(b) for b in unique), await _references(sess, stack.reference, unique), strict=True)
+            zip((orjson.dumps(b) for b in unique), await _references(sess, _reference(stack), unique), strict=True)
         )
         doc = await _integrity(sess, stack.router_url)
         detections = await metric_sum(stack.router_url, "tandem_integrity_detections_total")
@@ -331,7 +307,7 @@ async def test_hostile_requests_from_one_client_quarantine_nothing(
 
         outcomes = await asyncio.gather(attacker(), *(victim(k, bodies[i::8]) for i, k in enumerate(keys[1:])))
         results = [r for batch in outcomes[1:] if batch for r in batch]
-        wanted = await _references(sess, stack.reference, [r.body for r in results])
+        wanted = await _references(sess, _reference(stack), [r.body for r in results])
         doc = await _integrity(sess, stack.router_url)
         quarantines = await metric_sum(stack.router_url, "tandem_integrity_quarantines_total")
         findings = await metric_sum(stack.router_url, "tandem_integrity_detections_total")

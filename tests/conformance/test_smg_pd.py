@@ -31,7 +31,8 @@ pytestmark = [pytest.mark.netns, pytest.mark.procs, pytest.mark.timeout(180)]
 
 MODEL = "kimi"
 KV_BYTES_PER_TOKEN = 256  # the simulator's default --sim-kv-bytes-per-token
-SIM_ARGS = ["--served-model-name", MODEL, "--enable-metrics"]
+# Answers through smg are compared with the aggregated worker's: batch-invariant kernels, as a user wanting that runs.
+SIM_ARGS = ["--served-model-name", MODEL, "--enable-metrics", "--enable-deterministic-inference"]
 PROMPTS = ["kala bede fidu", "Once upon a time in a data center, far from any user", "Hello there"]
 
 

@@ -60,11 +60,17 @@ WAVE = 64  # requests after the kill, CONCURRENCY / 8 at a time: round robin alo
 MAX_TRIALS = WAVE // 8
 
 
-def slow_sim(role: Role, port: int, bootstrap_port: int | None) -> list[str]:
+def default_numerics_sim(role: Role, port: int, bootstrap_port: int | None) -> list[str]:
     # 3 s streams. Prefill batches run one at a time per worker (as on a GPU), so 64 prompts of ~15 tokens at
     # 4 ms/token keep a queue of up to ~4 s before their first byte, under FAST_PD_ENV's 10 s waiting timeout.
     slow = ["--sim-inter-token-ms", "15", "--sim-prefill-ms-per-token", "4"]
     return [*sim_worker_argv(role, port, bootstrap_port), *slow]
+
+
+def slow_sim(role: Role, port: int, bootstrap_port: int | None) -> list[str]:
+    """Token-exact resume (every stream equal to the uninterrupted answer) is claimed with batch-invariant kernels
+    only: the workers run as a user wanting it runs SGLang (default numerics: test_resume_numerics_sim.py)."""
+    return [*default_numerics_sim(role, port, bootstrap_port), "--enable-deterministic-inference"]
 
 
 def time_to_kill(

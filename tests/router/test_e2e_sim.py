@@ -13,7 +13,7 @@ from typing import Any
 import openai
 import pytest
 
-from tandem_dev.local_stack import HOST, MODEL, LocalStack
+from tandem_dev.local_stack import HOST, MODEL, LocalStack, deterministic_sim_worker_argv
 from tandem_dev.procs import ManagedProcess, free_port
 from tandem_dev.stack_fixture import running_stack
 
@@ -24,7 +24,8 @@ PROMPTS = ["Hello there", "Write a haiku about disaggregated serving", "Once upo
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    with running_stack(tmp_path_factory.mktemp("up"), router_port=0) as s:
+    # Outputs are compared with the aggregated worker's: batch-invariant kernels, as a user wanting that runs SGLang.
+    with running_stack(tmp_path_factory.mktemp("up"), router_port=0, worker_argv=deterministic_sim_worker_argv) as s:
         yield s
 
 
@@ -33,6 +34,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenA
     """An aggregated simulated worker (prefill and decode in one process): the reference output."""
     port = free_port()
     argv = [sys.executable, "-m", "tandem.cli", "sim", "--model-path", MODEL, "--host", HOST, "--port", str(port)]
+    argv.append("--enable-deterministic-inference")
     proc = ManagedProcess("aggregated", argv, tmp_path_factory.mktemp("ref") / "aggregated.log").start()
     try:
         proc.wait_http(f"http://{HOST}:{port}/health", timeout=60)
