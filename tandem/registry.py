@@ -20,11 +20,27 @@ ROOT = "/tandem/v1/clusters"
 
 Name = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=253)]
 SessionId = Annotated[str, StringConstraints(pattern=r"^[^\s:]+:\d+$", max_length=64)]
+# A Kubernetes label value (the node label naming the group's RDMA fabric domain: rack, rail group, NVLink domain).
+FabricDomain = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")]
 
 
 class Role(StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
+
+
+class FabricMode(StrEnum):
+    """How routers treat a pair whose prefill and decode sit in different fabric domains (PDCluster
+    ``spec.fabric.mode``): ``preferred`` uses it only when no same-domain pair is available, ``required`` never."""
+
+    PREFERRED = "preferred"
+    REQUIRED = "required"
+
+
+# Fields added after entries were first written: left out of a value (and of what is signed) while unset, so an
+# entry without them is byte for byte what an older operator wrote and older routers read (their schema forbids
+# unknown fields), and an older operator's signature still verifies.
+_OMITTED_WHEN_UNSET = ("fabric_domain", "fabric_mode")
 
 
 class Endpoint(BaseModel):
@@ -51,6 +67,15 @@ class Endpoint(BaseModel):
     model: str = Field(min_length=1, description="Served model name.")
     revision: str = Field(default="", description="Spec revision: routers pair only equal revisions.")
     epoch: int = Field(default=0, ge=0, description="Incremented each time the group is recreated.")
+    fabric_domain: FabricDomain | None = Field(
+        default=None,
+        description="The RDMA fabric domain of the group: the value of the PDCluster's spec.fabric.domainLabel on "
+        "the group leader's node (its other ranks share it). None: unknown (no fabric declared, an unlabelled node, "
+        "or an entry of an older operator).",
+    )
+    fabric_mode: FabricMode | None = Field(
+        default=None, description="spec.fabric.mode of the group's PDCluster. None: no fabric declared."
+    )
     signature: str = Field(
         default="",
         max_length=128,
@@ -79,11 +104,15 @@ def endpoint_key(namespace: str, cluster: str, endpoint: Endpoint) -> str:
 def signed_payload(key: str, endpoint: Endpoint) -> bytes:
     """What the operator signs: the registry key and the value without its signature, so a signed value cannot be
     replayed under another cluster's or group's key."""
-    return key.encode() + b"\n" + endpoint.model_dump_json(exclude={"signature"}).encode()
+    return key.encode() + b"\n" + endpoint.model_dump_json(exclude={"signature", *_unset(endpoint)}).encode()
+
+
+def _unset(endpoint: Endpoint) -> set[str]:
+    return {name for name in _OMITTED_WHEN_UNSET if getattr(endpoint, name) is None}
 
 
 def encode(endpoint: Endpoint) -> bytes:
-    return endpoint.model_dump_json().encode()
+    return endpoint.model_dump_json(exclude=_unset(endpoint)).encode()
 
 
 def decode(value: bytes) -> Endpoint:

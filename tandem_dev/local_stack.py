@@ -32,7 +32,7 @@ from pathlib import Path
 from tandem import registry
 from tandem.etcd_auth import OPERATOR_USER, ROOT_USER, setup_auth
 from tandem.leased_writer import LeasedWriter
-from tandem.registry import Endpoint, Role
+from tandem.registry import Endpoint, FabricMode, Role
 from tandem.registry_signing import EndpointSigner, registry_entry
 from tandem_dev.devcluster.pki import CertPair
 from tandem_dev.etcd_pki import EtcdPki, create_etcd_pki
@@ -156,6 +156,8 @@ class Worker:
     proc: ManagedProcess
     epoch: int = 0
     registered: bool = False
+    fabric_domain: str | None = None  # the registry entry's RDMA fabric domain (as the operator reads a node label)
+    fabric_mode: FabricMode | None = None
 
     @property
     def url(self) -> str:
@@ -169,6 +171,8 @@ class Worker:
             bootstrap_port=self.bootstrap_port,
             model=model,
             epoch=self.epoch,
+            fabric_domain=self.fabric_domain,
+            fabric_mode=self.fabric_mode,
         )
 
 
@@ -188,6 +192,8 @@ class LocalStack:
     etcd_members: int = 1
     restart_etcd: bool = True  # False: a dead etcd member stays dead (the chaos run restarts it itself)
     lease_ttl: int = 5  # of the workers' registry keys
+    fabric_domains: dict[str, str] = field(default_factory=dict)  # group -> the fabric domain its entry carries
+    fabric_mode: FabricMode | None = None  # what every entry says (PDCluster spec.fabric.mode), None: nothing
     secure: bool = True  # etcd with TLS, client certificates and roles; signed endpoints (tandem.etcd_auth)
     etcds: list[ManagedProcess] = field(default_factory=list)
     etcd_endpoints: list[str] = field(default_factory=list)
@@ -227,7 +233,8 @@ class LocalStack:
                 argv = self.worker_argv(role, port, bootstrap)
                 env = {**RECOVERY_ENV, **self.worker_env}
                 proc = ManagedProcess(group, argv, self.workdir / f"{group}.log", env=env)
-                self.workers.append(Worker(role, group, port, bootstrap, proc))
+                domain, mode = self.fabric_domains.get(group), self.fabric_mode
+                self.workers.append(Worker(role, group, port, bootstrap, proc, fabric_domain=domain, fabric_mode=mode))
         self.say(f"starting {self.prefills} prefill + {self.decodes} decode workers ...")
         for w in self.workers:
             w.proc.start()

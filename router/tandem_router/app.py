@@ -119,6 +119,7 @@ def build_app(settings: RouterSettings, gates: tuple[PairGate, ...] = ()) -> Rou
         BreakerConfig(settings.breaker_threshold, settings.breaker_cooldown_s),
         gates=extra_gates,
         cache_cfg=settings.cache_aware_config,
+        fabric=settings.fabric_locality,
     )
     metrics = RouterMetrics(pool)
     retry_cfg = RetryConfig(settings.retry_max_attempts, settings.retry_initial_backoff_s)

@@ -17,6 +17,7 @@ from tandem.registry import EtcdTLS
 from tandem.registry_signing import EndpointVerifier
 from tandem_router.integrity.divergence import NEAR_TIE_NATS
 from tandem_router.policy.cache_aware import CacheAwareConfig
+from tandem_router.policy.fabric import FabricLocality
 from tandem_router.policy.selection import Policy
 
 
@@ -50,6 +51,12 @@ class RouterSettings(BaseSettings):
     )
     cache_max_tree_units: int = Field(
         default=1 << 20, ge=1, description="cache_aware: token ids or characters remembered per prefill (LRU)."
+    )
+    fabric_locality: FabricLocality = Field(
+        default=FabricLocality.AUTO,
+        description="Pairs within one RDMA fabric domain (the registry's fabric_domain): preferred (first, else "
+        "any), required (only; none -> 503), off (ignored), or auto: what the workers' registry entries say "
+        "(PDCluster spec.fabric.mode), preferred where they say nothing.",
     )
     prefill: list[PrefillSpec] = Field(default_factory=list)
     decode: list[str] = Field(default_factory=list)
@@ -191,6 +198,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--balance-abs-threshold", type=int, help="cache_aware: prefill token spread that drops affinity")
     p.add_argument("--balance-rel-threshold", type=float, help="cache_aware: prefill token ratio that drops it (1.1)")
     p.add_argument("--cache-max-tree-units", type=int, help="cache_aware: ids or characters kept per prefill")
+    p.add_argument(
+        "--fabric-locality",
+        choices=[x.value for x in FabricLocality],
+        help="pairs within one fabric domain: preferred, required, off, or auto (default: the registry entries')",
+    )
     p.add_argument("--prefill", nargs="+", action="append", metavar="URL [BOOTSTRAP_PORT]")
     p.add_argument("--decode", action="append", metavar="URL")
     p.add_argument("--pd-disaggregation", action="store_true", help="accepted for SGLang-router compatibility")

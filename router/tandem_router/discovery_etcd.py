@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 
-from tandem.registry import Endpoint, Role, reused_sessions
+from tandem.registry import Endpoint, FabricMode, Role, reused_sessions
 from tandem.registry_etcd import EndpointWatcher
 from tandem.registry_signing import EndpointVerifier
 from tandem_router.config import RouterSettings
@@ -37,6 +37,8 @@ def endpoint_spec(endpoint: Endpoint) -> WorkerSpec:
         model=endpoint.model,
         epoch=endpoint.epoch,
         revision=endpoint.revision,
+        fabric_domain=endpoint.fabric_domain,
+        fabric_required=endpoint.fabric_mode is FabricMode.REQUIRED,
     )
 
 

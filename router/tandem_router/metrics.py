@@ -13,8 +13,9 @@ from prometheus_client.registry import Collector
 
 from tandem.registry import Role
 from tandem_router.policy.breaker import BreakerState
-from tandem_router.pool import Pair, WorkerPool, same_revision
+from tandem_router.pool import Pair, WorkerPool
 from tandem_router.registry_guard import RegistryGuard
+from tandem_router.schema import Route
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 _ITL_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 5)
@@ -104,6 +105,13 @@ class RouterMetrics:
             ["prefill_revision", "decode_revision"],
             registry=r,
         )
+        self.fabric_refusals = Counter(
+            "tandem_router_fabric_refused_requests",
+            "Requests answered 503 because the fabric mode required a pair within one RDMA fabric domain and none "
+            "was available (pairs across domains were).",
+            ["route"],
+            registry=r,
+        )
         r.register(_PoolCollector(pool))
         # The series every request touches, by route (and revisions): resolved once.
         self.route_requests = Children(self.requests)
@@ -114,6 +122,9 @@ class RouterMetrics:
 
     def dispatched(self, pair: Pair) -> None:
         self._pair_dispatches(pair.prefill.revision, pair.decode.revision).inc()
+
+    def fabric_refused(self, route: Route) -> None:
+        self.fabric_refusals.labels(route.value).inc()
 
     def pair_failure(self, pair: Pair, reason: str) -> None:
         self.pair_failures.labels(pair.prefill.url, pair.decode.url, reason).inc()
@@ -156,6 +167,15 @@ class _PoolCollector(Collector):
             "Registry values ignored because they lack a valid operator signature (--registry-verify-key).",
             value=self.pool.forged_endpoints,
         )
+        choices = CounterMetricFamily(
+            "tandem_router_fabric_pair_choices",
+            "Pairs chosen (client requests, retries, resumed streams, shadows) by where their workers are: same "
+            "fabric domain, cross (two domains), unknown (a worker without a domain).",
+            labels=["locality"],
+        )
+        for where, count in self.pool.fabric_choices.items():
+            choices.add_metric([where.value], count)
+        yield choices
         yield _available_pairs(self.pool, now)
         if self.pool.registry_guard is not None:
             yield from _registry_guard(self.pool.registry_guard)
@@ -193,7 +213,7 @@ def _available_pairs(pool: WorkerPool, now: float) -> GaugeMetricFamily:
     counts: dict[str, int] = {}
     for p in pool.available(Role.PREFILL, now):
         for d in pool.available(Role.DECODE, now):
-            if same_revision(Pair(p.spec, d.spec)):
+            if pool.can_pair(p.spec, d.spec):
                 counts[p.spec.revision] = counts.get(p.spec.revision, 0) + 1
     for revision, count in sorted(counts.items()):
         pairs.add_metric([revision], count)

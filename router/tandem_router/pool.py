@@ -7,115 +7,28 @@ pure policies. Everything runs on the event loop thread, so no locks.
 ``PairGate`` is the seam for vetoes beyond health (e.g. integrity quarantine of a pair): the pool asks every gate
 before it offers a pair, and tells every gate each pair outcome. Before any gate, a prefill and a decode pair only
 when their ``revision``s are equal (``same_revision``): during a rollout of the model or worker image, old pairs
-with old and new with new, never across.
+with old and new with new, never across. The fabric locality (``policy.fabric``) ranks pairs within one RDMA
+fabric domain first (``preferred``) or forms no other pair (``required``).
 """
 
 from __future__ import annotations
 
-import functools
 import random
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from tandem.registry import Role
 from tandem_router.policy import breaker as br
 from tandem_router.policy import cache_aware as ca
+from tandem_router.policy import fabric as fab
 from tandem_router.policy import selection as sel
-from tandem_router.policy.load import WorkerLoad
 from tandem_router.policy.prefix_tree import PrefixTree, RoutingKey
 from tandem_router.registry_guard import RegistryGuard
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """One serving group as the router addresses it (the rank-0 server of a prefill or decode group)."""
-
-    role: Role
-    url: str
-    bootstrap_port: int | None = None  # prefill only; None means "the prefill's own default"
-    attn_dp_size: int = 1
-    model: str | None = None  # served model name when known (registry), else learned from /v1/models
-    epoch: int = 0
-    revision: str = ""  # compatibility revision (model, image, transfer); "" when the source does not say
-
-    @functools.cached_property
-    def key(self) -> str:  # computed once: every decision and outcome looks workers up by it
-        return f"{self.role.value}:{self.url}"
-
-
-@dataclass
-class WorkerState:
-    spec: WorkerSpec
-    in_flight: int = 0
-    load: WorkerLoad = field(default_factory=WorkerLoad)
-    breaker: br.Breaker = field(default_factory=br.Breaker)
-    models: frozenset[str] = frozenset()
-    unreachable: bool = False  # its last failure was a refused connection: the process was gone
-    prefill_tokens: int = 0  # prefill: estimated uncached prompt tokens of the requests it is prefilling now
-    rank_in_flight: list[int] = field(default_factory=list)  # decode with attention DP: requests per DP rank
-
-    def __post_init__(self) -> None:
-        self.rank_in_flight = [0] * self.spec.attn_dp_size if self.spec.attn_dp_size > 1 else []
-
-    def candidate(self) -> sel.Candidate:
-        return sel.Candidate(self.spec.key, self.in_flight, self.load.kv_usage, int(self.load.queued))
-
-
-@dataclass(frozen=True)
-class Pair:
-    prefill: WorkerSpec
-    decode: WorkerSpec
-    # The request's estimated uncached prompt tokens on this prefill: its prefill load while the pair is dispatched.
-    prefill_tokens: int = field(default=0, compare=False)
-    # The decode's attention-DP rank for the request (sent to the decode alone as ``routed_dp_rank``); None: the
-    # decode has no attention DP, or the policy leaves the rank to the decode.
-    decode_dp_rank: int | None = field(default=None, compare=False)
-
-    @functools.cached_property
-    def key(self) -> tuple[str, str]:
-        return (self.prefill.key, self.decode.key)
-
-
-def same_revision(pair: Pair) -> bool:
-    """A prefill's KV layout and transfer must match its decode's: pair only equal compatibility revisions."""
-    return pair.prefill.revision == pair.decode.revision
-
-
-class PairGate(Protocol):
-    """A veto on pairs: ``allows`` is asked before a pair is offered; ``record`` hears every outcome."""
-
-    def allows(self, pair: Pair, now: float) -> bool: ...
-
-    def record(self, pair: Pair, ok: bool, now: float) -> None: ...
-
-
-class PairBreakers:
-    """A circuit breaker per (prefill, decode) pair: a pair can fail (e.g. a blacklisted Mooncake session) while
-    both of its workers serve other pairs fine."""
-
-    def __init__(self, cfg: br.BreakerConfig) -> None:
-        self.cfg = cfg
-        self.breakers: dict[tuple[str, str], br.Breaker] = {}
-
-    def allows(self, pair: Pair, now: float) -> bool:
-        b = self.breakers.get(pair.key)
-        return b is None or br.allows(b, now)
-
-    def dispatched(self, pair: Pair, now: float) -> None:
-        b = self.breakers.get(pair.key)
-        if b is not None:
-            self.breakers[pair.key] = br.on_dispatch(b, now)
-
-    def record(self, pair: Pair, ok: bool, now: float) -> None:
-        if ok:
-            self.breakers.pop(pair.key, None)
-        else:
-            self.breakers[pair.key] = br.on_failure(self.breakers.get(pair.key, br.Breaker()), now, self.cfg)
-
-    def forget(self, worker_key: str) -> None:
-        for key in [k for k in self.breakers if worker_key in k]:
-            del self.breakers[key]
+from tandem_router.workers import Pair as Pair
+from tandem_router.workers import PairBreakers
+from tandem_router.workers import PairGate as PairGate
+from tandem_router.workers import WorkerSpec as WorkerSpec
+from tandem_router.workers import WorkerState as WorkerState
+from tandem_router.workers import same_revision as same_revision
 
 
 class Lease:
@@ -166,8 +79,11 @@ class WorkerPool:
         rng: random.Random | None = None,
         gates: Sequence[PairGate] = (),
         cache_cfg: ca.CacheAwareConfig | None = None,
+        fabric: fab.FabricLocality = fab.FabricLocality.AUTO,
     ) -> None:
         self.policy = policy
+        self.fabric = fabric
+        self.fabric_choices = dict.fromkeys(fab.Locality, 0)  # pairs chosen, by where their workers are
         self.cache_cfg = cache_cfg or ca.CacheAwareConfig()
         self.trees: dict[str, PrefixTree] = {}  # prefill key -> what it was sent (cache_aware only)
         self.breaker_cfg = breaker_cfg or br.BreakerConfig()
@@ -210,8 +126,18 @@ class WorkerPool:
         return [w for w in self.workers.values() if w.spec.role is role]
 
     def all_pairs(self) -> list[Pair]:
-        """Every (prefill, decode) pair the members can form, whatever their health or gates."""
-        return [Pair(p.spec, d.spec) for p in self.of_role(Role.PREFILL) for d in self.of_role(Role.DECODE)]
+        """Every (prefill, decode) pair the members can form, whatever their health or gates (the fabric mode
+        forms no pair across domains where it requires one domain: canaries and mirrors never try one)."""
+        return [
+            Pair(p.spec, d.spec)
+            for p in self.of_role(Role.PREFILL)
+            for d in self.of_role(Role.DECODE)
+            if self._tier(p.spec, d.spec) is not None
+        ]
+
+    def can_pair(self, prefill: WorkerSpec, decode: WorkerSpec) -> bool:
+        """Whether the two may form a pair at all: one revision, and the fabric mode allows it."""
+        return prefill.revision == decode.revision and self._tier(prefill, decode) is not None
 
     def pairs_with(self, workers: Collection[str]) -> frozenset[tuple[str, str]]:
         """The keys of every pair that has one of ``workers`` (worker keys) in it: what a request avoids after
@@ -251,15 +177,46 @@ class WorkerPool:
             for d in self.available(Role.DECODE, now)
         )
 
+    def fabric_refuses(self, now: float) -> bool:
+        """No pair may be chosen now, yet a healthy one would be if the fabric mode allowed pairs across domains:
+        the request is refused for want of a pair within one domain."""
+        if self.has_healthy_pair(now):
+            return False
+        decodes = self.available(Role.DECODE, now)
+        return any(
+            self._admitted(Pair(p.spec, d.spec), now) for p in self.available(Role.PREFILL, now) for d in decodes
+        )
+
     def choose_pair(
         self, key: RoutingKey, now: float, exclude: frozenset[tuple[str, str]] = frozenset()
     ) -> Pair | None:
         """Pick a pair neither of whose workers is open-circuited, that every gate allows and that is not in
         ``exclude`` (the pairs this request already failed on). None when there is none: never decode alone.
-        ``key`` is the request's prompt prefix (token ids or text) for the cache-aware prefill choice."""
+        ``key`` is the request's prompt prefix (token ids or text) for the cache-aware prefill choice.
+        Pairs within one fabric domain come first: pairs across domains are looked at only when none is left."""
         prefills = self.available(Role.PREFILL, now)
         decodes = self.available(Role.DECODE, now)
         matched = self._matches(prefills, key)
+        pair, cross = self._choose(key, now, exclude, list(prefills), decodes, list(matched), fab.Tier.SAME)
+        if pair is None and cross:
+            pair, _ = self._choose(key, now, exclude, prefills, decodes, matched, fab.Tier.CROSS)
+        if pair is not None:
+            self.fabric_choices[fab.locality(pair.prefill.fabric_domain, pair.decode.fabric_domain)] += 1
+        return pair
+
+    def _choose(
+        self,
+        key: RoutingKey,
+        now: float,
+        exclude: frozenset[tuple[str, str]],
+        prefills: list[WorkerState],
+        decodes: Sequence[WorkerState],
+        matched: list[int],
+        max_tier: fab.Tier,
+    ) -> tuple[Pair | None, bool]:
+        """The policy's pick among pairs of at most ``max_tier``, and whether a pair was passed over for its tier
+        alone (consumes ``prefills`` and ``matched``)."""
+        passed_over = False
         while prefills and decodes:
             i = self._pick_prefill(prefills, matched, key)
             p = prefills[i]
@@ -267,19 +224,23 @@ class WorkerPool:
             pairs: list[Pair] = []  # the pair of each allowed decode (its key computed once, for the lease too)
             for d in decodes:
                 pair = Pair(p.spec, d.spec)
-                if pair.key not in exclude and self._pair_allowed(pair, now):
+                if pair.key in exclude or (tier := self._tier(p.spec, d.spec)) is None:
+                    continue
+                if tier > max_tier:
+                    passed_over = True
+                elif self._admitted(pair, now):
                     allowed.append(d)
                     pairs.append(pair)
             if allowed:
                 j = self._pick(Role.DECODE, allowed)
                 if self.policy is not sel.Policy.CACHE_AWARE:
-                    return pairs[j]
+                    return pairs[j], passed_over
                 d = allowed[j]
                 self._tree(p.spec.key).insert(key)
                 rank = sel.least_loaded_rank(d.rank_in_flight) if d.rank_in_flight else None
-                return Pair(p.spec, d.spec, ca.uncached_tokens(key, matched[i]), rank)
+                return Pair(p.spec, d.spec, ca.uncached_tokens(key, matched[i]), rank), passed_over
             del prefills[i], matched[i]
-        return None
+        return None, passed_over
 
     def _tree(self, prefill_key: str) -> PrefixTree:
         tree = self.trees.get(prefill_key)
@@ -303,7 +264,15 @@ class WorkerPool:
         return ca.choose_prefill(views, key, self.cache_cfg)
 
     def _pair_allowed(self, pair: Pair, now: float) -> bool:
+        return self._tier(pair.prefill, pair.decode) is not None and self._admitted(pair, now)
+
+    def _admitted(self, pair: Pair, now: float) -> bool:
         return same_revision(pair) and all(gate.allows(pair, now) for gate in self.gates)
+
+    def _tier(self, prefill: WorkerSpec, decode: WorkerSpec) -> fab.Tier | None:
+        return fab.pair_tier(
+            self.fabric, prefill.fabric_domain, decode.fabric_domain, prefill.fabric_required, decode.fabric_required
+        )
 
     def _pick(self, role: Role, workers: Sequence[WorkerState]) -> int:
         if self.policy is sel.Policy.ROUND_ROBIN:

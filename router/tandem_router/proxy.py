@@ -39,6 +39,10 @@ from tandem_router.transport import Request, Transport, WorkerError, WorkerRespo
 log = logging.getLogger("tandem.router.proxy")
 
 _ERROR_EVENT = b'data: {"error"'
+FABRIC_REFUSAL = (
+    "no prefill/decode pair within one RDMA fabric domain is available (fabric locality required: healthy pairs "
+    "exist only across domains)"
+)
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,9 @@ class Proxy:
                 },
             )
             await asyncio.sleep(retry.backoff(attempt, self.retry_cfg, self.rng))
+        if failure is None and self.pool.fabric_refuses(time.monotonic()):
+            self.metrics.fabric_refused(req.route)
+            return _error(503, FABRIC_REFUSAL, ErrorType.UNAVAILABLE, req.request_id, code="no_fabric_local_pair")
         if failure is None:
             return _error(503, "no healthy prefill/decode pair is available", ErrorType.UNAVAILABLE, req.request_id)
         if failure.client_error:
@@ -342,5 +349,5 @@ class Proxy:
             await asyncio.gather(*self._background, return_exceptions=True)
 
 
-def _error(status: int, message: str, type_: ErrorType, request_id: str) -> Reply:
-    return Reply(error_body(message, type_), status=status, headers=(("X-Request-Id", request_id),))
+def _error(status: int, message: str, type_: ErrorType, request_id: str, *, code: str | None = None) -> Reply:
+    return Reply(error_body(message, type_, code=code), status=status, headers=(("X-Request-Id", request_id),))
