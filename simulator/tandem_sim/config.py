@@ -61,6 +61,7 @@ class PdEnv:
     failed_session_idle_timeout_s: float = 600.0
     test_failure_prob: float = 0.0
     health_check_timeout_s: float = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT (sglang/srt/entrypoints/http_server.py)
+    health_generation: bool = True  # SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION: false makes /health a plain 200
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> PdEnv:
@@ -81,6 +82,8 @@ class PdEnv:
             failed_session_idle_timeout_s=num("SGLANG_FAILED_SESSION_IDLE_TIMEOUT_S", 600.0),
             test_failure_prob=num("SGLANG_TEST_DISAGG_FAILURE_PROB", 0.0),
             health_check_timeout_s=num("SGLANG_HEALTH_CHECK_TIMEOUT", 20.0),
+            health_generation=env.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true").lower()
+            not in {"false", "0", "no", "n"},
         )
 
 
@@ -149,6 +152,7 @@ class SimConfig:
     inject_offload_race: bool
     transfer_failure_prob: float
     slow_health_s: float  # /health answers this much later while requests run (a health check queued under load)
+    hang_after_s: float | None  # the schedulers stop this long after start (--sim-inject-hang-after-s)
     pd: PdEnv
     server_args: Mapping[str, Any]  # every SGLang flag's resolved value, shown in /server_info
 
@@ -205,6 +209,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="while requests run, /health answers this much later (a scheduler stalled under load; SGLang's "
         "/health waits up to SGLANG_HEALTH_CHECK_TIMEOUT for any scheduler output, then answers 503)",
+    )
+    sim.add_argument(
+        "--sim-inject-hang-after-s",
+        type=float,
+        default=None,
+        help="every scheduler stops this many seconds after start (a hung GPU or collective): requests stay in "
+        "flight, /metrics keeps serving, /health fails after SGLANG_HEALTH_CHECK_TIMEOUT (also POST "
+        "/tandem/sim/faults {'hang': true})",
     )
     sim.add_argument("--sim-host-pool-tokens", type=int, default=None, help="host KV pool size (default 4x device)")
     sim.add_argument(
@@ -382,6 +394,7 @@ def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> SimConfig:
         inject_offload_race=bool(ns.sim_inject_offload_race),
         transfer_failure_prob=float(failure_prob),
         slow_health_s=max(0.0, float(ns.sim_slow_health_s)),
+        hang_after_s=None if ns.sim_inject_hang_after_s is None else max(0.0, float(ns.sim_inject_hang_after_s)),
         pd=pd_env,
         server_args=server_args,
     )

@@ -174,6 +174,8 @@ async def serve(cfg: SimConfig) -> int:
     runners.append(await _site(server.app(), cfg.host, cfg.port))
     rank_servers = await _start_rank_servers(cfg, worker, host)
     background = _background(worker)
+    if cfg.hang_after_s is not None:
+        loop.call_later(cfg.hang_after_s, server.hang)
     log.info(
         "The server is fired up and ready to roll!",
         extra={"mode": cfg.mode, "port": cfg.port, "ranks": len(worker.ranks), "sessions": worker.session_ids},

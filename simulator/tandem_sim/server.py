@@ -3,6 +3,7 @@
 Native ``/generate``; OpenAI ``/v1/completions``, ``/v1/chat/completions`` (streaming, ``usage``),
 ``/v1/models``; ``/health``, ``/health_generate``, ``/ready``, ``/model_info``, ``/server_info`` (+ ``/get_*``),
 ``/flush_cache``, ``/abort_request``, ``/metrics``. ``/tandem/sim/faults`` changes fault injection at runtime.
+The health endpoints and the server status are SGLang's (``health.py``)
 Each prefill rank serves its PD hand-over on its own port (``rankserver.py``).
 """
 
@@ -13,7 +14,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import orjson
@@ -23,6 +24,7 @@ from tandem.sglang_args import SGLANG_VERSION
 from tandem_sim import responses
 from tandem_sim.config import SimConfig
 from tandem_sim.contract import ContractError
+from tandem_sim.health import Health
 from tandem_sim.openai_requests import parse_openai
 from tandem_sim.requests import BadRequestError, GenerateInput, parse_generate
 from tandem_sim.responses import Outcome
@@ -49,6 +51,30 @@ class Server:
         self.worker = worker
         self.ready = ready
         self.created = int(time.time())
+        self.health_state = Health(
+            [engine.stepper for engine in worker.engines.values()],
+            prefill=cfg.mode == "prefill",
+            timeout_s=cfg.pd.health_check_timeout_s,
+            generation_on_health=cfg.pd.health_generation,
+            started=ready,
+            slow_s=lambda: cfg.slow_health_s if worker.engine.running > 0 else 0.0,
+        )
+
+        self._hung = False  # the hang fault
+        self._paused_in_place = False  # /pause_generation in_place or retract
+
+    def hang(self, on: bool = True) -> None:
+        """Every scheduler of the node stops (or goes on): ``--sim-inject-hang-after-s``, ``{"hang": true}``."""
+        self._hung = on
+        self._apply_schedulers()
+        log.warning("scheduler hung" if on else "scheduler resumed")
+
+    def _apply_schedulers(self) -> None:
+        for engine in self.worker.engines.values():
+            if self._hung or self._paused_in_place:
+                engine.stepper.hang()
+            else:
+                engine.stepper.resume()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -66,6 +92,8 @@ class Server:
             r.add_get(path, self.server_info)
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_post("/abort_request", self.abort_request)
+        r.add_post("/pause_generation", self.pause_generation)
+        r.add_post("/continue_generation", self.continue_generation)
         r.add_get("/metrics", self.metrics)
         r.add_post("/tandem/sim/faults", self.faults)
         return app
@@ -81,13 +109,21 @@ class Server:
     def _not_ready(self) -> GenerationError | None:
         return None if self.ready() else GenerationError("The server is not ready yet", 503)
 
-    async def _track(self, inp: GenerateInput, coro: Awaitable[responses.Outcome]) -> responses.Outcome:
-        task = asyncio.ensure_future(coro)
+    async def _track(self, inp: GenerateInput, coro: Coroutine[Any, Any, responses.Outcome]) -> responses.Outcome:
+        task = asyncio.ensure_future(self._when_unpaused(coro))
         self.worker.tasks[inp.rid] = task
         try:
             return await task
         finally:
             self.worker.tasks.pop(inp.rid, None)
+
+    async def _when_unpaused(self, coro: Coroutine[Any, Any, responses.Outcome]) -> responses.Outcome:
+        try:
+            await self.health_state.wait_unpaused()  # the tokenizer holds requests while generation is paused
+        except BaseException:
+            coro.close()
+            raise
+        return await coro
 
     async def _run_all(self, items: list[GenerateInput], progress: list[OnProgress] | None = None) -> list[Outcome]:
         """Run every item (batch entry or choice) concurrently; the first failure fails the request."""
@@ -205,24 +241,15 @@ class Server:
         return _json({"object": "list", "data": [card]})
 
     async def health(self, request: web.Request) -> web.Response:
-        """SGLang's ``/health``: a one-token generation within ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s), else 503
-        (``health_generate`` in sglang/srt/entrypoints/http_server.py). ``--sim-slow-health-s`` delays it while
-        requests run, as a health request queued behind a busy batch."""
-        if not self.ready():
-            return web.Response(status=503)
-        try:
-            await asyncio.wait_for(self._health_check(), timeout=self.cfg.pd.health_check_timeout_s)
-        except (TimeoutError, GenerationError):
-            return web.Response(status=503)
-        return web.Response(status=200)
-
-    async def _health_check(self) -> None:
-        if self.cfg.slow_health_s > 0 and self.worker.engine.running > 0:
-            await asyncio.sleep(self.cfg.slow_health_s)
-        await self.worker.health_generate()
+        """SGLang's ``/health`` and ``/health_generate`` (``health_generate`` in
+        sglang/srt/entrypoints/http_server.py): 200 once the scheduler put out anything within
+        ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s), else 503 (``health.py``). ``--sim-slow-health-s`` delays it while
+        requests run."""
+        return web.Response(status=await self.health_state.check(request.path))
 
     async def ready_check(self, request: web.Request) -> web.Response:
-        return _json({"status": "ready"}) if self.ready() else _json({"status": "starting"}, 503)
+        """SGLang's ``/ready``: 200 or 503, no body (``TokenizerManager.is_ready``); runs nothing."""
+        return web.Response(status=200 if self.health_state.ready() else 503)
 
     async def model_info(self, request: web.Request) -> web.Response:
         return _json(
@@ -278,6 +305,32 @@ class Server:
                 self.worker.metrics.num_aborted_requests.inc()
         return web.Response(status=200)
 
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        """SGLang's ``/pause_generation`` (``TokenizerManager.pause_generation``): ``/ready`` answers 503 and new
+        requests wait until ``/continue_generation``; ``abort`` (default) aborts what runs, ``in_place`` and
+        ``retract`` stop the schedulers where they are."""
+        try:
+            body = await self._body(request) if request.can_read_body else {}
+        except BadRequestError as err:
+            return _json({"error": str(err)}, 400)
+        mode = body.get("mode", "abort") if isinstance(body, dict) else None
+        if mode not in {"abort", "retract", "in_place"}:
+            return _json({"error": f"mode must be abort, retract or in_place, got {mode!r}"}, 400)
+        self.health_state.pause(True)
+        if mode == "abort":
+            for task in list(self.worker.tasks.values()):
+                task.cancel()
+        else:
+            self._paused_in_place = True
+            self._apply_schedulers()
+        return _json({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        self._paused_in_place = False
+        self._apply_schedulers()
+        self.health_state.pause(False)
+        return _json({"message": "Generation continued successfully.", "status": "ok"})
+
     async def metrics(self, request: web.Request) -> web.Response:
         if not self.cfg.enable_metrics:
             return web.Response(status=404, text="Metrics are disabled; start with --enable-metrics")
@@ -288,15 +341,18 @@ class Server:
         """Fault injection at runtime. On a prefill: ``transfer_failure_prob`` (SGLANG_TEST_DISAGG_FAILURE_PROB),
         limited to sends to the decode sessions in ``to_sessions`` when given (a broken link between this prefill and
         one decode). On a worker with decode KV offload: ``offload_race`` switches ``--sim-inject-offload-race``
-        (a decode that starts or stops garbling)."""
+        (a decode that starts or stops garbling). ``hang`` stops every scheduler of the node, or lets it go on."""
         try:
             body = await request.json()
+            if isinstance(body, dict) and set(body) == {"hang"} and isinstance(body["hang"], bool):
+                self.hang(body["hang"])
+                return _json({"hang": body["hang"]})
             if isinstance(body, dict) and set(body) == {"offload_race"} and isinstance(body["offload_race"], bool):
                 return self._switch_race(body["offload_race"])
             prob = float(body["transfer_failure_prob"])
             sessions = frozenset(str(s) for s in body.get("to_sessions", []))
         except (ValueError, KeyError, TypeError, AttributeError, json.JSONDecodeError) as err:
-            expected = "{'transfer_failure_prob': float, 'to_sessions'?: [str]} or {'offload_race': bool}"
+            expected = "{'transfer_failure_prob': float, 'to_sessions'?: [str]}, {'offload_race': bool}, {'hang': bool}"
             return _json({"error": f"expected {expected}: {err!r}"}, 400)
         if not 0.0 <= prob <= 1.0 or not self.worker.prefill_ranks:
             return _json({"error": "transfer_failure_prob must be in [0, 1], on a prefill worker"}, 400)

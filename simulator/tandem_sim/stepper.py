@@ -15,6 +15,12 @@ A step's duration comes from the profile (``profiles.py``): prefill ``base + per
 tells it what the kernels saw (``numerics.py``): a decode step returns its ``DecodeVariant`` (the batch size padded
 to its CUDA graph), a prefill the ``PrefillVariant`` of the batch that finished the prompt; without
 ``--enable-deterministic-inference`` those change the greedy output at near-ties, as on a GPU.
+
+Health (``health.py``): every finished batch is scheduler output (``next_batch`` resolves), which is what SGLang's
+``/health`` waits for; a scheduler that is not fully idle answers a health check after its next batch
+(``Scheduler.maybe_send_health_check_signal``), an idle one runs the check's one-token batch (``health_batch``).
+``hang()`` stops the loop where it is, as a scheduler stuck in a kernel or a collective: the batch in flight never
+finishes, no batch follows, the requests stay where they are; ``resume()`` lets it go on.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ class _Prefill:
     done: asyncio.Future[PrefillVariant]
     cached: int = 0  # the prompt's radix-cached tokens (skipped)
     chunks: int = 0  # chunks cut off the prompt before the batch that finishes it
+    health: bool = False  # SGLang's health-check request (its batches are not counted: _record_step_counters)
 
 
 @dataclass
@@ -68,10 +75,44 @@ class Stepper:
         self._loop_task: asyncio.Task[None] | None = None
         self._members = 0  # sequences in their decode phase (the running batch)
         self.stats = StepStats()
+        self._batch_done: asyncio.Future[None] | None = None  # resolved when the next batch finishes
+        self._running = asyncio.Event()  # cleared while hung
+        self._running.set()
 
     @property
     def waiting_prefills(self) -> int:
         return len(self._prefills)
+
+    @property
+    def idle(self) -> bool:
+        """SGLang's ``Scheduler.is_fully_idle(for_health_check=True)``: no running batch, no chunked or waiting
+        prompt, no batch in flight."""
+        loop_busy = self._loop_task is not None and not self._loop_task.done()
+        return not (self._prefills or self._decoders or self._members or loop_busy)
+
+    def hang(self) -> None:
+        """The scheduler stops where it is (``--sim-inject-hang-after-s``, ``/tandem/sim/faults``)."""
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    def next_batch(self) -> asyncio.Future[None]:
+        """Resolves when the next batch finishes (scheduler output: SGLang's ``last_receive_tstamp`` moves)."""
+        if self._batch_done is None or self._batch_done.done():
+            self._batch_done = asyncio.get_running_loop().create_future()
+        return self._batch_done
+
+    async def health_batch(self) -> None:
+        """The health check's own request on an idle scheduler: one token through a prefill batch."""
+        job = _Prefill(1, asyncio.get_running_loop().create_future(), health=True)
+        self._prefills.append(job)
+        self._kick()
+        try:
+            await asyncio.shield(job.done)
+        finally:
+            if job in self._prefills:
+                self._prefills.remove(job)
 
     async def prefill(self, tokens: int, cached: int = 0) -> PrefillVariant:
         """Return once ``tokens`` prompt tokens (the uncached part; ``cached`` more came from the radix cache) went
@@ -142,8 +183,15 @@ class Stepper:
                 job.remaining = 0
                 finished.append(job)
                 continue
-            if self.chunk == 0 and taken > 0:
-                break  # without chunking a prompt that does not fit waits for the next batch
+            if self.chunk == 0:
+                if taken > 0:
+                    break  # without chunking a prompt that does not fit waits for the next batch
+                # ... and one that exceeds the budget alone runs whole: PrefillAdder admits the first request of a
+                # batch whatever --max-prefill-tokens says, and without a chunk limit it is never cut
+                taken = job.remaining
+                job.remaining = 0
+                finished.append(job)
+                break
             job.remaining -= room  # SGLang's chunked_req: one chunk now, the rest in later batches
             job.chunks += 1
             self.stats.prefill_chunks += 1
@@ -153,10 +201,13 @@ class Stepper:
 
     async def _prefill_batch(self) -> None:
         taken, finished = self._form_prefill_batch()
-        self.stats.prefill_batches += 1
+        if not finished or not all(job.health for job in finished):
+            self.stats.prefill_batches += 1
         await asyncio.sleep(self.profile.prefill_s(taken))
+        await self._batch_finished()
         for job in finished:
-            self._prefills.remove(job)
+            if job in self._prefills:  # an aborted request left the queue while its last batch ran
+                self._prefills.remove(job)
             if not job.done.done():
                 job.done.set_result(PrefillVariant(taken, job.chunks + 1, job.cached))
 
@@ -166,12 +217,19 @@ class Stepper:
         self.stats.decode_steps += 1
         self.stats.max_decode_batch = max(self.stats.max_decode_batch, size)
         await asyncio.sleep(self.profile.decode_s(size, sum(tokens for tokens, _ in batch)))
+        await self._batch_finished()
         variant = self.numerics.decode_variant(size)
         for _, done in batch:
             if not done.done():
                 done.set_result(variant)
         if self.on_decode_step is not None:
             self.on_decode_step(size)
+
+    async def _batch_finished(self) -> None:
+        """The batch is over (scheduler output) unless the scheduler hangs: then it waits here, never done."""
+        await self._running.wait()
+        if self._batch_done is not None and not self._batch_done.done():
+            self._batch_done.set_result(None)
 
     async def close(self) -> None:
         if self._loop_task is not None:

@@ -333,17 +333,6 @@ class Worker:
             ) from None
         return next((f for f in firsts if f is not None), None)
 
-    async def health_generate(self) -> None:
-        """SGLang's health check: a 1-token generation; PD modes run it without a peer (fake bootstrap)."""
-        prompt = model.tokenize("health check")
-        req = RunningRequest("HEALTH_CHECK", prompt, model.SamplingParams(max_new_tokens=1, ignore_eos=True))
-        await self.engine.admit(req)
-        try:
-            self.engine.write_prompt_kv_locally(req)
-            await self.engine.decode(req)
-        finally:
-            await self.engine.release(req)
-
     def flush_cache(self) -> None:
         for engine in self.engines.values():
             if engine.radix is not None:
