@@ -93,14 +93,17 @@ class Executor:
         self.emit(Reason.FENCED, f"endpoint removed from the registry: {note}", "Fence", EventType.WARNING)
         self.emit(Reason.STALE_METADATA_REMOVED, f"{stale} stale Mooncake metadata keys removed: {note}", "Clean")
 
-    async def unroute(self, group: GroupKey, pod: str) -> None:
-        """A member of a registered group turned NotReady: out of rotation only (same pods, same epoch)."""
+    async def unroute(self, group: GroupKey, pod: str, why: str | None = None) -> None:
+        """A member of a registered group, or its node, turned NotReady: out of rotation only (same pods, same
+        epoch). ``why``: the Event's reason, when not the pod's own readiness."""
         epoch = self.state.registered[group].epoch if group in self.state.registered else None
         await self.unregister(group)
         log.warning(
-            "group unrouted", extra={"cluster": f"{self._ns}/{self.state.ref.name}", "group": group.name, "pod": pod}
+            "group unrouted",
+            extra={"cluster": f"{self._ns}/{self.state.ref.name}", "group": group.name, "pod": pod, "why": why},
         )
-        note = f"group {group.name} epoch {epoch}: {pod} is NotReady; out of rotation until Ready (not recreated)"
+        why = why or f"{pod} is NotReady; out of rotation until Ready (not recreated)"
+        note = f"group {group.name} epoch {epoch}: {why}"
         self.emit(Reason.UNROUTED, note, "Unroute", EventType.WARNING)
 
     async def unregister(self, group: GroupKey) -> None:

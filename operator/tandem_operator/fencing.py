@@ -9,6 +9,11 @@ else, and the reconcile registers it again with the same epoch when it is Ready.
 retiring (scale-down, rollout) are not fenced: the reconcile unregisters them before deleting their pods, and
 their end is not a recovery.
 
+A node that turns NotReady (kubelet or node controller says so: a kubelet-lease or API-server blip as often as a
+dead machine) takes its groups out of routing at once (``unroute_decision``) and fences them only once it has stayed
+NotReady for ``lifecycle.nodeLostGraceSeconds`` (``node_verdicts``): a 40-second blip must not cost a ~600 GB
+reload. A node that is deleted is lost at once, and so is any member whose pod or container is seen dead meanwhile.
+
 Mooncake writes ``mooncake/[<cluster_id>/]rpc_meta/<server>`` and ``.../ram/<segment>`` without a lease, where the
 server / segment name is the ``local_hostname`` given to ``TransferEngine.initialize``: the pod IP, or
 ``<ip>:<port>`` (measured with mooncake-transfer-engine 0.3.13). A restarted peer of the same name is unreachable
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
@@ -32,7 +38,7 @@ class FenceReason(StrEnum):
     POD_TERMINATING = "PodTerminating"
     POD_FAILED = "PodFailed"
     CONTAINER_RESTARTED = "ContainerRestarted"
-    NODE_LOST = "NodeLost"
+    NODE_LOST = "NodeLost"  # the node was deleted, or NotReady for lifecycle.nodeLostGraceSeconds
     START_DEADLINE = "StartDeadlineExceeded"  # Starting/Incomplete past lifecycle.startDeadlineSeconds
     INTEGRITY_REPEAT_OFFENDER = "IntegrityRepeatOffender"  # routers keep quarantining its pairs (not a pod event)
 
@@ -86,27 +92,104 @@ def fence_decision(
 
 
 def unroute_decision(
-    event_type: str, pod: Pod, *, lost_nodes: Collection[str], registered: Mapping[GroupKey, int]
+    event_type: str,
+    pod: Pod,
+    *,
+    lost_nodes: Collection[str],
+    registered: Mapping[GroupKey, int],
+    unreachable_nodes: Collection[str] = (),
 ) -> GroupKey | None:
-    """The registered group to take out of rotation because this live member turned NotReady, else None.
+    """The registered group to take out of rotation because this live member turned NotReady or its node did
+    (``unreachable_nodes``: NotReady within the grace), else None.
 
     Readiness only gates routing: the group keeps its pods and epoch, and is registered again once Ready.
     """
     facts = pod_facts(pod)
     if facts is None or registered.get(facts.group) != facts.epoch:
         return None  # not serving at this incarnation (still starting, or an older one)
-    if death_reason(event_type, pod, lost_nodes) is not None or is_ready(pod):
+    if death_reason(event_type, pod, lost_nodes) is not None:
+        return None
+    if is_ready(pod) and facts.node not in unreachable_nodes:
         return None
     return facts.group
 
 
-def node_lost(event_type: str, node: Mapping[str, Any]) -> bool:
-    """A node is lost when deleted or when its Ready condition is not True (kubelet or node controller says so)."""
+@dataclass(frozen=True)
+class NodeOutage:
+    """A node that is not Ready: ``gone`` (deleted, or being deleted), else NotReady since ``since``."""
+
+    gone: bool
+    since: datetime
+
+
+def _timestamp(raw: object) -> datetime | None:
+    try:
+        stamp = datetime.fromisoformat(str(raw)) if raw else None
+    except ValueError:
+        return None
+    return stamp.replace(tzinfo=UTC) if stamp is not None and stamp.tzinfo is None else stamp
+
+
+def node_outage(
+    event_type: str, node: Mapping[str, Any], now: datetime, previous: NodeOutage | None
+) -> NodeOutage | None:
+    """The node's outage after this event, or None when it is Ready (or registering: no Ready condition yet).
+
+    NotReady (Ready condition False or Unknown) counts from the condition's ``lastTransitionTime``, so an operator
+    that starts while a node is down counts the time it was down before; ``previous`` (what this operator saw) keeps
+    the earliest start across False -> Unknown (the node controller restamps the transition). A missing or
+    future stamp (clock skew) counts from ``now``.
+    """
+    since = previous.since if previous is not None else now
     if event_type == "DELETED" or (node.get("metadata") or {}).get("deletionTimestamp"):
-        return True
+        return NodeOutage(gone=True, since=since)
     conditions = (node.get("status") or {}).get("conditions") or ()
     ready = next((c for c in conditions if c.get("type") == "Ready"), None)
-    return ready is not None and ready.get("status") != "True"
+    if ready is None or ready.get("status") == "True":
+        return None
+    stamp = _timestamp(ready.get("lastTransitionTime"))
+    if stamp is not None and stamp <= now:
+        since = min(since, stamp)
+    return NodeOutage(gone=False, since=since)
+
+
+@dataclass(frozen=True)
+class NodeVerdicts:
+    """What the cluster's nodes mean for its groups at one instant."""
+
+    lost: frozenset[str] = frozenset()  # deleted, or NotReady for the grace: their pods are dead (fence)
+    unreachable: frozenset[str] = frozenset()  # NotReady within the grace: out of routing only, nothing deleted
+    next_check_s: float | None = None  # seconds until the first unreachable node's grace runs out
+    cordoned: frozenset[str] = frozenset()  # spec.unschedulable (drain, upgrade, autoscaler): move their groups
+
+
+def node_verdicts(
+    outages: Mapping[str, NodeOutage], grace_s: float, now: datetime, cordoned: Collection[str] = ()
+) -> NodeVerdicts:
+    """Lost and unreachable nodes under the grace ``lifecycle.nodeLostGraceSeconds``, and the cordoned ones."""
+    lost: set[str] = set()
+    unreachable: set[str] = set()
+    left: list[float] = []
+    for name, outage in outages.items():
+        remaining = grace_s - (now - outage.since).total_seconds()
+        if outage.gone or remaining <= 0:
+            lost.add(name)
+        else:
+            unreachable.add(name)
+            left.append(remaining)
+    return NodeVerdicts(frozenset(lost), frozenset(unreachable), min(left) if left else None, frozenset(cordoned))
+
+
+def node_cordoned(event_type: str, node: Mapping[str, Any]) -> bool:
+    """The node is cordoned (``spec.unschedulable``: ``kubectl cordon`` / ``drain``, cluster-autoscaler's scale-down,
+    a managed node upgrade): its groups are to be moved before their pods are evicted. A deleted node is not: its
+    groups are lost (``node_outage``)."""
+    return event_type != "DELETED" and bool((node.get("spec") or {}).get("unschedulable"))
+
+
+def groups_on_nodes(pods: Iterable[Pod], nodes: Collection[str]) -> frozenset[GroupKey]:
+    """The groups with a pod on one of ``nodes``."""
+    return frozenset(f.group for f in (pod_facts(p) for p in pods) if f is not None and f.node in nodes)
 
 
 def pods_on_nodes(pods: Iterable[Pod], nodes: Collection[str]) -> list[Pod]:

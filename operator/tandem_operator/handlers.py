@@ -3,7 +3,8 @@
 Built on an explicit ``kopf.OperatorRegistry`` (no module-level globals), so ``main`` and the tests each get
 their own. PDCluster create/update/resume -> validate, apply the PDPools, (re)start the cluster's runtime; pods
 (label ``tandem.dev/cluster`` present) -> the fast fence path; PDPools -> a reconcile kick (``kubectl scale``);
-nodes -> lost-node fencing.
+nodes -> their outages (``fencing.node_outage``), which each cluster's runtime weighs against its grace, and
+their cordons (``fencing.node_cordoned``), which each cluster's planner moves groups off.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import kopf
@@ -21,7 +23,7 @@ from tandem.registry_signing import EndpointSigner
 from tandem_operator.api.common import GROUP, VERSION
 from tandem_operator.api.pdcluster import EtcdSpec, PDClusterSpec
 from tandem_operator.desired.naming import LABEL_CLUSTER, ClusterRef
-from tandem_operator.fencing import node_lost
+from tandem_operator.fencing import NodeOutage, node_cordoned, node_outage
 from tandem_operator.k8s.kube import Kube
 from tandem_operator.registrar import Registrar
 from tandem_operator.runtime import ClusterRuntime, RuntimeOptions
@@ -39,7 +41,8 @@ class OperatorState:
     signer: EndpointSigner | None = None  # signs every registry value (routers verify: tandem.registry_signing)
     runtimes: dict[tuple[str, str], ClusterRuntime] = field(default_factory=dict)
     registrars: dict[tuple[str, ...], Registrar] = field(default_factory=dict)
-    lost_nodes: set[str] = field(default_factory=set)
+    node_outages: dict[str, NodeOutage] = field(default_factory=dict)  # nodes not Ready (deleted or NotReady)
+    cordoned: set[str] = field(default_factory=set)  # nodes with spec.unschedulable
 
     async def registrar(self, etcd: EtcdSpec) -> Registrar:
         endpoints, mooncake = tuple(self.etcd_override or etcd.endpoints), tuple(etcd.mooncake_endpoints)
@@ -60,7 +63,8 @@ class OperatorState:
             runtime = None
         if runtime is None:
             registrar = await self.registrar(spec.etcd)
-            runtime = ClusterRuntime(ref, spec, self.kube, registrar, self.options, lambda: self.lost_nodes)
+            outages, cordoned = (lambda: self.node_outages), (lambda: frozenset(self.cordoned))
+            runtime = ClusterRuntime(ref, spec, self.kube, registrar, self.options, outages, cordoned)
             self.runtimes[key] = runtime
             await runtime.start()
         return runtime
@@ -121,15 +125,25 @@ def build_registry(state: OperatorState) -> kopf.OperatorRegistry:
     async def node_event(event: kopf.RawEvent, **_: Any) -> None:
         node = event["object"]
         name = str((node.get("metadata") or {}).get("name", ""))
-        if not node_lost(str(event["type"]), node):
-            state.lost_nodes.discard(name)
+        if node_cordoned(str(event["type"]), node) != (name in state.cordoned):
+            cordoned = name not in state.cordoned
+            (state.cordoned.add if cordoned else state.cordoned.discard)(name)
+            log.warning("node cordoned" if cordoned else "node uncordoned", extra={"node": name})
+            for runtime in list(state.runtimes.values()):
+                runtime.kick()  # the planner moves the groups off a cordoned node
+        previous = state.node_outages.get(name)
+        outage = node_outage(str(event["type"]), node, datetime.now(UTC), previous)
+        if outage == previous:
             return
-        if name in state.lost_nodes:
-            return
-        state.lost_nodes.add(name)
-        log.warning("node lost", extra={"node": name})
+        if outage is None:
+            del state.node_outages[name]
+            log.warning("node Ready again", extra={"node": name})
+        else:
+            state.node_outages[name] = outage
+            what = "node deleted" if outage.gone else "node NotReady"
+            log.warning(what, extra={"node": name, "since": outage.since.isoformat()})
         for runtime in list(state.runtimes.values()):
-            await runtime.on_nodes_lost({name})
+            await runtime.on_nodes_changed({name})
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:

@@ -1,7 +1,9 @@
 """Pod observation: what one worker pod is (``PodFacts``), how healthy it is, and its group's state. Pure.
 
 A pod is DEAD when it is being deleted, has terminated (Failed/Succeeded), restarted a container (NCCL lost the
-rank even if the kubelet brought it back) or sits on a node the caller knows is lost. A group is:
+rank even if the kubelet brought it back) or sits on a node the caller knows is lost; a live pod on a node that is
+NotReady but not lost yet (``unreachable_nodes``, within ``lifecycle.nodeLostGraceSeconds``) is not READY whatever
+its own condition says (its kubelet may not be able to report). A group is:
 
 * READY when every rank is present and Ready;
 * BROKEN when any member is dead, or a rank is missing after some member had become Ready (the NCCL group had
@@ -207,7 +209,9 @@ def created_at(pod: Pod) -> datetime | None:
         return None
 
 
-def pod_health(pod: Pod, lost_nodes: frozenset[str] = frozenset()) -> PodHealth:
+def pod_health(
+    pod: Pod, lost_nodes: frozenset[str] = frozenset(), unreachable_nodes: frozenset[str] = frozenset()
+) -> PodHealth:
     metadata, status = pod.get("metadata") or {}, pod.get("status") or {}
     phase = status.get("phase")
     if metadata.get("deletionTimestamp") or phase in ("Failed", "Succeeded"):
@@ -215,13 +219,18 @@ def pod_health(pod: Pod, lost_nodes: frozenset[str] = frozenset()) -> PodHealth:
     for container in status.get("containerStatuses") or ():
         if container.get("restartCount", 0) > 0 or "terminated" in (container.get("state") or {}):
             return PodHealth.DEAD
-    if (pod.get("spec") or {}).get("nodeName") in lost_nodes:
+    node = (pod.get("spec") or {}).get("nodeName")
+    if node in lost_nodes:
         return PodHealth.DEAD
-    return PodHealth.READY if phase == "Running" and is_ready(pod) else PodHealth.STARTING
+    ready = phase == "Running" and is_ready(pod) and node not in unreachable_nodes
+    return PodHealth.READY if ready else PodHealth.STARTING
 
 
 def group_views(
-    pods: Iterable[Pod], nodes_per_group: int, lost_nodes: frozenset[str] = frozenset()
+    pods: Iterable[Pod],
+    nodes_per_group: int,
+    lost_nodes: frozenset[str] = frozenset(),
+    unreachable_nodes: frozenset[str] = frozenset(),
 ) -> dict[int, GroupView]:
     """Pods of one role, grouped by their group label. Pods without tandem labels are ignored."""
     by_group: dict[int, list[Pod]] = defaultdict(list)
@@ -229,11 +238,14 @@ def group_views(
         labels = (pod.get("metadata") or {}).get("labels") or {}
         if str(labels.get(LABEL_GROUP, "")).isdigit() and str(labels.get(LABEL_RANK, "")).isdigit():
             by_group[int(labels[LABEL_GROUP])].append(pod)
-    return {index: _group_view(index, members, nodes_per_group, lost_nodes) for index, members in by_group.items()}
+    nodes = (lost_nodes, unreachable_nodes)
+    return {index: _group_view(index, members, nodes_per_group, *nodes) for index, members in by_group.items()}
 
 
-def _group_view(index: int, pods: list[Pod], nodes_per_group: int, lost_nodes: frozenset[str]) -> GroupView:
-    health = [pod_health(pod, lost_nodes) for pod in pods]
+def _group_view(
+    index: int, pods: list[Pod], nodes_per_group: int, lost_nodes: frozenset[str], unreachable_nodes: frozenset[str]
+) -> GroupView:
+    health = [pod_health(pod, lost_nodes, unreachable_nodes) for pod in pods]
     ranks = {int(pod["metadata"]["labels"][LABEL_RANK]) for pod in pods}
     hashes = {pod["metadata"]["labels"].get(LABEL_TEMPLATE_HASH, "") for pod in pods}
     revisions = {pod["metadata"]["labels"].get(LABEL_REVISION, "") for pod in pods}

@@ -10,12 +10,19 @@ Rules, in order:
    once (they serve nothing). A Ready outdated group is deleted only when the role still has ``desired`` Ready
    groups without it: with ``maxSurgeGroups: 1`` a new group is created first (step 4) and the old one goes
    when the new one is Ready; with ``0`` the old one goes only when every group is Ready, and its replacement
-   is created at once. When the rollout changes the compatibility revision (model, image, transfer), the last
-   Ready group of the old revision is kept until both roles have a *registered* group of the new one (routers
-   pair equal revisions only, and see only registered groups), so routers always have a pair (with
-   ``maxSurgeGroups: 1``).
+   is created under its index, with the next epoch, once its pods are gone (on the nodes they free). When the
+   rollout changes the compatibility revision (model, image, transfer), the last Ready group of the old revision
+   is kept until both roles have a *registered* group of the new one (routers pair equal revisions only, and see
+   only registered groups), so routers always have a pair (in place: when the role has more than one group).
 4. **Fill** up to ``desired`` (``desired + 1`` while surging, only when every current group is Ready, so one new
    group starts at a time) at the lowest free indices; INCOMPLETE current groups get their missing pods.
+
+**Node maintenance**: a group with a pod on a cordoned node (``cordoned``: ``kubectl drain``, cluster-autoscaler,
+a managed node upgrade) is retired at once, drained like a scale-down (unregister, in-flight work ends, delete
+pods, Service and PodDisruptionBudget), and a replacement is created in the same pass at a free index (the scheduler
+keeps it off cordoned nodes). Its pods go only through the operator's drain: the PodDisruptionBudget
+(``maxUnavailable: 0``) refuses the eviction until then, and the eviction of a pod being deleted goes through. A
+scale-down takes groups on cordoned nodes first.
 
 ``plan`` says *what*; ``steps`` turns each action into everything the executor needs, so the executor makes no
 choice of its own: the registry entry to drop first, the epoch stamped on the Service before the pods go (a
@@ -41,6 +48,7 @@ class DeleteReason(StrEnum):
     BROKEN = "MemberDied"
     SCALE_DOWN = "ScaleDown"
     ROLLOUT = "Rollout"
+    NODE_CORDONED = "NodeCordoned"  # a member's node is cordoned (drain, upgrade, autoscaler): move the group
 
 
 @dataclass(frozen=True)
@@ -70,33 +78,40 @@ def plan(
     max_surge: int,
     retiring: frozenset[int] = frozenset(),
     revisions: tuple[str, frozenset[str]] | None = None,
+    cordoned: frozenset[int] = frozenset(),
 ) -> list[Action]:
     """``retiring``: groups already unregistered for a deletion (draining); they stay the first victims, so a
     drain is never abandoned for another group. ``revisions``: the current compatibility revision and the
-    revisions that have a registered group in *both* roles, i.e. that routers can pair (None: no revision rule)."""
+    revisions that have a registered group in *both* roles, i.e. that routers can pair (None: no revision rule).
+    ``cordoned``: groups with a pod on a cordoned node (moved elsewhere, see the module's docstring)."""
     actions: list[Action] = []
     rolling = any(g.template_hash != template_hash for g in groups.values())
     budget = desired + (max_surge if rolling else 0)
 
-    def victim_order(g: GroupView) -> tuple[bool, int, bool, int]:
-        return (g.index not in retiring, _STATE_ORDER[g.state], g.template_hash == template_hash, -g.index)
+    def victim_order(g: GroupView) -> tuple[bool, bool, int, bool, int]:
+        current = g.template_hash == template_hash
+        return (g.index not in retiring, g.index not in cordoned, _STATE_ORDER[g.state], current, -g.index)
 
     ordered = sorted(groups.values(), key=victim_order)
     surplus = ordered[: max(0, len(groups) - budget)]
-    actions += [DeleteGroup(g.index, DeleteReason.SCALE_DOWN) for g in surplus]
+    actions += [DeleteGroup(g.index, _removal(g.index, cordoned)) for g in surplus]
     remaining = {g.index: g for g in ordered[len(surplus) :]}
 
     actions += [
         DeleteGroup(i, DeleteReason.BROKEN) for i, g in sorted(remaining.items()) if g.state is GroupState.BROKEN
     ]
+    moving = {i for i, g in remaining.items() if i in cordoned and g.state is not GroupState.BROKEN}
+    actions += [DeleteGroup(i, DeleteReason.NODE_CORDONED) for i in sorted(moving)]
+    staying = {i: g for i, g in remaining.items() if i not in moving}
 
-    outdated = [g for g in remaining.values() if g.template_hash != template_hash and g.state is not GroupState.BROKEN]
+    outdated = [g for g in staying.values() if g.template_hash != template_hash and g.state is not GroupState.BROKEN]
     replaced = [g for g in outdated if g.state is not GroupState.READY]
-    ready = sum(g.state is GroupState.READY for g in remaining.values())
+    ready = sum(g.state is GroupState.READY for g in staying.values())
     ready_outdated = sorted(
         (g for g in outdated if g.state is GroupState.READY), key=lambda g: (g.index not in retiring, -g.index)
     )
-    if ready_outdated and max_surge > 0 and revisions is not None:
+    # In place, a role of one group cannot keep its old revision serving: there is nothing to replace it with.
+    if ready_outdated and revisions is not None and (max_surge > 0 or desired > 1):
         ready_outdated = [g for g in ready_outdated if _may_retire(g, ready_outdated, *revisions)]
     if ready_outdated:
         everything_ready = ready == len(remaining) == desired
@@ -104,18 +119,24 @@ def plan(
             replaced.append(ready_outdated[0])
     actions += [DeleteGroup(g.index, DeleteReason.ROLLOUT) for g in sorted(replaced, key=lambda g: g.index)]
 
-    current = [g for g in remaining.values() if g.template_hash == template_hash and g.state is not GroupState.BROKEN]
+    current = [g for g in staying.values() if g.template_hash == template_hash and g.state is not GroupState.BROKEN]
     still_outdated = len(outdated) > len(replaced)
     target = desired
     if still_outdated and max_surge > 0 and all(g.state is GroupState.READY for g in current):
         target = desired + max_surge
-    live = len(remaining) - len(replaced)
-    actions += [
-        CreateGroup(i) for i, g in sorted(remaining.items()) if g in current and g.state is GroupState.INCOMPLETE
-    ]
+    # In place, a replaced group is recreated under its own index once its pods are gone (as a broken one), with the
+    # next epoch: its successor takes the nodes it frees, and on them its ports must differ (a decode still holding
+    # a request for the old prefill would otherwise keep talking to the new one at the old bootstrap address).
+    live = len(staying) - (len(replaced) if max_surge > 0 else 0)
+    actions += [CreateGroup(i) for i, g in sorted(staying.items()) if g in current and g.state is GroupState.INCOMPLETE]
     free = (i for i in range(len(groups) + target + 1) if i not in groups)
     actions += [CreateGroup(next(free)) for _ in range(max(0, target - live))]
     return actions
+
+
+def _removal(index: int, cordoned: frozenset[int]) -> DeleteReason:
+    """Why a surplus group goes: its node's maintenance, or the scale-down itself."""
+    return DeleteReason.NODE_CORDONED if index in cordoned else DeleteReason.SCALE_DOWN
 
 
 def _may_retire(group: GroupView, ready_outdated: list[GroupView], current: str, pairable: frozenset[str]) -> bool:
@@ -179,7 +200,9 @@ _DELETE_EVENTS = {
     DeleteReason.BROKEN: Reason.GROUP_RECREATING,
     DeleteReason.SCALE_DOWN: Reason.SCALED_DOWN,
     DeleteReason.ROLLOUT: Reason.ROLLOUT_STEP,
+    DeleteReason.NODE_CORDONED: Reason.NODE_CORDONED,
 }
+_REMOVED = (DeleteReason.SCALE_DOWN, DeleteReason.NODE_CORDONED)  # the index goes with its Service (not recreated)
 
 
 def steps(ctx: RoleContext, actions: list[Action], views: Mapping[int, GroupView], seen: Observed) -> list[Step]:
@@ -206,8 +229,11 @@ def _delete_step(
 ) -> DeletePods:
     service = group_service(ctx, key.index)
     stamp = False
-    if reason is not DeleteReason.SCALE_DOWN:  # the replacement is a new incarnation
-        epoch = next_epoch(svc_epochs.get(key), seen.pod_epochs.get(key))
+    if reason not in _REMOVED:  # the replacement is a new incarnation
+        pod_epoch = seen.pod_epochs.get(key)
+        epoch = next_epoch(svc_epochs.get(key), pod_epoch)
+        if pod_epoch is not None and svc_epochs.get(key, -1) > pod_epoch:  # stamped by an earlier pass: keep it
+            epoch = svc_epochs[key]
         stamp = svc_epochs.get(key) != epoch
         svc_epochs[key] = epoch
         service = stamp_epoch(service, epoch)
@@ -224,13 +250,13 @@ def _delete_step(
         reason=reason,
         unregister=reason is not DeleteReason.BROKEN,
         service=service,
-        delete_service=reason is DeleteReason.SCALE_DOWN,
+        delete_service=reason in _REMOVED,
         stamp_service=stamp,
         pods=alive,
         grace_seconds=0 if reason is DeleteReason.BROKEN else None,
         event=_DELETE_EVENTS[reason],
         drain=drain,
-        extras=tuple(group_extras(ctx, key.index)) if reason is DeleteReason.SCALE_DOWN else (),
+        extras=tuple(group_extras(ctx, key.index)) if reason in _REMOVED else (),
     )
 
 

@@ -20,6 +20,7 @@ class Reason(StrEnum):
     SCALED_UP = "ScaledUp"
     SCALED_DOWN = "ScaledDown"
     ROLLOUT_STEP = "RolloutStep"
+    NODE_CORDONED = "NodeCordoned"  # a member's node is cordoned: the group is drained, deleted and created elsewhere
     DRAINING = "Draining"
     DRAIN_TIMED_OUT = "DrainTimedOut"
     INVALID_SPEC = "InvalidSpec"

@@ -9,7 +9,7 @@ Services, decides per role (``observe.group_views`` -> ``recovery.apply_fences``
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -26,11 +26,12 @@ from tandem_operator.desired.naming import (
 from tandem_operator.desired.pods import RoleContext
 from tandem_operator.desired.pools import pool_manifest
 from tandem_operator.executor import Executor, bounded
-from tandem_operator.fencing import Fence, FenceReason, death_reason
+from tandem_operator.fencing import Fence, FenceReason, NodeVerdicts, death_reason, groups_on_nodes
 from tandem_operator.integrity import CONDITION_TYPE as INTEGRITY_CONDITION
 from tandem_operator.integrity import integrity_condition
 from tandem_operator.k8s.apply import INITIAL_SIZE_MANAGER, object_path
 from tandem_operator.k8s.kube import ConflictError, Kube
+from tandem_operator.k8s.nodes import NodeDomains
 from tandem_operator.observe import GroupKey, GroupState, GroupView, group_views, slim_pod
 from tandem_operator.planner import CreatePods, DeletePods, Observed, plan, steps
 from tandem_operator.recovery import (
@@ -43,7 +44,7 @@ from tandem_operator.recovery import (
     stuck_groups,
 )
 from tandem_operator.registrar import Registrar
-from tandem_operator.registration import desired_endpoints
+from tandem_operator.registration import desired_endpoints, leader_nodes
 from tandem_operator.state import ClusterState
 from tandem_operator.status import Recovery, cluster_status, pool_status, role_status
 
@@ -74,10 +75,11 @@ class Reconciler:
         kube: Kube,
         registrar: Registrar,
         instance: str,
-        lost_nodes: Callable[[], Collection[str]],
+        nodes: Callable[[], NodeVerdicts],
     ) -> None:
-        self.state, self.kube, self.lost_nodes = state, kube, lost_nodes
+        self.state, self.kube, self.nodes = state, kube, nodes
         self.executor = Executor(state, kube, registrar, instance)
+        self.node_domains = NodeDomains(kube)
         self._pool_conditions: dict[Role, list[Condition]] = {}
         self._applied_status: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
 
@@ -122,12 +124,14 @@ class Reconciler:
         svc_epochs, pod_epochs = service_epochs(services), group_epochs(pods)
         for key, (epoch, reason) in resumed_fences(service_fences(services), state.fenced, pod_epochs).items():
             state.fenced[key] = FenceRecord(epoch, reason, time.monotonic())  # fenced before this operator started
-        lost = frozenset(self.lost_nodes())
-        observed = {role: await self._observe(role, pod_epochs, lost) for role in Role}
+        nodes = self.nodes()
+        observed = {role: await self._observe(role, pod_epochs, nodes) for role in Role}
         desired: dict[GroupKey, Endpoint] = {}
         roles = {}
         draining = False
         pairable = await self._pairable(observed)
+        fabric = spec.fabric
+        domains = await self.node_domains.resolve(fabric.domain_label, leader_nodes(pods)) if fabric else {}
         for role in Role:
             pool, views = pools[role], observed[role]
             owner = OwnerRef(API_VERSION, "PDPool", pool["metadata"]["name"], pool["metadata"]["uid"])
@@ -135,7 +139,8 @@ class Reconciler:
             replicas = int(pool["spec"].get("replicas", 0))
             retiring = frozenset(k.index for k in state.retiring if k.role is role)
             surge = spec.role(role).max_surge_groups
-            actions = plan(replicas, views, ctx.template_hash, surge, retiring, (ctx.revision, pairable))
+            moving = frozenset(k.index for k in groups_on_nodes(state.role_pods(role), nodes.cordoned))
+            actions = plan(replicas, views, ctx.template_hash, surge, retiring, (ctx.revision, pairable), moving)
             seen = Observed(state.pods, svc_epochs, pod_epochs, frozenset(state.fenced))
             role_steps = steps(ctx, actions, views, seen)
             self._resume_abandoned_drains(role, {s.group for s in role_steps if isinstance(s, DeletePods)})
@@ -146,7 +151,7 @@ class Reconciler:
             deleting = {s.group.index for s in role_steps if isinstance(s, DeletePods)}
             live = {i: v for i, v in views.items() if i not in deleting}
             fenced = {k: r.epoch for k, r in state.fenced.items()}
-            desired.update(desired_endpoints(spec, role, live, state.role_pods(role), fenced))
+            desired.update(desired_endpoints(spec, role, live, state.role_pods(role), fenced, domains))
             roles[role] = role_status(views, replicas, ctx.template_hash)
             generation = int(pool["metadata"].get("generation", 0))
             labels = selector_string(role_labels(ref.name, role))
@@ -173,12 +178,13 @@ class Reconciler:
         by_role = {r: {e.revision for k, e in answering.items() if k.role is r} for r in Role}
         return frozenset(by_role[Role.PREFILL] & by_role[Role.DECODE])
 
-    async def _observe(self, role: Role, pod_epochs: dict[GroupKey, int], lost: frozenset[str]) -> dict[int, GroupView]:
-        """The role's groups, after fencing the dead and stuck ones (a fenced group reads BROKEN)."""
+    async def _observe(self, role: Role, pod_epochs: dict[GroupKey, int], nodes: NodeVerdicts) -> dict[int, GroupView]:
+        """The role's groups, after fencing the dead and stuck ones (a fenced group reads BROKEN). A group with a
+        member on a node NotReady within its grace reads STARTING: not registered, not recreated."""
         state, spec = self.state, self.state.spec
-        views = group_views(state.role_pods(role), spec.role(role).nodes_per_group, lost)
+        views = group_views(state.role_pods(role), spec.role(role).nodes_per_group, nodes.lost, nodes.unreachable)
         stuck = stuck_groups(role, views, state.pods, datetime.now(UTC), spec.lifecycle.start_deadline_seconds)
-        await self._fence(role, views, stuck, pod_epochs, lost)
+        await self._fence(role, views, stuck, pod_epochs, nodes.lost)
         state.retiring -= {k for k in state.retiring if k.role is role and k.index not in views}
         return apply_fences(role, views, {k: r.epoch for k, r in state.fenced.items()}, pod_epochs)
 

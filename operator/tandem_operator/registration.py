@@ -3,8 +3,9 @@
 Every READY group (``status.group_views``) is advertised by one ``tandem.registry.Endpoint`` built from its rank-0
 pod: the SGLang URL ``http://<pod ip>:<http port>``, the prefill bootstrap port of its epoch, the Mooncake session ids
 every member pod may take (``<pod ip>:<port>`` for each port of its epoch's window), the RDMA devices, the pod's
-compatibility revision and its epoch (the group's incarnation). A group fenced at its current
-epoch is not advertised again until it is recreated with a higher epoch.
+compatibility revision and its epoch (the group's incarnation), and with ``spec.fabric`` the fabric domain of the
+leader's node and the mode routers pair by. A group fenced at its current epoch is not advertised again until it
+is recreated with a higher epoch.
 """
 
 from __future__ import annotations
@@ -29,13 +30,22 @@ def _epoch_of(pod: Pod) -> int | None:
     return facts.epoch if facts is not None else None
 
 
-def leader_endpoint(spec: PDClusterSpec, role: Role, leader: Pod, members: Iterable[Pod] = ()) -> Endpoint | None:
+def leader_endpoint(
+    spec: PDClusterSpec,
+    role: Role,
+    leader: Pod,
+    members: Iterable[Pod] = (),
+    node_domains: Mapping[str, str] | None = None,
+) -> Endpoint | None:
     """The endpoint of a group whose leader (rank 0) is ``leader`` and whose pods are ``members`` (the leader
     alone if empty); None while it has no IP, or an IPv6 one (the registry's Mooncake session id is ``ip:port``,
-    which the shared schema defines for IPv4 only)."""
+    which the shared schema defines for IPv4 only). ``node_domains``: the fabric domain of each node that has one
+    (``spec.fabric.domainLabel``'s value); a leader on a node missing there is registered with an unknown domain."""
     facts = pod_facts(leader)
     if facts is None or facts.ip is None or facts.rank != 0 or ":" in facts.ip:
         return None
+    fabric = spec.fabric
+    domain = (node_domains or {}).get(facts.node) if fabric is not None and facts.node is not None else None
     ports = spec.role(role).ports
     labels = (leader.get("metadata") or {}).get("labels") or {}
     return Endpoint(
@@ -49,7 +59,14 @@ def leader_endpoint(spec: PDClusterSpec, role: Role, leader: Pod, members: Itera
         model=spec.model.served_name,
         revision=labels.get(LABEL_REVISION, ""),
         epoch=facts.epoch,
+        fabric_domain=domain,
+        fabric_mode=fabric.mode.to_registry() if fabric is not None else None,
     )
+
+
+def leader_nodes(pods: Iterable[Pod]) -> set[str]:
+    """The nodes group leaders (rank 0) run on: whose fabric domain the registry entries carry."""
+    return {facts.node for pod in pods if (facts := pod_facts(pod)) is not None and facts.rank == 0 and facts.node}
 
 
 def desired_endpoints(
@@ -58,8 +75,10 @@ def desired_endpoints(
     views: Mapping[int, GroupView],
     pods: Iterable[Pod],
     fenced: Mapping[GroupKey, int],
+    node_domains: Mapping[str, str] | None = None,
 ) -> dict[GroupKey, Endpoint]:
-    """Endpoints of the role's READY groups, except those fenced at the epoch their pods carry."""
+    """Endpoints of the role's READY groups, except those fenced at the epoch their pods carry (``node_domains``:
+    as for ``leader_endpoint``)."""
     leaders: dict[int, Pod] = {}
     members: dict[int, list[Pod]] = {}
     for pod in pods:
@@ -72,7 +91,7 @@ def desired_endpoints(
     for index, view in views.items():
         if view.state is not GroupState.READY or index not in leaders:
             continue
-        endpoint = leader_endpoint(spec, role, leaders[index], members[index])
+        endpoint = leader_endpoint(spec, role, leaders[index], members[index], node_domains)
         key = GroupKey(role, index)
         if endpoint is not None and fenced.get(key) != endpoint.epoch:
             result[key] = endpoint

@@ -3,6 +3,11 @@
 ``on_pod_event`` runs in the pod-event handler and fences at once (one etcd delete, then the Mooncake cleanup),
 before anything slower. Every event also *kicks* the cluster's reconcile task, which coalesces bursts of kicks
 into one pass (``reconcile.Reconciler``). A periodic resync catches anything a lost watch missed.
+
+Nodes: ``on_nodes_changed`` runs each of the node's pods through the same path (a NotReady node unroutes its
+groups; a deleted one fences them), and a timer kicks a pass when the first NotReady node's grace
+(``lifecycle.nodeLostGraceSeconds``) runs out, which fences its groups (``fencing.node_verdicts``). A cordoned node
+(``cordoned_nodes``) kicks a pass, whose planner drains its groups and creates them elsewhere.
 """
 
 from __future__ import annotations
@@ -23,7 +28,15 @@ from tandem_operator.api.pdcluster import PDClusterSpec, PDClusterStatus
 from tandem_operator.autoscale.loop import Autoscaler
 from tandem_operator.desired.naming import ClusterRef
 from tandem_operator.drain import POLL_S as DRAIN_POLL_S
-from tandem_operator.fencing import Fence, FenceReason, fence_decision, unroute_decision
+from tandem_operator.fencing import (
+    Fence,
+    FenceReason,
+    NodeOutage,
+    NodeVerdicts,
+    fence_decision,
+    node_verdicts,
+    unroute_decision,
+)
 from tandem_operator.integrity import integrity_decision, integrity_recreations
 from tandem_operator.integrity_watch import IntegrityWatcher
 from tandem_operator.k8s.kube import Kube
@@ -43,6 +56,9 @@ class RuntimeOptions:
     debounce_seconds: float = 0.05
 
 
+NODE_CHECK_SLACK_S = 0.1  # the grace timer fires this much after the grace, so the pass finds it run out
+
+
 class ClusterRuntime:
     def __init__(
         self,
@@ -51,11 +67,14 @@ class ClusterRuntime:
         kube: Kube,
         registrar: Registrar,
         options: RuntimeOptions,
-        lost_nodes: Callable[[], Collection[str]],
+        node_outages: Callable[[], Mapping[str, NodeOutage]],
+        cordoned_nodes: Callable[[], Collection[str]] = frozenset,
     ) -> None:
-        self.options, self.registrar, self.lost_nodes = options, registrar, lost_nodes
+        self.options, self.registrar, self.node_outages = options, registrar, node_outages
+        self.cordoned_nodes = cordoned_nodes
         self.state = ClusterState(ref, spec)
-        self.reconciler = Reconciler(self.state, kube, registrar, options.instance, lost_nodes)
+        self.reconciler = Reconciler(self.state, kube, registrar, options.instance, self.node_verdicts)
+        self._node_check: asyncio.TimerHandle | None = None
         self.executor = self.reconciler.executor
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -91,6 +110,8 @@ class ClusterRuntime:
         self.kick()
 
     async def stop(self, *, unregister: bool) -> None:
+        if self._node_check is not None:
+            self._node_check.cancel()
         await self._integrity.stop()
         for task in (self._task, self._autoscale_task):
             if task is not None:
@@ -114,22 +135,47 @@ class ClusterRuntime:
             state.pods.pop(name, None)
         else:
             state.pods[name] = pod
-        lost = self.lost_nodes()
+        nodes = self.node_verdicts()
         fenced = {k: r.epoch for k, r in state.fenced.items()}
-        decision = fence_decision(event_type, pod, lost_nodes=lost, fenced=fenced, retiring=state.retiring)
+        decision = fence_decision(event_type, pod, lost_nodes=nodes.lost, fenced=fenced, retiring=state.retiring)
         registered = {k: e.epoch for k, e in state.registered.items()}
+        unrouted = unroute_decision(
+            event_type, pod, lost_nodes=nodes.lost, registered=registered, unreachable_nodes=nodes.unreachable
+        )
         if decision is not None:
             await self.executor.fence(decision, received, extra=[pod])
-        elif (unrouted := unroute_decision(event_type, pod, lost_nodes=lost, registered=registered)) is not None:
-            await self.executor.unroute(unrouted, str(name))
+        elif unrouted is not None:
+            node, why = (pod.get("spec") or {}).get("nodeName"), None
+            if node in nodes.unreachable:
+                grace = self.state.spec.lifecycle.node_lost_grace_seconds
+                why = f"{name}'s node {node} is NotReady; out of rotation, recreated if NotReady for {grace} s"
+            await self.executor.unroute(unrouted, str(name), why)
         elif event_type == "DELETED":
             await self.executor.clean([pod])  # a gone pod's Mooncake entries are stale whatever the reason
         self.kick()
         return decision
 
-    async def on_nodes_lost(self, nodes: Collection[str]) -> None:
+    def node_verdicts(self) -> NodeVerdicts:
+        """The nodes' outages under this cluster's grace, now, and the cordoned nodes."""
+        grace = self.state.spec.lifecycle.node_lost_grace_seconds
+        return node_verdicts(self.node_outages(), grace, datetime.now(UTC), self.cordoned_nodes())
+
+    async def on_nodes_changed(self, nodes: Collection[str]) -> None:
+        """Nodes turned NotReady, Ready again or were deleted: their pods' groups are unrouted, fenced, or left to
+        the reconcile pass to register again; the grace timer is set for the first NotReady node."""
         for pod in [p for p in self.state.pods.values() if (p.get("spec") or {}).get("nodeName") in nodes]:
             await self.on_pod_event("MODIFIED", pod)
+        self._arm_node_check()
+        self.kick()
+
+    def _arm_node_check(self) -> None:
+        """Kick a pass when the first unreachable node's grace runs out (it fences that node's groups)."""
+        if self._node_check is not None:
+            self._node_check.cancel()
+            self._node_check = None
+        delay = self.node_verdicts().next_check_s
+        if delay is not None:
+            self._node_check = asyncio.get_running_loop().call_later(delay + NODE_CHECK_SLACK_S, self.kick)
 
     # -- integrity -------------------------------------------------------------------------------------------
     async def _on_integrity(self, reports: dict[str, IntegrityReport]) -> None:
@@ -182,6 +228,7 @@ class ClusterRuntime:
             try:
                 if await self.reconciler.reconcile_once():  # groups still draining: look again soon
                     asyncio.get_running_loop().call_later(DRAIN_POLL_S, self.kick)
+                self._arm_node_check()  # the grace may have changed with the spec, or a node's run out
                 self.reconciled.set()
                 last_pass_s = time.monotonic() - began
             except asyncio.CancelledError:

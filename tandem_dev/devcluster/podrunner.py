@@ -33,6 +33,7 @@ from kubernetes_asyncio import client, watch
 from tandem_dev.devcluster.config import DevClusterConfig
 from tandem_dev.devcluster.podnet import PodNetwork, PodNetworkError, Sandbox
 from tandem_dev.devcluster.podworker import PodWorker
+from tandem_dev.devcluster.services import SERVICE_HOST, resolve_urls, selected_pod_ip, url_service_refs
 from tandem_dev.procs import ManagedProcess
 
 log = logging.getLogger("tandem_dev.devcluster.podrunner")
@@ -171,9 +172,6 @@ def desired_launches(pods: Sequence[Mapping[str, Any]], rule: SimulateRule) -> d
     return wanted
 
 
-SERVICE_HOST = re.compile(
-    r"^(?P<svc>[a-z0-9]([-a-z0-9]*[a-z0-9])?)\.(?P<ns>[a-z0-9]([-a-z0-9]*[a-z0-9])?)\.svc(\.cluster\.local)?$"
-)
 ADDRESS_FLAGS = ("--dist-init-addr",)
 
 
@@ -186,18 +184,6 @@ def service_refs(launch: Launch) -> set[tuple[str, str]]:
         if match:
             refs.add((match["ns"], match["svc"]))
     return refs
-
-
-def selected_pod_ip(pods: Sequence[Mapping[str, Any]], namespace: str, selector: Mapping[str, str]) -> str | None:
-    """The IP of a Running, not deleting pod in ``namespace`` whose labels contain ``selector``."""
-    for pod in pods:
-        meta, status = pod["metadata"], pod.get("status") or {}
-        labels = meta.get("labels") or {}
-        if meta.get("namespace") != namespace or meta.get("deletionTimestamp") or status.get("phase") != "Running":
-            continue
-        if selector and all(labels.get(k) == v for k, v in selector.items()) and status.get("podIP"):
-            return str(status["podIP"])
-    return None
 
 
 def resolve_services(launch: Launch, addresses: Mapping[tuple[str, str], str]) -> Launch | None:
@@ -258,6 +244,17 @@ class PodRunner:
             if worker.process is not None
         }
 
+    async def resync(self, node: str) -> list[str]:
+        """Report again the status of every pod on ``node``, as its kubelet does once it reaches the API server
+        again: while the node's Lease was not renewed the node controller marked its pods NotReady, and the kubelet's
+        status sync puts back what its probes say. Returns the pods (``namespace/name``)."""
+        synced = []
+        for launch, worker in list(self.workers.values()):
+            if (worker.pod.get("spec") or {}).get("nodeName") == node:
+                await worker.resync()
+                synced.append(launch.pod)
+        return synced
+
     def sandbox(self, pod: str) -> Sandbox:
         """The network sandbox of pod ``namespace/name`` (for network faults)."""
         for launch, worker in self.workers.values():
@@ -314,15 +311,24 @@ class PodRunner:
                 await self._start(launch)
 
     async def _resolve(self, launches: dict[str, Launch]) -> dict[str, Launch]:
+        addresses = await self._addresses(set().union(*(service_refs(launch) for launch in launches.values())))
+        resolved = {uid: resolve_services(launch, addresses) for uid, launch in launches.items()}
+        return {uid: launch for uid, launch in resolved.items() if launch is not None}
+
+    async def _addresses(self, refs: set[tuple[str, str]]) -> dict[tuple[str, str], str]:
+        """The pod IP each Service resolves to now (the dev cluster has no DNS)."""
         pods = list(self.pods.values())
         addresses: dict[tuple[str, str], str] = {}
-        for ref in set().union(*(service_refs(launch) for launch in launches.values())):
+        for ref in refs:
             selector = self.selectors.get(ref) or await self._selector(*ref)
             ip = selected_pod_ip(pods, ref[0], selector) if selector else None
             if ip is not None:
                 addresses[ref] = ip
-        resolved = {uid: resolve_services(launch, addresses) for uid, launch in launches.items()}
-        return {uid: launch for uid, launch in resolved.items() if launch is not None}
+        return addresses
+
+    async def resolve_command(self, words: Sequence[str]) -> list[str]:
+        """A hook's command with the Service names in its URLs resolved (``PodWorker`` runs preStop hooks)."""
+        return resolve_urls(words, await self._addresses(url_service_refs(words)))
 
     async def _selector(self, namespace: str, name: str) -> dict[str, str]:
         try:
@@ -350,6 +356,7 @@ class PodRunner:
             self.log_dir,
             self.api,
             self._session,
+            self.resolve_command,
         )
         self.workers[launch.uid] = (launch, worker)  # listed first: stop_all() removes a half-started sandbox
         try:

@@ -1,5 +1,8 @@
 """One simulated pod on its fake node, as a kubelet runs it: a network sandbox, the container's process inside it
-(restarted per ``restartPolicy``), its readinessProbe, and the status the kubelet would report.
+(restarted per ``restartPolicy``), its probes (each on its own, as the kubelet's probe workers), the kill of a
+container whose liveness or startup probe failed (its ``preStop`` exec hook, then SIGTERM, SIGKILL at the end of
+the probe's or the pod's grace period), and the status the kubelet would report. A pod deleted through the API
+is stopped without its hook (SIGTERM, SIGKILL after 10 s).
 
 Deciding what to write is pure (``podstatus``, ``probes.ProbeTracker``); this class only runs processes, probes and
 status patches.
@@ -12,7 +15,7 @@ import contextlib
 import dataclasses
 import datetime
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,16 @@ from kubernetes_asyncio import client
 
 from tandem_dev.devcluster.podnet import PodNetwork, Sandbox
 from tandem_dev.devcluster.podstatus import ContainerView, Terminated, backoff_s, restarts, status_patch
-from tandem_dev.devcluster.probes import ContainerProbes, ProbeTarget, Verdict, check
+from tandem_dev.devcluster.probes import (
+    MIN_KILL_GRACE_S,
+    ContainerProbes,
+    Probe,
+    ProbeTarget,
+    Verdict,
+    check,
+    kill_grace_s,
+    prestop_command,
+)
 from tandem_dev.procs import ManagedProcess
 
 log = logging.getLogger("tandem_dev.devcluster.podworker")
@@ -46,6 +58,7 @@ class PodWorker:
         log_dir: Path,
         api: client.ApiClient,
         session: aiohttp.ClientSession,
+        resolve_command: Callable[[Sequence[str]], Awaitable[list[str]]] | None = None,
     ) -> None:
         self.pod = pod
         meta = pod["metadata"]
@@ -62,6 +75,7 @@ class PodWorker:
         self.log_dir = log_dir
         self.core = client.CoreV1Api(api)
         self.session = session
+        self.resolve_command = resolve_command  # Service names in a hook's URLs -> pod IPs (no DNS here)
         self.sandbox: Sandbox | None = None
         self.process: ManagedProcess | None = None
         self.view = ContainerView(self.container_name, self.image, _now())
@@ -136,22 +150,55 @@ class PodWorker:
         self.view = dataclasses.replace(self.view, ready=probes.ready)
         await self._report()
         target = ProbeTarget(self.ip, self.sandbox.exec_argv, self.env)
-        while (code := self.process.returncode()) is None:
-            for kind in probes.due(loop.time()):
-                ok = await check(probes.trackers[kind].probe, target, self.session)
-                if self.process.returncode() is not None:
-                    break
-                verdict = probes.record(kind, ok)
-                if verdict is Verdict.READY_CHANGED:
-                    self.view = dataclasses.replace(self.view, ready=probes.ready)
-                    log.info("readiness changed", extra={"pod": self.key, "ready": probes.ready})
-                    await self._report()
-                elif verdict is Verdict.KILL:
-                    log.warning("container failed its probe, killing it", extra={"pod": self.key, "probe": kind})
-                    await asyncio.to_thread(self.process.stop, self.grace_s)
-                    break
-            await asyncio.sleep(min(EXIT_POLL_S, max(0.0, probes.next_due() - loop.time())))
+        running: dict[str, asyncio.Task[bool]] = {}  # one probe of each kind at a time, each on its own
+        try:
+            while (code := self.process.returncode()) is None:
+                for kind in probes.due(loop.time(), running):
+                    running[kind] = asyncio.create_task(check(probes.trackers[kind].probe, target, self.session))
+                for kind in [kind for kind, task in running.items() if task.done()]:
+                    ok = running.pop(kind).result()
+                    if self.process.returncode() is not None:
+                        break
+                    verdict = probes.record(kind, ok)
+                    if verdict is Verdict.READY_CHANGED:
+                        self.view = dataclasses.replace(self.view, ready=probes.ready)
+                        log.info("readiness changed", extra={"pod": self.key, "ready": probes.ready})
+                        await self._report()
+                    elif verdict is Verdict.KILL:
+                        await self._kill(kind)
+                        break
+                await asyncio.sleep(min(EXIT_POLL_S, max(0.0, probes.next_due() - loop.time())))
+        finally:
+            for task in running.values():
+                task.cancel()
         return 128 - code if code < 0 else code  # killed by signal N: exit code 128 + N, as container runtimes
+
+    async def _kill(self, probe_kind: str) -> None:
+        """The kubelet's kill after a failed probe: the preStop hook within the grace period (the probe's own
+        ``terminationGracePeriodSeconds`` when set), then SIGTERM, SIGKILL when the grace is over (at least 2 s
+        after the hook)."""
+        assert self.process is not None
+        assert self.sandbox is not None
+        grace = kill_grace_s(self.pod.get("spec") or {}, self.container, probe_kind)
+        log.warning(
+            "container failed its probe, killing it", extra={"pod": self.key, "probe": probe_kind, "grace_s": grace}
+        )
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        if command := prestop_command(self.container):
+            argv = await self.resolve_command(command) if self.resolve_command is not None else list(command)
+            hook = Probe("exec", command=tuple(argv))
+            await check(hook, ProbeTarget(self.ip, self.sandbox.exec_argv, self.env), self.session, timeout_s=grace)
+            log.info("preStop hook done", extra={"pod": self.key, "hook_s": round(loop.time() - began, 2)})
+        remaining = max(grace - (loop.time() - began), MIN_KILL_GRACE_S)
+        await asyncio.to_thread(self.process.stop, remaining)
+        log.info("container killed", extra={"pod": self.key, "kill_s": round(loop.time() - began, 2)})
+
+    async def resync(self) -> None:
+        """Report this container's status again, as a kubelet's status manager does when the API server's copy
+        differs from its own (its periodic sync; e.g. once a node whose pods the node controller marked NotReady
+        reaches the API server again)."""
+        await self._report()
 
     async def _report(self) -> None:
         """Patch the pod's status; retried, as the kubelet's status manager retries (a busy API server times

@@ -7,6 +7,10 @@ threshold 1, failure threshold 3, no initial delay) and named ports resolved aga
 and says what follows (ready changed, or kill the container). ``check`` runs one probe: ``httpGet`` from the
 node's side to the pod IP (success is a status in [200, 400), as ``probe/http``), ``tcpSocket`` a connect,
 ``exec`` the command inside the pod's namespaces with the container's env, success = exit 0 within the timeout.
+``kill_grace_s`` and ``prestop_command`` say how the kubelet kills a container whose probe failed
+(``kuberuntime_container.go``: ``killContainer``): the container's ``preStop`` exec hook first, then SIGTERM,
+SIGKILL once the grace period is over, the probe's own ``terminationGracePeriodSeconds`` (liveness and startup,
+Kubernetes >= 1.25) taking the place of the pod's.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -143,9 +147,14 @@ class ContainerProbes:
         started = STARTUP not in probes
         return cls(trackers, next_at, started, started and READINESS not in probes)
 
-    def due(self, now: float) -> list[str]:
-        """The probes to run now (each then waits one period)."""
-        kinds = [kind for kind in self.trackers if (kind == STARTUP) != self.started and now >= self.next_at[kind]]
+    def due(self, now: float, running: Collection[str] = ()) -> list[str]:
+        """The probes to run now (each then waits one period; one still ``running`` waits for its result, and runs
+        again at once if that came after its period, as the kubelet's probe worker and its ticker do)."""
+        kinds = [
+            kind
+            for kind in self.trackers
+            if (kind == STARTUP) != self.started and now >= self.next_at[kind] and kind not in running
+        ]
         for kind in kinds:
             self.next_at[kind] = now + self.trackers[kind].probe.timing.period_s
         return kinds
@@ -173,6 +182,23 @@ class ContainerProbes:
         return Verdict.NOTHING
 
 
+MIN_KILL_GRACE_S = 2.0  # the kubelet's minimumGracePeriodInSeconds: SIGTERM always gets this long
+
+
+def kill_grace_s(pod_spec: Mapping[str, Any], container: Mapping[str, Any], probe_kind: str | None) -> float:
+    """The grace period of a kill: the failed probe's ``terminationGracePeriodSeconds`` (liveness, startup), else
+    the pod's (default 30 s)."""
+    probe = (container.get(probe_kind) or {}) if probe_kind in (STARTUP, LIVENESS) else {}
+    grace = probe.get("terminationGracePeriodSeconds", pod_spec.get("terminationGracePeriodSeconds", 30))
+    return float(grace)
+
+
+def prestop_command(container: Mapping[str, Any]) -> tuple[str, ...]:
+    """The container's ``preStop`` exec command (empty without one; httpGet and sleep hooks are not run)."""
+    hook = ((container.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}
+    return tuple(hook.get("command") or ())
+
+
 @dataclass(frozen=True)
 class ProbeTarget:
     """Where a probe runs: the pod IP, and how to run a command in the pod's namespace with its env."""
@@ -182,10 +208,12 @@ class ProbeTarget:
     env: Mapping[str, str] = field(default_factory=dict)
 
 
-async def check(probe: Probe, target: ProbeTarget, session: aiohttp.ClientSession) -> bool:
-    """One probe; False on any failure or after its timeout."""
+async def check(
+    probe: Probe, target: ProbeTarget, session: aiohttp.ClientSession, timeout_s: float | None = None
+) -> bool:
+    """One probe (or exec hook); False on any failure or after its timeout (``timeout_s``, else the probe's)."""
     try:
-        async with asyncio.timeout(probe.timing.timeout_s):
+        async with asyncio.timeout(probe.timing.timeout_s if timeout_s is None else timeout_s):
             if probe.kind == "httpGet":
                 scheme = probe.scheme.lower()
                 url = f"{scheme}://{probe.host or target.ip}:{probe.port}{probe.path}"

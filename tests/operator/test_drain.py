@@ -5,11 +5,15 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp import web
 
 from tandem.registry import Role
+from tandem_dev.sim.testing import start_worker
 from tandem_operator.desired.drain_hook import prestop_command
 from tandem_operator.desired.pods import RoleContext, group_pod
 from tandem_operator.drain import SETTLE_S, DrainVerdict, drain_verdict, in_flight
@@ -104,35 +108,115 @@ async def test_executor_unregisters_then_waits_for_zero_in_flight_before_deletin
 def test_pods_wait_for_the_drain_on_prestop_and_the_grace_period_covers_it() -> None:
     pod = group_pod(CTX, 0, 1)
     command = pod["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
-    assert command[3] == "http://kimi-decode-0.serving.svc:30001/metrics"  # the leader's, for every rank
-    assert command[4] == "600"
+    assert command[3:5] == [  # the leader's, for every rank
+        "http://kimi-decode-0.serving.svc:30001/ready",
+        "http://kimi-decode-0.serving.svc:30001/metrics",
+    ]
+    assert command[5] == "600"
     assert pod["spec"]["terminationGracePeriodSeconds"] == 600 + 30
 
 
+def _hook(leader_url: str, timeout_s: int = 30) -> list[str]:
+    """The pods' preStop command, run with this interpreter and a faster poll than the pods' 2 s."""
+    command = prestop_command(leader_url, timeout_s)
+    command[-1] = "0.2"
+    return [sys.executable, *command[1:]]
+
+
 @pytest.mark.procs
-async def test_prestop_hook_returns_once_nothing_is_in_flight() -> None:
-    busy = {"count": 2}
+async def test_prestop_hook_returns_once_nothing_is_in_flight_or_the_leader_is_not_ready() -> None:
+    state = {"count": 2, "ready": 200}
 
     async def metrics(_: web.Request) -> web.Response:
-        text = f'sglang:num_running_reqs{{model_name="m"}} {busy["count"]}.0\n'
+        text = f'sglang:num_running_reqs{{model_name="m"}} {state["count"]}.0\n'
         return web.Response(text=text)
+
+    async def ready(_: web.Request) -> web.Response:
+        return web.Response(status=state["ready"])
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/ready", ready)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:
-        command = prestop_command(f"http://127.0.0.1:{port}/metrics", 30)
-        command[-1] = "0.2"  # poll faster than the pods' 2 s
-        start = time.monotonic()
-        hook = await asyncio.create_subprocess_exec(sys.executable, *command[1:])
-        await asyncio.sleep(1.0)
-        assert hook.returncode is None  # still waiting: 2 requests running
-        busy["count"] = 0
-        assert await asyncio.wait_for(hook.wait(), 10) == 0
-        assert time.monotonic() - start < 10
+        for release in ("count", "ready"):  # drained, or SGLang says it is not ready (a failed health check)
+            state.update(count=2, ready=200)
+            start = time.monotonic()
+            hook = await asyncio.create_subprocess_exec(*_hook(f"http://127.0.0.1:{port}"))
+            await asyncio.sleep(1.0)
+            assert hook.returncode is None  # still waiting: 2 requests running, the leader ready
+            state.update({release: 0 if release == "count" else 503})
+            assert await asyncio.wait_for(hook.wait(), 10) == 0
+            assert time.monotonic() - start < 10
     finally:
         await runner.cleanup()
+
+
+async def _wait_for(check: Callable[[], Awaitable[bool]], within: float = 30.0) -> None:
+    async with asyncio.timeout(within):
+        while True:
+            if await check():
+                return
+            await asyncio.sleep(0.1)
+
+
+async def _get(sess: aiohttp.ClientSession, url: str) -> tuple[int, str]:
+    async with sess.get(url) as resp:
+        return resp.status, await resp.text()
+
+
+def _running(metrics: str) -> int:
+    return in_flight(metrics) or 0
+
+
+@pytest.mark.procs
+async def test_prestop_hook_gives_up_on_a_hung_worker_and_waits_for_a_busy_one(tmp_path: Path) -> None:
+    """The real hook against ``tandem sim`` workers with a request in flight (25 ms a token, 2000 tokens: 50 s).
+    A hung one (``/tandem/sim/faults {"hang": true}``: its scheduler stops, its ``/metrics`` still counts the stuck
+    request) fails its liveness check (``/health_generate``, ``SGLANG_HEALTH_CHECK_TIMEOUT=2``), as before the
+    kubelet runs the hook: the hook returns at its first poll. On a healthy busy one it waits for the drain."""
+    extra = ["--enable-metrics", "--sim-inter-token-ms", "25"]
+    env = {"SGLANG_HEALTH_CHECK_TIMEOUT": "2"}
+    hung, busy = (start_worker(name, tmp_path, extra, env=env) for name in ("hung", "busy"))
+    body = {"text": "a long story", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+    try:
+        async with aiohttp.ClientSession() as sess:
+            loads = [asyncio.ensure_future(sess.post(f"{w.url}/generate", json=body)) for w in (hung, busy)]
+            for w in (hung, busy):
+
+                async def started(url: str = w.url) -> bool:
+                    return _running((await _get(sess, f"{url}/metrics"))[1]) >= 1
+
+                await _wait_for(started)  # a request in flight
+            async with sess.post(f"{hung.url}/tandem/sim/faults", json={"hang": True}) as resp:
+                assert resp.status == 200
+            before = time.monotonic()
+            assert (await _get(sess, f"{hung.url}/health_generate"))[0] == 503  # the liveness probe's check
+            assert time.monotonic() - before >= 1.9  # SGLang's timeout, not at once
+            status, text = await _get(sess, f"{hung.url}/metrics")
+            assert status == 200
+            assert _running(text) >= 1  # the stuck request still shows
+            assert (await _get(sess, f"{hung.url}/ready"))[0] == 503
+            start = time.monotonic()
+            hook = await asyncio.create_subprocess_exec(*_hook(hung.url, timeout_s=600))
+            assert await asyncio.wait_for(hook.wait(), 30) == 0
+            assert time.monotonic() - start < 5  # not the drain timeout
+
+            assert (await _get(sess, f"{busy.url}/health_generate"))[0] == 200  # busy, not hung
+            assert (await _get(sess, f"{busy.url}/ready"))[0] == 200
+            hook = await asyncio.create_subprocess_exec(*_hook(busy.url, timeout_s=600))
+            await asyncio.sleep(1.0)
+            assert not loads[1].done()  # the request is still running ...
+            assert hook.returncode is None  # ... and the hook waits for it
+            async with sess.post(f"{busy.url}/abort_request", json={"abort_all": True}) as resp:
+                assert resp.status == 200  # the drain ends: nothing in flight
+            assert await asyncio.wait_for(hook.wait(), 10) == 0
+            for load in loads:
+                load.cancel()
+    finally:
+        hung.proc.stop()
+        busy.proc.stop()

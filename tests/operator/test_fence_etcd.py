@@ -131,7 +131,7 @@ async def test_a_deleted_member_is_fenced_and_its_mooncake_metadata_removed(
     sink = EventSink()
     registrar = Registrar([etcd_endpoint], ttl=5)
     await registrar.start()
-    runtime = ClusterRuntime(CLUSTER, SPEC, sink, registrar, RuntimeOptions("test"), frozenset)
+    runtime = ClusterRuntime(CLUSTER, SPEC, sink, registrar, RuntimeOptions("test"), dict)
     pods = [
         live_pod(SPEC, Role.DECODE, 0, 0, ip="127.0.0.1"),
         live_pod(SPEC, Role.DECODE, 0, 1, ip="127.0.0.2"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -10,10 +11,13 @@ from tandem.registry import Role
 from tandem_operator.fencing import (
     Fence,
     FenceReason,
+    NodeOutage,
+    NodeVerdicts,
     StaleKeys,
     death_reason,
     fence_decision,
-    node_lost,
+    node_outage,
+    node_verdicts,
     stale_mooncake_keys,
     unroute_decision,
 )
@@ -101,18 +105,78 @@ def test_one_fence_per_incarnation_and_none_for_retiring_groups() -> None:
     assert decide("DELETED", live_pod(SPEC, Role.DECODE, 0, 0), retiring={DECODE_0}) is None
 
 
+NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+A_MINUTE_AGO = NOW - timedelta(seconds=60)
+
+
+def _node(ready: str | None, changed: str | None = "2026-01-01T11:59:00Z", **metadata: str) -> dict[str, Any]:
+    """A Node whose Ready condition is ``ready`` (None: no Ready condition yet) since ``changed``."""
+    condition = {"type": "Ready", "status": ready, **({"lastTransitionTime": changed} if changed else {})}
+    return {"metadata": {"name": "n", **metadata}, "status": {"conditions": [condition] if ready else []}}
+
+
 @pytest.mark.parametrize(
-    ("event", "conditions", "lost"),
+    ("event", "node", "outage"),
     [
-        ("MODIFIED", [{"type": "Ready", "status": "True"}], False),
-        ("MODIFIED", [{"type": "Ready", "status": "False"}], True),
-        ("MODIFIED", [{"type": "Ready", "status": "Unknown"}], True),
-        ("DELETED", [{"type": "Ready", "status": "True"}], True),
-        ("ADDED", [], False),
+        ("MODIFIED", _node("True"), None),
+        ("ADDED", _node(None), None),  # registering: no Ready condition yet
+        ("MODIFIED", _node("False"), NodeOutage(gone=False, since=A_MINUTE_AGO)),  # the kubelet says NotReady
+        ("MODIFIED", _node("Unknown"), NodeOutage(gone=False, since=A_MINUTE_AGO)),  # the node controller does
+        # An operator started while the node is down (kopf's initial listing: no event type) counts the time the
+        # node was down before it started, from the condition, not from now.
+        ("None", _node("Unknown", "2026-01-01T11:50:00Z"), NodeOutage(False, NOW - timedelta(minutes=10))),
+        ("MODIFIED", _node("Unknown", None), NodeOutage(gone=False, since=NOW)),  # no stamp: from now
+        ("MODIFIED", _node("Unknown", "2026-01-01T12:05:00Z"), NodeOutage(gone=False, since=NOW)),  # clock skew
+        ("MODIFIED", _node("Unknown", "yesterday"), NodeOutage(gone=False, since=NOW)),
+        ("DELETED", _node("True"), NodeOutage(gone=True, since=NOW)),
+        ("MODIFIED", _node("True", deletionTimestamp="2026-01-01T12:00:00Z"), NodeOutage(gone=True, since=NOW)),
     ],
 )
-def test_node_lost(event: str, conditions: list[dict[str, str]], lost: bool) -> None:
-    assert node_lost(event, {"metadata": {"name": "n"}, "status": {"conditions": conditions}}) is lost
+def test_node_outage(event: str, node: dict[str, Any], outage: NodeOutage | None) -> None:
+    assert node_outage(event, node, NOW, None) == outage
+
+
+def test_a_node_outage_counts_from_its_first_notready() -> None:
+    """The node controller restamps the transition False -> Unknown; the outage began at the first one."""
+    first = node_outage("MODIFIED", _node("False", "2026-01-01T11:59:00Z"), NOW, None)
+    assert first == NodeOutage(gone=False, since=A_MINUTE_AGO)
+    assert node_outage("MODIFIED", _node("Unknown", "2026-01-01T11:59:40Z"), NOW, first) == first
+    assert node_outage("DELETED", _node("Unknown"), NOW, first) == NodeOutage(gone=True, since=A_MINUTE_AGO)
+    assert node_outage("MODIFIED", _node("True"), NOW, first) is None  # Ready again: the outage is over
+
+
+def test_node_verdicts_weigh_each_outage_against_the_grace() -> None:
+    outages = {
+        "blip": NodeOutage(gone=False, since=A_MINUTE_AGO),
+        "almost": NodeOutage(gone=False, since=NOW - timedelta(seconds=250)),
+        "down": NodeOutage(gone=False, since=NOW - timedelta(seconds=300)),
+        "deleted": NodeOutage(gone=True, since=NOW),
+    }
+    assert node_verdicts(outages, 300, NOW) == NodeVerdicts(
+        lost=frozenset({"down", "deleted"}), unreachable=frozenset({"blip", "almost"}), next_check_s=50.0
+    )
+    assert node_verdicts(outages, 0, NOW).lost == set(outages)  # grace 0: every NotReady node at once
+    assert node_verdicts({}, 300, NOW) == NodeVerdicts(frozenset(), frozenset(), None)
+
+
+def test_a_member_on_an_unreachable_node_unroutes_its_group_and_fences_nothing() -> None:
+    pod = live_pod(SPEC, Role.DECODE, 0, 1, node="gpu-7")  # its own Ready condition still True
+
+    def unroute(pod: dict[str, Any], unreachable: set[str], lost: set[str] | None = None) -> GroupKey | None:
+        return unroute_decision(
+            "MODIFIED", pod, lost_nodes=lost or set(), registered={DECODE_0: 0}, unreachable_nodes=unreachable
+        )
+
+    assert unroute(pod, {"gpu-7"}) == DECODE_0
+    assert unroute(pod, {"gpu-8"}) is None
+    assert decide("MODIFIED", pod) is None  # NotReady within the grace is no death
+    assert pod_health(pod, unreachable_nodes=frozenset({"gpu-7"})) is PodHealth.STARTING  # not registered again
+    assert unroute(pod, set(), lost={"gpu-7"}) is None  # past the grace: fenced, not unrouted
+    # The data path confirms a death at once, whatever the node's grace: the pod gone, Failed, restarted.
+    failed = _dead("failed")
+    failed["spec"]["nodeName"] = "gpu-7"
+    assert decide("MODIFIED", failed) == Fence(DECODE_0, 0, FenceReason.POD_FAILED, "kimi-decode-0-1")
+    assert decide("DELETED", pod) == Fence(DECODE_0, 0, FenceReason.POD_DELETED, "kimi-decode-0-1")
 
 
 def test_stale_keys_cover_every_member_by_ip_and_ip_port() -> None:

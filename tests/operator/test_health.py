@@ -13,13 +13,16 @@ from typing import Any
 import pytest
 
 from tandem.registry import Role
+from tandem_operator.api.pdcluster import PDClusterSpec
 from tandem_operator.desired.naming import ClusterRef
 from tandem_operator.desired.pods import RoleContext, group_pod
 from tandem_operator.desired.pools import pool_manifest
+from tandem_operator.desired.probes import GENERATION_CHECK_TIMEOUT_S, LONGEST_FORWARD_S
 from tandem_operator.k8s.apply import object_path
 from tandem_operator.observe import GroupKey, GroupState, GroupView
 from tandem_operator.recovery import stuck_groups
 from tandem_operator.runtime import ClusterRuntime, RuntimeOptions
+from tandem_sim.profiles import PROFILES
 from tests.operator.conftest import kimi_spec
 from tests.operator.fakes import FakeKube, FakeRegistrar
 from tests.operator.workers import CLUSTER, POOL, live_pod
@@ -28,21 +31,49 @@ SPEC = kimi_spec(transfer={"protocol": "tcp"})
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
 
-def test_probes_give_the_model_load_budget_and_respect_sglangs_health_timeout() -> None:
-    pod = group_pod(RoleContext.build(CLUSTER, SPEC, Role.DECODE, POOL), 0, 0)
-    container = pod["spec"]["containers"][0]
-    startup, readiness, liveness = (container[p] for p in ("startupProbe", "readinessProbe", "livenessProbe"))
+def _container(spec: PDClusterSpec, rank: int = 0) -> dict[str, Any]:
+    container: dict[str, Any] = group_pod(RoleContext.build(CLUSTER, spec, Role.DECODE, POOL), 0, rank)["spec"][
+        "containers"
+    ][0]
+    return container
+
+
+def test_probes_readiness_runs_no_generation_liveness_outlasts_the_longest_prefill() -> None:
+    leader, member = _container(SPEC, 0), _container(SPEC, 1)
+    startup, readiness, liveness = (leader[p] for p in ("startupProbe", "readinessProbe", "livenessProbe"))
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 3600  # the default 60 min model load
-    assert readiness["httpGet"]["path"] == liveness["httpGet"]["path"] == "/health"
-    assert readiness["timeoutSeconds"] == 20  # SGLANG_HEALTH_CHECK_TIMEOUT: /health answers 503 itself by then
-    assert liveness["timeoutSeconds"] > 20
-    assert liveness["periodSeconds"] * liveness["failureThreshold"] >= 120  # a slow /health is not a death
-    env = [{"name": "SGLANG_HEALTH_CHECK_TIMEOUT", "value": "45"}]
+    # readiness: SGLang's /ready on the leader (no generation: a long prefill cannot fail it); the other nodes
+    # serve only SGLang's dummy health server, which has no /ready
+    assert readiness["httpGet"]["path"] == "/ready"
+    assert member["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert "terminationGracePeriodSeconds" not in readiness  # the API server refuses it on a readinessProbe
+    # liveness and startup: a one-token generation, within SGLang's own timeout, which the operator sets longer
+    # than the longest forward of the K2.6 profile (a 256K-token prompt in one batch)
+    env = {v["name"]: v.get("value") for v in leader["env"]}
+    timeout = int(env["SGLANG_HEALTH_CHECK_TIMEOUT"])
+    longest = PROFILES["kimi-k2.6-h200"].prefill_s(262_144)
+    assert longest == pytest.approx(LONGEST_FORWARD_S)
+    assert longest == pytest.approx(40.1, abs=0.05)
+    assert timeout == GENERATION_CHECK_TIMEOUT_S == 45 > longest
+    for probe in (startup, liveness):
+        assert probe["httpGet"]["path"] == "/health_generate"
+        assert probe["timeoutSeconds"] == timeout + 5  # SGLang answers 503 itself by then
+        # a kill on this probe has its own grace, not the pod's drain timeout + 30 s
+        assert probe["terminationGracePeriodSeconds"] == 30
+    assert leader["lifecycle"]["preStop"]["exec"]["command"][3].endswith("/ready")  # the hook gives up on it
+    pod_grace = group_pod(RoleContext.build(CLUSTER, SPEC, Role.DECODE, POOL), 0, 0)["spec"]
+    assert pod_grace["terminationGracePeriodSeconds"] == SPEC.lifecycle.drain_timeout_seconds + 30
+    # a hung worker is killed after one check: at most period + timeout after its scheduler stopped
+    assert liveness["failureThreshold"] == 1
+    assert liveness["periodSeconds"] + timeout <= 60
+    # a role's own SGLANG_HEALTH_CHECK_TIMEOUT wins, once in the env, and the probes follow it
+    user = [{"name": "SGLANG_HEALTH_CHECK_TIMEOUT", "value": "60"}]
     slow = kimi_spec(
-        decode={"groups": 1, "env": env}, lifecycle={"modelLoadTimeoutSeconds": 600, "startDeadlineSeconds": 900}
+        decode={"groups": 1, "env": user}, lifecycle={"modelLoadTimeoutSeconds": 600, "startDeadlineSeconds": 900}
     )
-    container = group_pod(RoleContext.build(CLUSTER, slow, Role.DECODE, POOL), 0, 0)["spec"]["containers"][0]
-    assert container["livenessProbe"]["timeoutSeconds"] == 55
+    container = _container(slow)
+    assert [v.get("value") for v in container["env"] if v["name"] == "SGLANG_HEALTH_CHECK_TIMEOUT"] == ["60"]
+    assert container["livenessProbe"]["timeoutSeconds"] == container["startupProbe"]["timeoutSeconds"] == 65
     assert container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"] == 600
 
 
@@ -87,7 +118,7 @@ def _cluster() -> tuple[ClusterRuntime, FakeKube, FakeRegistrar]:
             for rank in range(SPEC.role(role).nodes_per_group):
                 pod = live_pod(SPEC, role, group, rank, ip=f"10.0.{group}.{rank + (10 if role is Role.DECODE else 0)}")
                 kube.objects[object_path(pod)] = pod
-    runtime = ClusterRuntime(ref, SPEC, kube, registrar, RuntimeOptions("test"), frozenset)
+    runtime = ClusterRuntime(ref, SPEC, kube, registrar, RuntimeOptions("test"), dict)
     return runtime, kube, registrar
 
 

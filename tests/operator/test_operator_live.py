@@ -137,6 +137,11 @@ async def test_a_pdcluster_becomes_ready_with_the_right_pods_and_scales(
             "spec.lifecycle.startDeadlineSeconds",
             "startDeadlineSeconds must exceed modelLoadTimeoutSeconds",
         ),
+        (
+            {"lifecycle": {"nodeLostGraceSeconds": -1}},
+            "spec.lifecycle.nodeLostGraceSeconds",
+            "spec.lifecycle.nodeLostGraceSeconds in body should be greater than or equal to 0",
+        ),
         (  # tcp, 1 GPU per pod: [32767, 32768] touches the ephemeral ports
             {
                 "decode": {

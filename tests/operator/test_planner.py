@@ -86,21 +86,23 @@ CASES: list[tuple[str, int, dict[int, GroupView], int, list[Action]]] = [
         1,
         [delete(0, DeleteReason.ROLLOUT), CreateGroup(2), CreateGroup(3)],
     ),
-    # Rollout in place (no spare nodes).
+    # Rollout in place (no spare nodes): the replacement takes the retired group's index (and next epoch) once its
+    # pods are gone, on the nodes they free.
     (
         "in place: retire one old group when all are ready",
         2,
         groups((0, R, OLD), (1, R, OLD)),
         0,
-        [delete(1, DeleteReason.ROLLOUT), CreateGroup(2)],
+        [delete(1, DeleteReason.ROLLOUT)],
     ),
-    ("in place: wait while a group is not ready", 2, groups((0, R, OLD), (2, S, NEW)), 0, []),
+    ("in place: recreate it under its index once gone", 2, groups((0, R, OLD)), 0, [CreateGroup(1)]),
+    ("in place: wait while a group is not ready", 2, groups((0, R, OLD), (1, S, NEW)), 0, []),
     (
         "in place: next step",
         2,
-        groups((0, R, OLD), (2, R, NEW)),
+        groups((0, R, OLD), (1, R, NEW)),
         0,
-        [delete(0, DeleteReason.ROLLOUT), CreateGroup(1)],
+        [delete(0, DeleteReason.ROLLOUT)],
     ),
     (
         "a half-rolled group (mixed hashes) is outdated",

@@ -1,8 +1,9 @@
-"""``PDCluster.spec.lifecycle``: how long a group may load, start and drain.
+"""``PDCluster.spec.lifecycle``: how long a group may load, start and drain, and how long its node may be NotReady.
 
-SGLang's ``/health`` runs a one-token generation (``SGLANG_HEALTH_CHECK_TIMEOUT``, 20 s, in
-``sglang/srt/entrypoints/http_server.py``), so a busy worker can look unready for a while; loading a ~600 GB
-checkpoint takes many minutes. These budgets keep a loading or busy group alive and bound a stuck one.
+Loading a ~600 GB checkpoint takes many minutes, and SGLang's generation health check
+(``sglang/srt/entrypoints/http_server.py``, ``health_generate``) answers only when the scheduler puts out a batch;
+the probes built on it are in ``desired/probes.py``. These budgets keep a loading or busy group alive and bound a
+stuck one.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ from tandem_operator.api.rules import CrdModel, Rule
 
 
 class LifecycleSpec(CrdModel):
-    """Start-up, stuck-group and drain budgets of every worker group."""
+    """Start-up, stuck-group and drain budgets of every worker group, and the grace of a NotReady node."""
 
     model_load_timeout_seconds: int = Field(
         default=3600,
         ge=60,
         le=86400,
-        description="Model-load budget: the startupProbe allows this long before /health first answers 200 "
+        description="Model-load budget: the startupProbe allows this long before /health_generate first answers 200 "
         "(liveness and readiness start after it).",
     )
     start_deadline_seconds: int = Field(
@@ -35,6 +36,20 @@ class LifecycleSpec(CrdModel):
         le=86400,
         description="Scale-down and rollouts unregister a group, then wait up to this long for its running "
         "requests and KV transfers to reach 0 before deleting its pods.",
+    )
+    node_lost_grace_seconds: int = Field(
+        default=300,
+        ge=0,
+        le=86400,
+        description="How long a node may stay NotReady (its Ready condition False or Unknown, counted from the "
+        "condition's lastTransitionTime) before the groups with a pod on it are fenced and recreated. Until then they "
+        "are only out of routing (same pods, same epoch) and are routed again when the node is Ready; a deleted node, "
+        "or a member seen deleted, Failed or restarted, recreates its group at once. The default 300 s is Kubernetes' "
+        "own: the not-ready and unreachable NoExecute tolerations the DefaultTolerationSeconds admission plugin gives "
+        "every pod, after which the taint manager evicts the pods (a Terminating member is fenced), so a longer grace "
+        "also needs the roles' tolerations. A node is reported NotReady only after kube-controller-manager's "
+        "node-monitor-grace-period (40-50 s of missed kubelet leases), so a lease or API-server blip costs no reload, "
+        "and a dead node about 6 min before its groups reload. 0 fences as soon as a node is NotReady.",
     )
 
     cel_rules = (

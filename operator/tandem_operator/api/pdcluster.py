@@ -34,6 +34,7 @@ from tandem_operator.api.common import (
     Resources,
     Toleration,
 )
+from tandem_operator.api.fabric import HOSTNAME_LABEL, FabricSpec, QualifiedLabelKey
 from tandem_operator.api.lifecycle import LifecycleSpec
 from tandem_operator.api.mooncake_ports import (
     EPHEMERAL_PORTS,
@@ -139,6 +140,14 @@ class ModelSpec(CrdModel):
     weight_cache: WeightCacheSpec | None = Field(
         default=None, description="Node-local weights (hostPath, prefetched); path then names the copy in it."
     )
+    cached_node_label: QualifiedLabelKey | None = Field(
+        default=None,
+        description="A node label that marks nodes already holding this model's weights (set by whatever stages "
+        "them, e.g. a prefetch DaemonSet; name one label per model): worker pods prefer such nodes (a preferred "
+        "node affinity, weight 100, so it ranks nodes that every required rule already allows and never overrides "
+        "one). A recreated group or an in-place rollout (maxSurgeGroups: 0) then lands where the load is a local "
+        "read. Changing it rolls no pod: it applies to pods created from then on.",
+    )
     moe_quantization: Literal["w4a16", "fp8", "bf16"] | None = Field(
         default=None,
         description="The checkpoint's MoE weights, for the checks that depend on them: w4a16 (Kimi K2.6's INT4, "
@@ -228,8 +237,12 @@ class PoolSpec(CrdModel):
         default=1,
         ge=0,
         le=1,
-        description="Extra groups a rollout may create before deleting an old one (0: replace in place, which "
-        "needs no spare nodes but lowers capacity by one group during each step).",
+        description="Extra groups a rollout may create before deleting an old one. 1 (surge): a new group first, "
+        "an old one retired once it is Ready; needs a spare node set per role (without one the new group stays "
+        "Pending until lifecycle.startDeadlineSeconds, then is recreated, Pending again). 0 (in place): one old "
+        "group is drained and deleted and its replacement takes the freed nodes; no spare nodes, one group less "
+        "capacity during each step, and with more than one group per role the last old-revision group still waits "
+        "until routers can pair the new revision.",
     )
 
     @property
@@ -474,6 +487,12 @@ class PDClusterSpec(CrdModel):
         description="SLO-driven autoscaling: when set, the operator owns both PDPools' replicas (a kubectl scale "
         "is only a new starting point that later decisions move; do not add an HPA).",
     )
+    fabric: FabricSpec | None = Field(
+        default=None,
+        description="The nodes' RDMA fabric domains: each group's pods stay inside one, its registry entry names "
+        "it, and routers pair a prefill and a decode of one domain (fabric.mode). Unset: no placement rule, and "
+        "routers pair across domains freely.",
+    )
 
     cel_rules = (
         *(
@@ -541,6 +560,18 @@ class PDClusterSpec(CrdModel):
                 or bool(s.etcd.mooncake_endpoints)
             ),
             field_path=".etcd.mooncakeEndpoints",
+        ),
+        Rule(
+            cel=f"!has(self.fabric) || self.fabric.domainLabel != '{HOSTNAME_LABEL}' || "
+            "(self.prefill.nodesPerGroup == 1 && self.decode.nodesPerGroup == 1)",
+            message=f"fabric.domainLabel {HOSTNAME_LABEL} makes a node its own domain, which a group over several "
+            "nodes cannot fit in: name the label of a rack, rail group or NVLink domain, or use nodesPerGroup 1",
+            check=lambda s: (
+                s.fabric is None
+                or s.fabric.domain_label != HOSTNAME_LABEL
+                or (s.prefill.nodes_per_group == 1 and s.decode.nodes_per_group == 1)
+            ),
+            field_path=".fabric.domainLabel",
         ),
     )
 

@@ -101,24 +101,32 @@ def compat_revision(spec: PDClusterSpec) -> str:
     old and new with new.
     """
     wire = spec.to_wire()
-    return _digest(
-        {"model": wire["model"], "image": wire["images"]["worker"], "protocol": wire["transfer"]["protocol"]}
-    )
+    return _digest({"model": _model(wire), "image": wire["images"]["worker"], "protocol": wire["transfer"]["protocol"]})
+
+
+def _model(wire: dict[str, Any]) -> dict[str, Any]:
+    """The model as it reaches the workers: cachedNodeLabel is only a scheduling preference of new pods (it came
+    later, and setting or changing it rolls nothing)."""
+    return {k: v for k, v in wire["model"].items() if k != "cachedNodeLabel"}
 
 
 def template_hash(spec: PDClusterSpec, role: Role) -> str:
     """Hash of every input of the role's pods: a change rolls the role's groups. ``groups`` is excluded."""
     wire = spec.to_wire()
     role_spec = {key: value for key, value in wire[role.value].items() if key != "groups"}
+    # fabric came later: hashed only when set, and only its placement (fabric.mode reaches routers, not pods)
+    fabric = {"fabric": spec.fabric.domain_label} if spec.fabric is not None else {}
     return _digest(
         {
+            **fabric,
             "role": role_spec,
-            "model": wire["model"],
+            "model": _model(wire),
             "images": wire["images"],
             "transfer": wire["transfer"],
             # mooncakeEndpoints came later: hashed only when set, so upgrading the operator rolls no pod
             "etcd": {k: v for k, v in wire["etcd"].items() if k != "mooncakeEndpoints" or v},
-            "lifecycle": wire["lifecycle"],
+            # nodeLostGraceSeconds is the operator's own timer, in no pod: it came later, and changes no pod
+            "lifecycle": {k: v for k, v in wire["lifecycle"].items() if k != "nodeLostGraceSeconds"},
             "jitCache": wire["jitCache"],
             "scheduling": wire["scheduling"],
         }

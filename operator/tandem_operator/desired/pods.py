@@ -17,6 +17,7 @@ from tandem_operator.api.mooncake_ports import ports_needed
 from tandem_operator.api.pdcluster import PDClusterSpec, TransferProtocol
 from tandem_operator.desired.args import Placement, launch_command
 from tandem_operator.desired.drain_hook import EXIT_GRACE_S, prestop_command
+from tandem_operator.desired.fabric import fabric_affinity_terms
 from tandem_operator.desired.naming import (
     ANNOTATION_BOOTSTRAP_PORT,
     COMMON_LABELS,
@@ -32,8 +33,10 @@ from tandem_operator.desired.naming import (
     pod_name,
     template_hash,
 )
+from tandem_operator.desired.probes import health_env, probes
 from tandem_operator.desired.recipe import (
     cache_volumes,
+    cached_weights_affinity,
     collective_env,
     gang_pod_fields,
     group_objects,
@@ -48,12 +51,6 @@ from tandem_operator.desired.security import (
 )
 
 GPU_RESOURCE = "nvidia.com/gpu"
-# SGLang's own /health timeout (SGLANG_HEALTH_CHECK_TIMEOUT in sglang/srt/environ.py): past it /health answers 503.
-HEALTH_CHECK_TIMEOUT_ENV = "SGLANG_HEALTH_CHECK_TIMEOUT"
-HEALTH_CHECK_TIMEOUT_S = 20
-STARTUP_PERIOD_S = 10
-LIVENESS_PERIOD_S = 30
-LIVENESS_FAILURES = 5  # a worker that cannot generate one token for ~2.5 min is restarted (its group recreated)
 CONTAINER = "sglang"
 HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
 
@@ -78,9 +75,9 @@ def leader_address(ctx: RoleContext, group: int) -> str:
     return f"{group_name(ctx.cluster.name, ctx.role, group)}.{ctx.cluster.namespace}.svc"
 
 
-def _leader_metrics_url(ctx: RoleContext, group: int) -> str:
-    """The group leader's /metrics by its Service name (every rank's preStop reads the leader's gauges)."""
-    return f"http://{leader_address(ctx, group)}:{ctx.spec.role(ctx.role).ports.http}/metrics"
+def _leader_url(ctx: RoleContext, group: int) -> str:
+    """The group leader's HTTP server by its Service name (every rank's preStop reads the leader's gauges)."""
+    return f"http://{leader_address(ctx, group)}:{ctx.spec.role(ctx.role).ports.http}"
 
 
 def group_manifests(ctx: RoleContext, group: int, epoch: int = 0) -> list[dict[str, Any]]:
@@ -189,6 +186,8 @@ def _env(ctx: RoleContext, epoch: int) -> list[dict[str, Any]]:
         # A prefill probes a decode session it blacklisted this often (SGLang: 30 s, doubling up to 300 s).
         "SGLANG_FAILED_SESSION_PROBE_INTERVAL_S": {"value": str(transfer.failed_session_probe_seconds)},
         "SGLANG_FAILED_SESSION_PROBE_MAX_INTERVAL_S": {"value": str(transfer.failed_session_probe_max_seconds)},
+        # SGLang's health-check timeout: longer than any batch, so only a stuck scheduler fails a check
+        **health_env(),
     }
     if transfer.disable_metadata_cache:
         env["MC_DISABLE_METACACHE"] = {"value": "true"}
@@ -260,52 +259,12 @@ def _affinity(ctx: RoleContext, group: int, rank: int) -> dict[str, Any]:
         }
     }
     topology_key = ctx.spec.role(ctx.role).topology_key
+    terms = fabric_affinity_terms(ctx.spec, labels)  # every rank: the group stays in one RDMA fabric domain
     if topology_key is not None and rank > 0:  # follow the leader into its rack / NVLink or IB block
-        affinity["podAffinity"] = {
-            "requiredDuringSchedulingIgnoredDuringExecution": [
-                {"labelSelector": {"matchLabels": {**labels, LABEL_RANK: "0"}}, "topologyKey": topology_key}
-            ]
-        }
-    return affinity
-
-
-def health_check_timeout(ctx: RoleContext) -> int:
-    """SGLang's /health timeout for this role: the user's SGLANG_HEALTH_CHECK_TIMEOUT, else SGLang's default."""
-    value = next((v.value for v in ctx.spec.role(ctx.role).env if v.name == HEALTH_CHECK_TIMEOUT_ENV), "")
-    return int(value) if value.isdigit() and int(value) > 0 else HEALTH_CHECK_TIMEOUT_S
-
-
-def _health_get() -> dict[str, Any]:
-    return {"httpGet": {"path": "/health", "port": "http"}}
-
-
-def probes(ctx: RoleContext) -> dict[str, dict[str, Any]]:
-    """Startup, readiness and liveness on ``/health`` (every rank: the leader's HTTP server, the other ranks'
-    dummy health server).
-
-    * startupProbe: the model-load budget (``lifecycle.modelLoadTimeoutSeconds``); the other probes wait for it.
-    * readinessProbe: only gates routing (the operator unregisters a NotReady group and registers it again, same
-      epoch, once Ready); its timeout is SGLang's own health timeout, past which /health answers 503 anyway.
-    * livenessProbe: a failure restarts the container, which recreates the group, so it needs
-      ``LIVENESS_FAILURES`` failures in a row, each allowed SGLang's health timeout plus 10 s.
-    """
-    timeout = health_check_timeout(ctx)
-    load_budget = ctx.spec.lifecycle.model_load_timeout_seconds
-    return {
-        "startupProbe": {
-            **_health_get(),
-            "periodSeconds": STARTUP_PERIOD_S,
-            "timeoutSeconds": timeout,
-            "failureThreshold": -(-load_budget // STARTUP_PERIOD_S),
-        },
-        "readinessProbe": {**_health_get(), "periodSeconds": 10, "timeoutSeconds": timeout, "failureThreshold": 2},
-        "livenessProbe": {
-            **_health_get(),
-            "periodSeconds": LIVENESS_PERIOD_S,
-            "timeoutSeconds": timeout + 10,
-            "failureThreshold": LIVENESS_FAILURES,
-        },
-    }
+        terms.append({"labelSelector": {"matchLabels": {**labels, LABEL_RANK: "0"}}, "topologyKey": topology_key})
+    if terms:
+        affinity["podAffinity"] = {"requiredDuringSchedulingIgnoredDuringExecution": terms}
+    return {**affinity, **cached_weights_affinity(ctx.spec)}  # prefer nodes that hold the weights
 
 
 def group_pod(ctx: RoleContext, group: int, rank: int, epoch: int = 0) -> dict[str, Any]:
@@ -339,10 +298,12 @@ def group_pod(ctx: RoleContext, group: int, rank: int, epoch: int = 0) -> dict[s
         # A hostPath /dev/infiniband is unusable without device access (desired/security.py).
         "securityContext": worker_security_context(privileged=_uses_host_infiniband(ctx)),
         "volumeMounts": mounts,
-        **probes(ctx),
+        **probes(spec, ctx.role, rank),  # desired/probes.py: readiness /ready, liveness /health_generate
         # Pods deleted by others (eviction, kubectl delete) wait for the group's in-flight work, as the operator's
-        # own drain does; the grace period leaves SGLang EXIT_GRACE_S after the hook.
-        "lifecycle": {"preStop": {"exec": {"command": prestop_command(_leader_metrics_url(ctx, group), drain_s)}}},
+        # own drain does; the grace period leaves SGLang EXIT_GRACE_S after the hook. The hook gives up on a leader
+        # that is not ready (a hung scheduler drains nothing), and a liveness or startup kill has its probe's own
+        # grace (desired/probes.py), not this one.
+        "lifecycle": {"preStop": {"exec": {"command": prestop_command(_leader_url(ctx, group), drain_s)}}},
     }
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",

@@ -142,6 +142,20 @@ def prefetch_containers(
     ]
 
 
+CACHED_NODE_WEIGHT = 100  # the only preferred node-affinity term of a worker: the scheduler normalises it anyway
+
+
+def cached_weights_affinity(spec: PDClusterSpec) -> dict[str, Any]:
+    """A preferred node affinity for nodes labelled ``model.cachedNodeLabel`` (they hold the weights already); empty
+    without the label. Preferred terms only score the nodes every required rule allows, so it never overrides
+    placement (one pod per node, ``topologyKey``, ``fabric``, ``nodeSelector``)."""
+    label = spec.model.cached_node_label
+    if label is None:
+        return {}
+    term = {"weight": CACHED_NODE_WEIGHT, "preference": {"matchExpressions": [{"key": label, "operator": "Exists"}]}}
+    return {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [term]}}
+
+
 def gang_pod_fields(spec: PDClusterSpec, role: Role, group_name: str) -> dict[str, Any]:
     """Labels, annotations and schedulerName that put a pod into its group's gang."""
     gang, nodes = spec.scheduling, spec.role(role).nodes_per_group
@@ -161,7 +175,9 @@ def group_objects(
     spec: PDClusterSpec, role: Role, metadata: dict[str, Any], selector: dict[str, str]
 ) -> list[dict[str, Any]]:
     """The group's PodDisruptionBudget (no voluntary eviction of any member: one lost rank breaks the whole
-    group) and, for Volcano or scheduler-plugins, its PodGroup (all ``nodesPerGroup`` pods or none)."""
+    group; a drained node's groups are moved by the operator when it sees the cordon, and the eviction of a pod it
+    is deleting goes through) and, for Volcano or scheduler-plugins, its PodGroup (all ``nodesPerGroup`` pods or
+    none)."""
     objects: list[dict[str, Any]] = [
         {
             "apiVersion": "policy/v1",

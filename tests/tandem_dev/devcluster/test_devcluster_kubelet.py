@@ -12,6 +12,7 @@ from aiohttp import web
 
 from tandem_dev.devcluster.podstatus import ContainerView, Terminated, backoff_s, restarts, status_patch
 from tandem_dev.devcluster.probes import (
+    LIVENESS,
     READINESS,
     STARTUP,
     ContainerProbes,
@@ -22,6 +23,8 @@ from tandem_dev.devcluster.probes import (
     ProbeTracker,
     Verdict,
     check,
+    kill_grace_s,
+    prestop_command,
 )
 from tandem_dev.procs import free_port
 
@@ -50,6 +53,28 @@ def test_readiness_needs_success_threshold_successes_and_goes_after_failure_thre
     assert tracker.ready
     assert [tracker.record(ok) for ok in (False, False, True, False, False, False)] == [False] * 5 + [True]
     assert not tracker.ready
+
+
+def test_a_probe_still_running_is_not_started_again_and_reruns_at_once_after_its_period() -> None:
+    health = {"httpGet": {"path": "/health", "port": 30001}}
+    probes = ContainerProbes.for_container(
+        {"readinessProbe": {**health, "periodSeconds": 5}, "livenessProbe": {**health, "periodSeconds": 10}}, 0.0
+    )
+    assert probes.due(0.0) == [READINESS, LIVENESS]
+    assert probes.due(5.0, running={LIVENESS}) == [READINESS]  # readiness is not held up by a slow liveness
+    assert probes.due(12.0, running={LIVENESS}) == [READINESS]
+    assert probes.due(12.5) == [LIVENESS]  # its result came after its period: it runs again at once
+
+
+def test_a_kill_after_a_failed_probe_takes_the_probes_grace_and_the_prestop_hook() -> None:
+    hook = {"preStop": {"exec": {"command": ["python3", "-c", "pass"]}}}
+    container = {"livenessProbe": {"terminationGracePeriodSeconds": 30}, "startupProbe": {}, "lifecycle": hook}
+    pod_spec = {"terminationGracePeriodSeconds": 930}
+    assert kill_grace_s(pod_spec, container, LIVENESS) == 30
+    assert kill_grace_s(pod_spec, container, STARTUP) == 930  # no grace of its own: the pod's
+    assert kill_grace_s({}, container, READINESS) == 30  # the API's default pod grace
+    assert prestop_command(container) == ("python3", "-c", "pass")
+    assert prestop_command({}) == ()
 
 
 def test_startup_gates_readiness_and_liveness_and_a_failing_liveness_probe_kills() -> None:

@@ -24,10 +24,10 @@ from tandem_dev.devcluster.podrunner import (
     desired_launches,
     expand,
     resolve_services,
-    selected_pod_ip,
     service_refs,
     sglang_server_args,
 )
+from tandem_dev.devcluster.services import resolve_urls, selected_pod_ip, url_service_refs
 
 
 def test_fake_nodes_have_gpus_rdma_blocks_and_loopback_addresses() -> None:
@@ -212,6 +212,17 @@ def test_service_names_in_address_flags_resolve_to_the_selected_pod_ip() -> None
     plain = Launch(pod="ns/p", uid="p", host="127.10.0.9", server_args=("--dist-init-addr", "127.0.0.1:5000"))
     assert service_refs(plain) == set()
     assert resolve_services(plain, {}) == plain
+
+
+def test_service_hosts_in_a_hooks_urls_resolve_to_the_selected_pod_ip() -> None:
+    hook = ["python3", "-c", "...", "http://kimi-decode-0.ns.svc:30001/ready", "http://kimi-decode-0.ns.svc:30001/m"]
+    assert url_service_refs(hook) == {("ns", "kimi-decode-0")}
+    assert resolve_urls(hook, {("ns", "kimi-decode-0"): "127.10.0.7"})[3:] == [
+        "http://127.10.0.7:30001/ready",
+        "http://127.10.0.7:30001/m",
+    ]
+    assert resolve_urls(hook, {}) == hook  # unknown: left to fail as an unresolvable name
+    assert url_service_refs(["http://127.0.0.1:80/x", "kimi.ns.svc"]) == set()  # only hosts of URLs
 
 
 def test_large_fleets_renew_node_leases_less_often_and_the_node_monitor_waits_longer(tmp_path: Path) -> None:
