@@ -4,6 +4,7 @@ traffic and one worker death produce every kind of sample, and every dashboard p
 from __future__ import annotations
 
 import asyncio
+import collections
 import signal
 import subprocess
 import time
@@ -12,8 +13,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import aiohttp
 from kubernetes_asyncio import client
 from openai import AsyncOpenAI, OpenAIError
+from prometheus_client.parser import text_string_to_metric_families
 
 from tandem_dev.chart.dashboard import PANELS
 from tandem_dev.devcluster.podrunner import PodRunner
@@ -28,6 +31,12 @@ POSITIVE = {
     "sum by (reason) (increase(tandem_operator_fences_total[5m]))",
     "sum(increase(tandem_operator_recovery_seconds_count[15m]))",
 }
+# Requests kept in flight through the cut pair: more than the router keeps idle connections to the decode (one per
+# concurrent use: sequential traffic and the health checker's probes). Each gives up after the SDK timeout, longer
+# than the router's connect timeout (2 s) and its first retry's backoff.
+FAILING_CONCURRENCY = 3
+FAILING_REQUEST_TIMEOUT_S = 10
+FAILING_WITHIN_S = 30  # the cut decode stays in rotation ~20 s (readiness probes, the router's health probes)
 
 
 def check_alert_rules(tmp_path: Path) -> str:
@@ -55,15 +64,72 @@ async def _traffic(router_url: str, model: str, requests: int) -> None:
                 await sdk.completions.create(model=model, prompt=f"plain {i}", max_tokens=8)
 
 
-async def _failing_requests(router_url: str, model: str, attempts: int) -> int:
-    failed = 0
-    async with AsyncOpenAI(base_url=f"{router_url}/v1", api_key="none", max_retries=0, timeout=30) as sdk:
-        for _ in range(attempts):
+async def _failure_counts(router_url: str, decode_url: str) -> tuple[float, float]:
+    """The router's own counts, from its /metrics: failed attempts on pairs with ``decode_url``, and retries after a
+    decode's failure."""
+    async with aiohttp.ClientSession() as http, http.get(f"{router_url}/metrics") as resp:
+        assert resp.status == 200, resp.status
+        text = await resp.text()
+    failures = retries = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "tandem_router_pair_failures_total" and sample.labels.get("decode") == decode_url:
+                failures += sample.value
+            elif sample.name == "tandem_router_retries_total" and sample.labels["reason"].startswith("decode_"):
+                retries += sample.value
+    return failures, retries
+
+
+async def _failing_requests(router_url: str, model: str, decode_url: str, before: tuple[float, float]) -> list[str]:
+    """Completions through the router while the decode's link is cut, ``FAILING_CONCURRENCY`` at a time, until the
+    router counts a failed attempt on the pair and a retry (``before``: its counts when the link was cut); then the
+    ones in flight finish. Returns what the client got from each.
+
+    Concurrent, because one request alone can miss the pair: the router may send it on a kept-alive connection to
+    the decode (its health probes keep one warm), where it waits for an answer that cannot come (the worker's
+    first byte may legitimately take minutes) until the client gives up. That is no failure of the pair (nothing
+    is counted when a client leaves), and by the time the next one is sent the decode may be out of rotation (its
+    pod NotReady, or its breaker open after failed health probes): a 503 "no healthy pair", no attempt. The decode
+    has fewer idle connections than requests in flight, so one of them connects afresh and fails within the
+    connect timeout."""
+    outcomes: list[str] = []
+    in_flight: set[asyncio.Task[None]] = set()
+    async with AsyncOpenAI(
+        base_url=f"{router_url}/v1", api_key="none", max_retries=0, timeout=FAILING_REQUEST_TIMEOUT_S
+    ) as sdk:
+
+        async def request() -> None:
             try:
-                await sdk.completions.create(model=model, prompt="after the crash", max_tokens=4)
-            except OpenAIError:
-                failed += 1
-    return failed
+                await sdk.completions.create(model=model, prompt="after the cut", max_tokens=4)
+            except OpenAIError as err:
+                outcomes.append(f"{type(err).__name__}: {str(err)[:120]}")
+            else:
+                outcomes.append("served")
+
+        async def counted() -> tuple[float, float] | None:
+            in_flight.difference_update([task for task in in_flight if task.done()])
+            while len(in_flight) < FAILING_CONCURRENCY:
+                in_flight.add(asyncio.create_task(request()))
+            counts = await _failure_counts(router_url, decode_url)
+            return counts if all(now > then for now, then in zip(counts, before, strict=True)) else None
+
+        try:
+            await eventually(
+                counted, "the router to count a failed attempt on the cut pair and a retry", within=FAILING_WITHIN_S
+            )
+        except AssertionError:
+            for task in in_flight:
+                task.cancel()
+            await asyncio.gather(*in_flight, return_exceptions=True)
+            after = await _failure_counts(router_url, decode_url)
+            raise AssertionError(
+                f"the router counted no failed attempt on a pair with the cut decode {decode_url} and a retry "
+                f"within {FAILING_WITHIN_S} s: (pair failures, retries) {before} -> {after}; "
+                f"{len(outcomes)} requests answered: "
+                f"{dict(collections.Counter(outcomes))}"
+            ) from None
+        await asyncio.gather(*in_flight)  # each ends within the SDK timeout
+    return outcomes
 
 
 async def _recoveries(api: client.ApiClient, namespace: str) -> int | None:
@@ -96,9 +162,16 @@ async def exercise_and_query(
     # A decode leader's network goes (its link cut; pod and process stay): the router's attempts on that pair fail
     # (connect timeouts). Then its worker dies: the pod runner reports what a kubelet would (container terminated,
     # pod Failed under restartPolicy Never), and the operator fences the group, recreates it, registers it again.
-    (crashed,) = [proc for launch, proc in runner.running.values() if launch.pod.endswith(f"/{DECODE_LEADER}")]
+    ((leader, crashed),) = [
+        (launch, proc) for launch, proc in runner.running.values() if launch.pod.endswith(f"/{DECODE_LEADER}")
+    ]
+    decode_url = f"http://{leader.host}:{leader.port}"
+    before = await _failure_counts(router_url, decode_url)
     runner.sandbox(f"{namespace}/{DECODE_LEADER}").cut_link()
-    assert await _failing_requests(router_url, model, 3) > 0
+    outcomes = await _failing_requests(router_url, model, decode_url, before)
+    print(f"requests through the cut pair: {dict(collections.Counter(outcomes))}")
+    assert outcomes, "no request through the cut pair was answered"
+    assert "served" not in outcomes, outcomes  # the group's only decode is cut off
     began = time.monotonic()
     crashed.signal(signal.SIGKILL)
     await eventually(lambda: _recoveries(api, namespace), "the operator's recovery of the decode group", within=90)
