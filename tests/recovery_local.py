@@ -107,12 +107,18 @@ async def _restart_at(
     other = data_port if same_data_port else (rpc - 1 if data_port == rpc + 1 else rpc + 1)
     window = {"MC_MIN_RPC_PORT": str(min(rpc, other)), "MC_MAX_RPC_PORT": str(max(rpc, other))}
     url = f"http://{HOST}:{port}"
+    outcomes: dict[str, int] = {}
     for attempt in range(100):
         proc = _worker(f"decode-{attempt + 1}", log_dir, Role.DECODE, port, None, {**env, **window})
-        if await _healthy(http, proc, url, 60) and await _session(http, url) == session:
+        if not await _healthy(http, proc, url, 60):
+            outcome = "not healthy" if proc.alive() else "exited"
+        elif (got := await _session(http, url)) != session:
+            outcome = f"session {got}"
+        else:
             return proc
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
         proc.stop()
-    raise RuntimeError(f"the decode never came back under {session}")
+    raise RuntimeError(f"the decode never came back under {session} (window {window}): {outcomes}; logs in {log_dir}")
 
 
 async def _load(router: str, stop: asyncio.Event, log: list[tuple[float, int]]) -> None:
@@ -147,7 +153,13 @@ async def restart_decode_under_load(
         other = _free_run(2)
     prefill_env = {**env, "MC_MIN_RPC_PORT": str(other), "MC_MAX_RPC_PORT": str(other + 1)}
     decode_env = {**env, "MC_MIN_RPC_PORT": str(base + 1), "MC_MAX_RPC_PORT": str(base + 2)}
-    p_port, d_port, bootstrap, r_port = free_port(), free_port(), free_port(), free_port()
+    # The decode's HTTP port is bound again after the kill, so it too lies below the ephemeral range: an ephemeral
+    # one can meanwhile become the local port of any outgoing connection on the machine, and the restart would
+    # find it taken.
+    d_port = _free_run(1)
+    while base - 1 <= d_port <= base + 4 or other - 1 <= d_port <= other + 2:
+        d_port = _free_run(1)
+    p_port, bootstrap, r_port = free_port(), free_port(), free_port()
     procs = [
         _worker("prefill", log_dir, Role.PREFILL, p_port, bootstrap, prefill_env),
         _worker("decode-0", log_dir, Role.DECODE, d_port, None, decode_env),

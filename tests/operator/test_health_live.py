@@ -56,6 +56,11 @@ async def test_a_paused_worker_leaves_rotation_and_returns_without_recreation_an
                 async with session.post(f"{url}/continue_generation", json={}) as resp:
                     assert resp.status == 200
             back = await eventually(registered, "decode-0 registered again once generation continued", within=60)
+
+            async def ready_again() -> bool:  # the poll may see the pod's Ready condition after the operator did
+                return transitions[:2] == [False, True]
+
+            await eventually(ready_again, "the pod's Ready condition False then True", within=30)
         failed = len(result["failed_before_first_byte"])
         print(f"\nreadiness transitions {transitions}; load {result['ok']} ok, {failed} failed while busy")
         assert failed == 0

@@ -67,7 +67,15 @@ async def test_a_hung_decode_is_killed_within_the_probe_grace_and_its_group_recr
         core = client.CoreV1Api(live.api)
 
         async def terminated() -> float | None:
-            pod = await core.read_namespaced_pod("sim-decode-0-0", ns)
+            """Seconds since the hang once the container is terminated, or its pod already fenced (gone or new)."""
+            try:
+                pod = await core.read_namespaced_pod("sim-decode-0-0", ns)
+            except client.ApiException as e:
+                if e.status != 404:
+                    raise
+                return time.monotonic() - hung_at  # the operator deleted the pod before this poll saw it exit
+            if pod.metadata.uid != uids["sim-decode-0-0"]:
+                return time.monotonic() - hung_at  # already recreated
             statuses = pod.status.container_statuses or []
             return time.monotonic() - hung_at if statuses and statuses[0].state.terminated else None
 

@@ -11,9 +11,10 @@ probe on its own loop, the next one at its period or at once after a slow one):
 - with the probes the operator renders now (``desired/probes.py``: readiness ``/ready``, liveness
   ``/health_generate`` with ``SGLANG_HEALTH_CHECK_TIMEOUT`` = 45 s): 0 readiness and 0 liveness failures;
 - with the probes it rendered before (readiness and liveness on ``/health``, SGLang's default 20 s timeout):
-  every readiness check during a forward fails (each after 20 s), two in a row make the pod NotReady, and the
-  operator unroutes its group. (One such prompt fails one check, and two in a row only when the first check
-  starts within 0.1 s of the forward: 2 x 20 s of the 40.1 s.)
+  every forward fails at least one readiness check (each after 20 s; a check starts within one 10 s period of
+  the forward's start). Two in a row make the pod NotReady and the operator unroutes its group, but with a 40.1 s
+  forward that needs a check to start within 0.1 s of the forward (2 x 20 s of the 40.1 s): it happens, by the
+  phase of the probe loop, and is printed, not asserted.
 
 Time scale: ``--sim-time-factor 0.5`` (``SCALE``) makes each forward 20.05 s of wall time; every probe period and
 timeout and ``SGLANG_HEALTH_CHECK_TIMEOUT`` are scaled by the same factor, so the test takes ~45 s.
@@ -161,5 +162,4 @@ async def test_256k_prefills_fail_no_new_probe_and_failed_the_old_readiness(tmp_
     assert new[LIVENESS].failures == 0  # ... and waited for it: none failed, so /ready stayed 200
     assert new[READINESS].failures == 0
     assert len(new[READINESS].results) >= 4
-    assert before[READINESS].failures >= 2
-    assert before[READINESS].turned_unready  # the old readiness probe failed twice in a row
+    assert before[READINESS].failures >= PROMPTS  # the old readiness probe failed during every forward
