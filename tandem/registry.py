@@ -6,15 +6,21 @@ key at once::
 
     /tandem/v1/clusters/<namespace>/<cluster>/endpoints/<role>/<group>  ->  Endpoint (JSON)
 
+Values carry a schema version (``schema_version``): writers stamp the current one, readers use values one version
+back or ahead and refuse the rest, ignoring the members they do not know (``tandem.registry_versions`` has the
+rules and what a writer of the next version promises). The key's ``v1`` is the key layout, not the value schema.
+
 This module is pure: no I/O. ``tandem.registry_etcd`` is the thin etcd adapter.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints, ValidationError, model_validator
+
+from tandem.registry_versions import LEGACY_VERSION, SCHEMA_VERSION, EntryRefusedError, Refusal, canonical, read_object
 
 ROOT = "/tandem/v1/clusters"
 
@@ -37,9 +43,9 @@ class FabricMode(StrEnum):
     REQUIRED = "required"
 
 
-# Fields added after entries were first written: left out of a value (and of what is signed) while unset, so an
-# entry without them is byte for byte what an older operator wrote and older routers read (their schema forbids
-# unknown fields), and an older operator's signature still verifies.
+# Fields added to version 1 after entries were first written: left out of a value (and of what is signed) while
+# unset, so a version-1 entry without them verifies as an older operator signed it. Writers of every later version
+# keep leaving them out while unset (tandem.registry_versions: a version N+1 value re-encodes as version N writes).
 _OMITTED_WHEN_UNSET = ("fabric_domain", "fabric_mode")
 
 
@@ -48,6 +54,12 @@ class Endpoint(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    schema_version: int = Field(
+        default=SCHEMA_VERSION,
+        ge=1,
+        description="Schema version of the value (tandem.registry_versions). Absent from values written before "
+        "versions existed: version 1. Writers always stamp the current version (``encode``).",
+    )
     role: Role
     group: Name = Field(description="Group name, unique within the cluster and role (e.g. 'decode-3').")
     url: str = Field(pattern=r"^https?://[^/\s]+$", description="HTTP base URL of the group's rank-0 SGLang server.")
@@ -82,6 +94,14 @@ class Endpoint(BaseModel):
         description="The operator's Ed25519 signature (base64) of this key and value (``signed_payload``): routers "
         "given the operator's public key ignore an endpoint without a valid one (tandem.registry_signing).",
     )
+    # Members of a newer version's value that this version does not know: never used, kept as read so that the
+    # signature is checked over the whole stored value (``signed_payload``). Never written back (``encode``).
+    _ignored: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @property
+    def ignored_members(self) -> tuple[str, ...]:
+        """Names of the stored members this version does not know (ignored)."""
+        return tuple(sorted(self._ignored))
 
 
 def reused_sessions(earlier: Endpoint, later: Endpoint) -> frozenset[str]:
@@ -103,21 +123,54 @@ def endpoint_key(namespace: str, cluster: str, endpoint: Endpoint) -> str:
 
 def signed_payload(key: str, endpoint: Endpoint) -> bytes:
     """What the operator signs: the registry key and the value without its signature, so a signed value cannot be
-    replayed under another cluster's or group's key."""
-    return key.encode() + b"\n" + endpoint.model_dump_json(exclude={"signature", *_unset(endpoint)}).encode()
+    replayed under another cluster's or group's key.
+
+    From version 2 on, the value is the canonical JSON of the whole stored object (members this version does not
+    know included, as read); a version-1 value (no version member) keeps version 1's payload: its members in the
+    model's order, as the operators of that version signed it. A value cannot move from one form to the other
+    without breaking its signature: only the canonical form holds a version member."""
+    if endpoint.schema_version == LEGACY_VERSION:
+        exclude = {"signature", "schema_version", *_unset(endpoint)}
+        return key.encode() + b"\n" + endpoint.model_dump_json(exclude=exclude).encode()
+    stored = {**endpoint.model_dump(mode="json", exclude={"signature", *_unset(endpoint)}), **endpoint._ignored}
+    return key.encode() + b"\n" + canonical(stored)
 
 
 def _unset(endpoint: Endpoint) -> set[str]:
     return {name for name in _OMITTED_WHEN_UNSET if getattr(endpoint, name) is None}
 
 
+def stamped(endpoint: Endpoint) -> Endpoint:
+    """The endpoint as this version writes it: the current schema version, no member this version does not know."""
+    if endpoint.schema_version == SCHEMA_VERSION and not endpoint._ignored:
+        return endpoint
+    copy = endpoint.model_copy(update={"schema_version": SCHEMA_VERSION})
+    copy._ignored = {}
+    return copy
+
+
 def encode(endpoint: Endpoint) -> bytes:
+    """The value a writer of this version puts: stamped with the current schema version (``stamped``)."""
+    endpoint = stamped(endpoint)
     return endpoint.model_dump_json(exclude=_unset(endpoint)).encode()
 
 
 def decode(value: bytes) -> Endpoint:
-    """Parse a registry value; raises ``pydantic.ValidationError`` on a malformed one."""
-    return Endpoint.model_validate_json(value)
+    """Read a registry value of any version this reader uses (``tandem.registry_versions``): members it does not
+    know are ignored (kept for the signature, ``ignored_members``), missing ones take their defaults. Raises
+    ``EntryRefusedError`` (a ``ValueError``, ``reason`` and ``detail``) for a value it does not use."""
+    version, obj = read_object(value)
+    known = {name: v for name, v in obj.items() if name in Endpoint.model_fields}
+    ignored = {name: v for name, v in obj.items() if name not in Endpoint.model_fields}
+    if ignored and version == LEGACY_VERSION:
+        detail = f"a version-1 value with members version 1 never had: {sorted(ignored)}"
+        raise EntryRefusedError(Refusal.INVALID, detail)
+    try:
+        endpoint = Endpoint.model_validate({**known, "schema_version": version})
+    except ValidationError as err:
+        raise EntryRefusedError(Refusal.INVALID, str(err), version) from err
+    endpoint._ignored = ignored
+    return endpoint
 
 
 class QuarantinedPair(BaseModel):

@@ -3,7 +3,9 @@ one kept-alive lease, is ``tandem.leased_writer``.
 
 - ``EndpointWatcher`` lists a cluster's prefix, then watches it from the next revision: a PUT upserts, a DELETE
   (or lease expiry) removes the endpoint at once. It re-lists after a lost connection, so the callbacks always
-  converge to etcd's current content. Malformed values are logged and skipped, never crash the router.
+  converge to etcd's current content. A value the router does not use (malformed, or of a schema version it does
+  not read: ``tandem.registry_versions``) is logged with its key and why, counted, and handled as if its key were
+  absent; it never crashes the router nor touches other keys.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ from typing import Any, Generic, TypeVar
 
 import aetcd
 import grpc
-import pydantic
 from aetcd import rpc, watcher
 
 from tandem import registry
 from tandem.registry import Endpoint, EtcdTLS
+from tandem.registry_versions import EntryRefusedError, Relation, SchemaCensus, relation
 
 log = logging.getLogger("tandem.registry")
 
@@ -157,8 +159,8 @@ async def close_client(etcd: Any, within: float = CLOSE_TIMEOUT_S) -> None:
 class PrefixWatcher(Generic[T]):
     """Lists an etcd prefix, then watches it from the next revision, calling ``on_change`` with the whole current
     set (key -> parsed value) after the listing and after every event. A PUT upserts, a DELETE (or a lease expiry)
-    drops the key, a value ``parse`` rejects (None) drops it too. After a lost connection it re-lists, so the set
-    always converges to etcd's content."""
+    drops the key, a value ``parse`` rejects (None) drops it too (``skipped``: the keys whose value it rejected).
+    After a lost connection it re-lists, so the set always converges to etcd's content."""
 
     def __init__(
         self,
@@ -174,6 +176,7 @@ class PrefixWatcher(Generic[T]):
         self.parse, self.on_change, self.retry_s = parse, on_change, retry_s
         self.synced = asyncio.Event()
         self.connected = False  # listed and watching now; False from a lost connection until the next listing
+        self.skipped: set[str] = set()  # keys present in etcd whose value ``parse`` rejected
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -215,10 +218,13 @@ class PrefixWatcher(Generic[T]):
     async def _list_and_watch(self, etcd: Any) -> None:
         listing = await etcd.get_prefix(self.prefix)
         current: dict[str, T] = {}
+        self.skipped = set()
         for kv in listing:
             value = self.parse(kv.key, kv.value)
             if value is not None:
                 current[kv.key.decode()] = value
+            else:
+                self.skipped.add(kv.key.decode())
         await self.on_change(dict(current))
         self.synced.set()
         self.connected = True
@@ -229,12 +235,17 @@ class PrefixWatcher(Generic[T]):
                 current.pop(key, None)
             else:
                 current[key] = value
+            if value is None and event.kind != "DELETE":
+                self.skipped.add(key)
+            else:
+                self.skipped.discard(key)
             await self.on_change(dict(current))
 
 
 class EndpointWatcher(PrefixWatcher[Endpoint]):
     """The router's view of one cluster's endpoints: ``on_snapshot`` after a (re-)listing, then ``on_put`` and
-    ``on_delete`` per change, so a deleted (fenced) endpoint is dropped at once."""
+    ``on_delete`` per change, so a deleted (fenced) endpoint is dropped at once. ``census``: each key's schema
+    relation (refused values: ``unsupported``) and the refusals so far, for the router's metrics."""
 
     def __init__(
         self,
@@ -249,8 +260,9 @@ class EndpointWatcher(PrefixWatcher[Endpoint]):
         tls: EtcdTLS | None = None,
     ) -> None:
         prefix = registry.cluster_prefix(namespace, cluster)
-        super().__init__(endpoints, prefix, _parse, self._changed, retry_s, tls)
+        super().__init__(endpoints, prefix, self._parse, self._changed, retry_s, tls)
         self.on_snapshot, self.on_put, self.on_delete = on_snapshot, on_put, on_delete
+        self.census = SchemaCensus()
         self._known: dict[str, Endpoint] | None = None
 
     async def _list_and_watch(self, etcd: Any) -> None:
@@ -258,6 +270,8 @@ class EndpointWatcher(PrefixWatcher[Endpoint]):
         await super()._list_and_watch(etcd)
 
     async def _changed(self, current: dict[str, Endpoint]) -> None:
+        self.census.by_key = {key: relation(ep.schema_version) for key, ep in current.items()}
+        self.census.by_key.update(dict.fromkeys(self.skipped, Relation.UNSUPPORTED))
         if self._known is None:
             self.on_snapshot(dict(current))
         else:
@@ -268,10 +282,28 @@ class EndpointWatcher(PrefixWatcher[Endpoint]):
                     self.on_put(key, endpoint)
         self._known = current
 
-
-def _parse(key: bytes, value: bytes) -> Endpoint | None:
-    try:
-        return registry.decode(value)
-    except pydantic.ValidationError as err:
-        log.error("malformed registry value skipped", extra={"key": key.decode(errors="replace"), "error": str(err)})
-        return None
+    def _parse(self, key: bytes, value: bytes) -> Endpoint | None:
+        try:
+            endpoint = registry.decode(value)
+        except EntryRefusedError as err:
+            self.census.refused[err.reason] += 1
+            log.error(
+                "registry entry refused: its worker is left out",
+                extra={
+                    "key": key.decode(errors="replace"),
+                    "reason": err.reason.value,
+                    "schema_version": err.version,
+                    "error": err.detail,
+                },
+            )
+            return None
+        if endpoint.ignored_members:
+            log.debug(
+                "registry entry of a newer schema: members this version does not know ignored",
+                extra={
+                    "key": key.decode(errors="replace"),
+                    "schema_version": endpoint.schema_version,
+                    "ignored": list(endpoint.ignored_members),
+                },
+            )
+        return endpoint

@@ -7,9 +7,13 @@ users' prompts never go to it. Only the operator holds the private key; routers 
 compromised router cannot sign.
 
 The signature covers the registry key and the value (``tandem.registry.signed_payload``): a signed value cannot be
-moved to another cluster's or group's key. Not covered: replaying an *older* signed value of the same key (an
-earlier incarnation). Routers count such a value as a group going back in epoch, and the operator re-puts the
-current value at its next reconcile (``--resync``, 30 s by default).
+moved to another cluster's or group's key. From schema version 2 on it covers the whole stored object, members the
+router's version does not know included (``tandem.registry_versions``), so a router that ignores a newer version's
+member still refuses a value in which that member was added or changed by someone else.
+
+Not covered: replaying an *older* signed value of the same key (an earlier incarnation). Routers count such a value
+as a group going back in epoch, and the operator re-puts the current value at its next reconcile (``--resync``,
+30 s by default).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from tandem.registry import Endpoint, encode, endpoint_key, signed_payload
+from tandem.registry import Endpoint, encode, endpoint_key, signed_payload, stamped
 
 
 class EndpointSigner:
@@ -40,6 +44,8 @@ class EndpointSigner:
         return cls(key)
 
     def sign(self, key: str, endpoint: Endpoint) -> Endpoint:
+        """The endpoint as written (stamped with the current schema version), signed for ``key``."""
+        endpoint = stamped(endpoint)
         signature = self._key.sign(signed_payload(key, endpoint))
         return endpoint.model_copy(update={"signature": base64.b64encode(signature).decode()})
 

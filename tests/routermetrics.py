@@ -30,6 +30,8 @@ class RouterMetrics:
     registry_panics: float = 0  # storms held since start
     registry_released: float = 0  # held workers removed after all (failed checks, or a settled registry)
     available: dict[str, float] = field(default_factory=dict)  # worker url -> 1 if its breaker admits traffic
+    schemas: dict[str, float] = field(default_factory=dict)  # relation -> registry entries (older/current/newer/...)
+    refused_entries: Counter[str] = field(default_factory=Counter)  # reason -> registry values refused
 
     @property
     def streaming(self) -> float:
@@ -82,4 +84,8 @@ async def scrape(router_url: str) -> RouterMetrics:
                 out.registry_released = sample.value
             elif sample.name == "tandem_router_worker_available":
                 out.available[sample.labels["worker"]] = sample.value
+            elif sample.name == "tandem_router_registry_entries_by_schema":
+                out.schemas[sample.labels["relation"]] = sample.value
+            elif sample.name == "tandem_router_registry_refused_entries_total":
+                out.refused_entries[sample.labels["reason"]] += int(sample.value)
     return out

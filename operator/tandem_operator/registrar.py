@@ -14,14 +14,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-import pydantic
-
 from tandem import registry
 from tandem.leased_writer import LeasedWriter, OnLeaseLost
 from tandem.registry import Endpoint, EtcdTLS
 from tandem.registry_etcd import client as etcd_client
 from tandem.registry_etcd import close_client
 from tandem.registry_signing import EndpointSigner, registry_entry
+from tandem.registry_versions import EntryRefusedError
 from tandem_operator.fencing import StaleKeys
 from tandem_operator.observe import GroupKey
 from tandem_operator.registration import parse_group
@@ -72,15 +71,17 @@ class Registrar:
 
     async def list_endpoints(self, namespace: str, cluster: str) -> dict[GroupKey, Endpoint]:
         """The cluster's entries now in etcd (a previous operator's included), without their signatures (as the
-        deciders build them); malformed ones, and with a signing key unsigned or forged ones, are skipped, so the
-        next sync overwrites them."""
+        deciders build them); malformed ones or ones of a schema version this operator does not read
+        (``tandem.registry_versions``), and with a signing key unsigned or forged ones, are skipped, so the next sync
+        overwrites them. The next sync re-puts every entry anyway, stamped with this operator's schema version."""
         found: dict[GroupKey, Endpoint] = {}
         for kv in await self.writer.client.get_prefix(registry.cluster_prefix(namespace, cluster).encode()):
             key = kv.key.decode(errors="replace")
             try:
                 endpoint = registry.decode(kv.value)
-            except pydantic.ValidationError:
-                log.warning("malformed registry entry ignored", extra={"key": key})
+            except EntryRefusedError as err:
+                extra = {"key": key, "reason": err.reason.value, "error": err.detail}
+                log.warning("registry entry ignored", extra=extra)
                 continue
             if self.signer is not None and not self.signer.verifier.verify(key, endpoint):
                 log.error("registry entry without a valid operator signature ignored", extra={"key": key})

@@ -83,6 +83,7 @@ class EtcdDiscovery:
             on_delete=self._delete,
             tls=settings.etcd_tls,
         )
+        pool.registry_census = self.watcher.census
 
     async def start(self) -> None:
         self.watcher.start()

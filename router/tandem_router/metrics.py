@@ -12,6 +12,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from tandem.registry import Role
+from tandem.registry_versions import SCHEMA_VERSION, Refusal, SchemaCensus
 from tandem_router.policy.breaker import BreakerState
 from tandem_router.pool import Pair, WorkerPool
 from tandem_router.registry_guard import RegistryGuard
@@ -179,6 +180,30 @@ class _PoolCollector(Collector):
         yield _available_pairs(self.pool, now)
         if self.pool.registry_guard is not None:
             yield from _registry_guard(self.pool.registry_guard)
+        if self.pool.registry_census is not None:
+            yield from _registry_schemas(self.pool.registry_census)
+
+
+def _registry_schemas(census: SchemaCensus) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Registry entries by how their schema version relates to the router's (``tandem.registry_versions``)."""
+    entries = GaugeMetricFamily(
+        "tandem_router_registry_entries_by_schema",
+        f"Registry entries of the router's cluster by schema version relative to the router's ({SCHEMA_VERSION}): "
+        "older (one back), current, newer (one ahead: used, unknown members ignored), unsupported (refused: two or "
+        "more ahead, too old, or invalid; its worker is left out).",
+        labels=["relation"],
+    )
+    for relation, count in census.counts().items():
+        entries.add_metric([relation.value], count)
+    yield entries
+    refused = CounterMetricFamily(
+        "tandem_router_registry_refused_entries",
+        "Registry values refused (each read: a put, or a re-listing), by reason: too_new, too_old, invalid.",
+        labels=["reason"],
+    )
+    for reason in Refusal:
+        refused.add_metric([reason.value], census.refused[reason])
+    yield refused
 
 
 def _registry_guard(guard: RegistryGuard) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

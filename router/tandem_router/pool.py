@@ -17,6 +17,7 @@ import random
 from collections.abc import Collection, Iterable, Sequence
 
 from tandem.registry import Role
+from tandem.registry_versions import SchemaCensus
 from tandem_router.policy import breaker as br
 from tandem_router.policy import cache_aware as ca
 from tandem_router.policy import fabric as fab
@@ -96,6 +97,7 @@ class WorkerPool:
         self.mooncake_session_reuses = 0  # recreated groups that came back under an earlier Mooncake session id
         self.forged_endpoints = 0  # registry values ignored for lack of a valid operator signature
         self.registry_guard: RegistryGuard | None = None  # etcd discovery's removal-storm guard (metrics, readiness)
+        self.registry_census: SchemaCensus | None = None  # etcd discovery's entries by schema relation (metrics)
 
     # -- membership (discovery) --------------------------------------------------------------------------------
     def upsert(self, spec: WorkerSpec) -> None:
