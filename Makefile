@@ -13,7 +13,7 @@ bootstrap:
 	@scripts/bootstrap.sh
 
 up: bootstrap
-	$(VENV)/bin/tandem up
+	$(VENV)/bin/tandem up $(if $(PORT),--port $(PORT))
 
 ## peers: install the pinned benchmark/conformance peers (smg, the sglang wheel, a venv with SGLang's real argument
 ## parser and torch) into ~/.cache/tandem/, outside the network namespace where PyPI is reachable; a rerun only checks.

@@ -16,14 +16,11 @@ also the tests' fixture.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
 import shutil
-import signal
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -349,65 +346,3 @@ class LocalStack:
                 await self.writer.close(revoke=True)
         for etcd in self.etcds:
             etcd.stop()
-
-
-def _examples(url: str, model: str) -> str:
-    return f"""
-Tandem is up: router {url}  (Ctrl-C stops everything)
-
-  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
-
-  python - <<'EOF'
-from openai import OpenAI
-client = OpenAI(base_url="{url}/v1", api_key="none")
-for chunk in client.chat.completions.create(model="{model}", stream=True, max_tokens=32,
-                                            messages=[{{"role": "user", "content": "Hello!"}}]):
-    print(chunk.choices[0].delta.content or "", end="", flush=True)
-print()
-EOF
-
-  metrics: {url}/metrics   readiness: {url}/readiness
-"""
-
-
-async def _run(args: argparse.Namespace) -> int:
-    workdir = Path(tempfile.mkdtemp(prefix="tandem-up-"))
-    stack = LocalStack(workdir, args.prefills, args.decodes, args.port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    started = time.monotonic()
-    try:
-        start = asyncio.create_task(stack.start())
-        waiter = asyncio.create_task(stop.wait())
-        await asyncio.wait({start, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        if not start.done():
-            start.cancel()
-            return 130
-        waiter.cancel()
-        start.result()
-        print(f"ready in {time.monotonic() - started:.1f}s; logs in {workdir}")
-        print(_examples(stack.router_url, stack.model), flush=True)
-        await stack.supervise(stop)
-        return 0
-    except ProcessFailedError as err:
-        print(f"tandem up: {err}", file=sys.stderr)
-        return 1
-    finally:
-        print("stopping ...", flush=True)
-        await stack.stop()
-        print("stopped.", flush=True)
-
-
-def main(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="tandem up", description=__doc__)
-    p.add_argument("--port", type=int, default=8000, help="router port (default 8000)")
-    p.add_argument("--prefills", type=int, default=2)
-    p.add_argument("--decodes", type=int, default=2)
-    args = p.parse_args(argv)
-    import uvloop
-
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(_run(args))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -24,9 +25,17 @@ from tandem_router.config import RouterSettings, load
 log = logging.getLogger("tandem.router")
 
 
+class ListenError(Exception):
+    """The router cannot listen where its settings say: one line naming the setting."""
+
+
 async def serve(settings: RouterSettings, *, reuse_port: bool = False) -> None:
     app = build_app(settings)
-    server = await app.start(settings.host, settings.port, reuse_port=reuse_port)
+    try:
+        server = await app.start(settings.host, settings.port, reuse_port=reuse_port)
+    except OSError as err:
+        why = "is in use" if err.errno == errno.EADDRINUSE else f"cannot be used ({err.strerror})"
+        raise ListenError(f"{settings.host}:{settings.port} {why}: choose another --port (or --host)") from err
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -49,7 +58,11 @@ async def serve(settings: RouterSettings, *, reuse_port: bool = False) -> None:
 
 def _run(settings: RouterSettings, reuse_port: bool) -> int:
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(serve(settings, reuse_port=reuse_port))
+        try:
+            runner.run(serve(settings, reuse_port=reuse_port))
+        except ListenError as err:
+            print(f"tandem router: {err}", file=sys.stderr)
+            return 2
     return 0
 
 
