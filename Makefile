@@ -46,7 +46,7 @@ images-relock: bootstrap
 ## TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 test: setup lint typecheck
-	scripts/in-netns.sh $(PYTEST) -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
+	TANDEM_FAIL_UNEXPECTED_SKIPS=1 scripts/in-netns.sh $(PYTEST) -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
 ## unit: the pure tests only (no netns, k8s, slow or process-starting tests); no netns needed. Two
 ## xdist workers (helm renders and Python overlap on 2 cores); modules that -m deselects whole are not even imported

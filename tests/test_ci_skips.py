@@ -1,4 +1,5 @@
-"""The CI=true rule: an unexpected skip fails the run, an explained "cannot run anywhere here" skip does not."""
+"""The make test / CI=true rule: an unexpected skip fails the run, an explained "cannot run anywhere here" skip does
+not; a plain pytest run keeps skips."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.ci_skips import STRICT_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,9 +43,10 @@ def test_pass():
 """
 
 
-def _run(tmp_path: Path, ci: str) -> subprocess.CompletedProcess[str]:
+def _run(tmp_path: Path, strict: dict[str, str]) -> subprocess.CompletedProcess[str]:
     (tmp_path / "test_cases.py").write_text(CASES)
-    env = {**os.environ, "CI": ci, "PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", STRICT_ENV)}  # make test sets STRICT_ENV itself
+    env |= {**strict, "PYTHONPATH": str(ROOT)}
     argv = [sys.executable, "-m", "pytest", "-p", "tests.ci_skips", "-p", "no:cacheprovider", "-q", "-rA"]
     return subprocess.run(
         [*argv, "-c", os.devnull, "--rootdir", str(tmp_path), str(tmp_path / "test_cases.py")],
@@ -51,15 +55,17 @@ def _run(tmp_path: Path, ci: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.procs
-@pytest.mark.parametrize("ci", ["true", ""])
-def test_unexpected_skips_fail_only_under_ci(tmp_path: Path, ci: str) -> None:
-    done = _run(tmp_path, ci)
+@pytest.mark.parametrize(
+    "strict", [{"CI": "true"}, {STRICT_ENV: "1"}, {"CI": ""}, {}], ids=["ci", "make-test", "ci-empty", "plain"]
+)
+def test_unexpected_skips_fail_under_make_test_and_ci(tmp_path: Path, strict: dict[str, str]) -> None:
+    done = _run(tmp_path, strict)
     out = done.stdout
-    if ci == "true":
+    if strict in ({"CI": "true"}, {STRICT_ENV: "1"}):
         assert done.returncode == 1, out
         assert "FAILED test_cases.py::test_plain_skip" in out, out
         assert "ERROR test_cases.py::test_skipif" in out, out  # a skipif mark skips in setup: an error there
-        assert "unexpected skip under CI=true" in out, out
+        assert "unexpected skip under make test / CI=true" in out, out
         assert "1 failed, 1 passed, 1 skipped, 1 xfailed, 1 error" in out, out
     else:
         assert done.returncode == 0, out
