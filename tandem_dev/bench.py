@@ -25,6 +25,7 @@ from tandem_dev.peers import PeerMissingError
 SECTIONS: dict[str, str] = {
     "sim": "tandem_dev.sim.bench",
     "sim-load": "tandem_dev.sim.bench_load",
+    "sim-startup": "tandem_dev.sim.bench_startup",
     "router": "tandem_dev.router.bench",
     "prefix": "tandem_dev.router.bench_prefix",
     "integrity": "tandem_dev.router.bench_integrity",

@@ -18,8 +18,9 @@ from typing import Any
 from tandem.sglang_args import SGLANG_VERSION, add_sglang_flags
 from tandem_sim.model import MIN_KV_BYTES
 from tandem_sim.numerics import DETERMINISTIC_OVERHEAD, Numerics, decode_capture_sizes, default_decode_max_bs
-from tandem_sim.profiles import DEFAULT_PROFILE, PROFILES, SimProfile
+from tandem_sim.profiles import DEFAULT_PROFILE, NO_LOAD, PROFILES, SimProfile
 from tandem_sim.ranks import KVLayout, Topology, check_parallel_flags, layout_error
+from tandem_sim.weights import LoadSettings, resolve_load
 
 HICACHE_BACKENDS_SIMULATED = ("file", "mooncake")
 # Mooncake 0.3.13's own RPC port range when ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT`` are unset or invalid.
@@ -154,6 +155,7 @@ class SimConfig:
     slow_health_s: float  # /health answers this much later while requests run (a health check queued under load)
     hang_after_s: float | None  # the schedulers stop this long after start (--sim-inject-hang-after-s)
     pd: PdEnv
+    load: LoadSettings  # where the weights come from (weights.py)
     server_args: Mapping[str, Any]  # every SGLang flag's resolved value, shown in /server_info
 
     @property
@@ -217,6 +219,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="every scheduler stops this many seconds after start (a hung GPU or collective): requests stay in "
         "flight, /metrics keeps serving, /health fails after SGLANG_HEALTH_CHECK_TIMEOUT (also POST "
         "/tandem/sim/faults {'hang': true})",
+    )
+    sim.add_argument(
+        "--sim-load-phases",
+        action="store_true",
+        help="start-up takes the profile's load phases (weights.py: download or read or peer pull, JIT, CUDA graphs) "
+        "x --sim-time-factor; without it they take no time (kimi-k2.6-h200 would take 1.5-10 min)",
+    )
+    sim.add_argument(
+        "--sim-weight-mb",
+        type=float,
+        default=4.0,
+        help="MiB of simulated weights per rank: the bytes a seed serves and a peer pulls over Mooncake "
+        "(--load-format remote_instance); the profile's weight size sets the load time",
     )
     sim.add_argument("--sim-host-pool-tokens", type=int, default=None, help="host KV pool size (default 4x device)")
     sim.add_argument(
@@ -331,6 +346,8 @@ def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> SimConfig:
     page_size = _positive("--page-size", int(ns.page_size or 1))
     max_running, max_prefill, chunk = _batching(ns)
     profile = _profile(ns)
+    if not ns.sim_load_phases:
+        profile = replace(profile, load=NO_LOAD)
     deterministic = bool(ns.enable_deterministic_inference)
     if deterministic:  # batch-invariant kernels cost 34.35% (numerics.DETERMINISTIC_OVERHEAD)
         profile = replace(profile, overhead=DETERMINISTIC_OVERHEAD)
@@ -396,6 +413,7 @@ def resolve(ns: argparse.Namespace, env: Mapping[str, str]) -> SimConfig:
         slow_health_s=max(0.0, float(ns.sim_slow_health_s)),
         hang_after_s=None if ns.sim_inject_hang_after_s is None else max(0.0, float(ns.sim_inject_hang_after_s)),
         pd=pd_env,
+        load=resolve_load(ns),
         server_args=server_args,
     )
 

@@ -18,13 +18,16 @@ from aiohttp import web
 from tandem import logs
 from tandem_sim.bootstrap import BootstrapServer
 from tandem_sim.config import ConfigError, SimConfig, parse
+from tandem_sim.loader import Loader, LoadError
 from tandem_sim.metrics import Metrics
 from tandem_sim.mooncake_ports import RDMA_NO_PORT, rdma_ranks_that_start
 from tandem_sim.multinode import GroupError, Rendezvous, split_addr
 from tandem_sim.prefill import PrefillSide
 from tandem_sim.rankserver import RankServer
+from tandem_sim.seed import PORT_IN_USE, EngineInfoBootstrap
 from tandem_sim.server import Server, cancel_all
 from tandem_sim.transfer import INIT_FAILED, TransferEngineError
+from tandem_sim.weights import LoadFlagError
 from tandem_sim.worker import RankStartError, Worker
 
 log = logging.getLogger("tandem_sim")
@@ -99,21 +102,52 @@ async def _dummy_health(cfg: SimConfig, group: Rendezvous) -> web.AppRunner:
     return await _site(app, cfg.host, cfg.port)
 
 
+def _scheduler_died(err: RankStartError) -> None:
+    log.error(f"Scheduler hit an exception: {type(err.cause).__name__}: {err.cause}", extra={"tp_rank": err.tp_rank})
+    log.error(str(err))
+
+
+def _rdma_ports_ok(cfg: SimConfig, host: str) -> bool:
+    """Over RDMA every engine of the node needs one port of the range: each rank's PD engine, and its weight
+    engine when it loads from or seeds a peer (``Loader.start_engines``). False after SGLang's error log."""
+    ranks = cfg.topology.local_ranks()
+    per_rank = int(cfg.mode != "null") + int(cfg.load.transfer_engine)
+    if per_rank == 0 or cfg.mooncake.protocol == "tcp":
+        return True
+    started = rdma_ranks_that_start(cfg.mooncake, host, len(ranks) * per_rank) // per_rank
+    if started == len(ranks):
+        return True
+    log.error(RDMA_NO_PORT, extra={"ports": cfg.mooncake.ports, "tp_rank": ranks[started].tp_rank})
+    _scheduler_died(RankStartError(ranks[started].tp_rank, TransferEngineError(INIT_FAILED)))
+    return False
+
+
+async def _load(cfg: SimConfig, loader: Loader, stop: asyncio.Event) -> SimConfig | None:
+    """The node's load phases (``loader.py``); None (after SGLang's error log) when a rank fails to load, or when
+    the process is stopped meanwhile."""
+    try:
+        loader.start_engines()
+        loading = asyncio.ensure_future(loader.run())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not loading.done():
+            loading.cancel()
+            return None
+        return loading.result()
+    except TransferEngineError as err:
+        _scheduler_died(RankStartError(cfg.topology.local_ranks()[len(loader.rank_weights)].tp_rank, err))
+    except LoadError as err:
+        _scheduler_died(RankStartError(err.tp_rank, RuntimeError(str(err))))
+    return None
+
+
 def _start_engines(cfg: SimConfig, host: str, group: Rendezvous | None) -> Worker | None:
     """The node's ranks, each with its Mooncake engine; None (after SGLang's error log) when a rank fails."""
-    ranks = cfg.topology.local_ranks()
     try:
-        if cfg.mode != "null" and cfg.mooncake.protocol != "tcp":
-            started = rdma_ranks_that_start(cfg.mooncake, host, len(ranks))
-            if started < len(ranks):
-                log.error(RDMA_NO_PORT, extra={"ports": cfg.mooncake.ports, "tp_rank": ranks[started].tp_rank})
-                raise RankStartError(ranks[started].tp_rank, TransferEngineError(INIT_FAILED))
         return Worker(cfg, Metrics(cfg.served_model_name), host, group)
     except RankStartError as err:
-        log.error(
-            f"Scheduler hit an exception: {type(err.cause).__name__}: {err.cause}", extra={"tp_rank": err.tp_rank}
-        )
-        log.error(str(err))
+        _scheduler_died(err)
         return None
 
 
@@ -131,6 +165,16 @@ def _background(worker: Worker) -> list[asyncio.Task[None]]:
     loop = asyncio.get_running_loop()
     loops = [loop.create_task(p.probe_loop()) for p in worker.prefill_ranks]
     return loops + [loop.create_task(d.heartbeat_loop()) for d in worker.decode_ranks]
+
+
+async def _seed_bootstrap(cfg: SimConfig) -> web.AppRunner | None:
+    """A seed's engine-info bootstrap server, on node 0 before the schedulers start (``seed.py``); None after
+    SGLang's error when its port is taken."""
+    try:
+        return await _site(EngineInfoBootstrap().app(), cfg.host, cfg.load.engine_info_bootstrap_port)
+    except OSError:
+        log.error(f"RuntimeError: {PORT_IN_USE.format(port=cfg.load.engine_info_bootstrap_port)}")
+        return None
 
 
 async def serve(cfg: SimConfig) -> int:
@@ -153,8 +197,45 @@ async def serve(cfg: SimConfig) -> int:
             log.error(str(err))
             return 1
         loop.create_task(_exit_on(group.lost, stop)).add_done_callback(lambda _: None)
-    if group is not None and cfg.node_rank > 0:
-        return await _serve_other_node(cfg, group, host, worker_ready, stop)
+    if not _rdma_ports_ok(cfg, host):
+        return 1
+    loader = Loader(cfg, host)
+    runners: list[web.AppRunner] = []
+    try:
+        if group is not None and cfg.node_rank > 0:
+            return await _serve_other_node(cfg, group, host, worker_ready, stop, loader)
+        return await _serve_node0(cfg, group, host, worker_ready, stop, loader, runners)
+    finally:
+        for runner in reversed(runners):
+            await runner.cleanup()
+        loader.close()
+
+
+async def _serve_node0(
+    cfg: SimConfig,
+    group: Rendezvous | None,
+    host: str,
+    worker_ready: asyncio.Future[Worker],
+    stop: asyncio.Event,
+    loader: Loader,
+    runners: list[web.AppRunner],
+) -> int:
+    """Node 0 as ``Engine._launch_subprocesses`` orders it: the seed's engine-info bootstrap server and (prefill,
+    in the tokenizer manager) the PD bootstrap server listen first; the HTTP server only once every scheduler
+    loaded its weights and is ready; then the status stays ``Starting`` for the warm-up request."""
+    loop = asyncio.get_running_loop()
+    if cfg.load.start_seed:
+        if (seed_runner := await _seed_bootstrap(cfg)) is None:
+            return 1
+        runners.append(seed_runner)
+    if cfg.mode == "prefill":
+        bootstrap = BootstrapServer()
+        runners.append(
+            await _site(bootstrap.app(), "0.0.0.0" if cfg.host in {"0.0.0.0", "::"} else cfg.host, cfg.bootstrap_port)
+        )
+    if (loaded := await _load(cfg, loader, stop)) is None:
+        return 0 if stop.is_set() else 1
+    cfg = loaded
     worker = _start_engines(cfg, host, group)
     if worker is None:
         return 1
@@ -164,28 +245,31 @@ async def serve(cfg: SimConfig) -> int:
     def ready() -> bool:
         return group is None or (group.all_connected.is_set() and not group.lost.is_set())
 
-    server = Server(cfg, worker, ready)
-    runners: list[web.AppRunner] = []
-    if cfg.mode == "prefill":
-        bootstrap = BootstrapServer()
-        runners.append(
-            await _site(bootstrap.app(), "0.0.0.0" if cfg.host in {"0.0.0.0", "::"} else cfg.host, cfg.bootstrap_port)
-        )
+    warmed = asyncio.Event()
+    server = Server(cfg, worker, ready, warmed=warmed.is_set)
+    server.weights = loader.report()
     runners.append(await _site(server.app(), cfg.host, cfg.port))
     rank_servers = await _start_rank_servers(cfg, worker, host)
     background = _background(worker)
     if cfg.hang_after_s is not None:
         loop.call_later(cfg.hang_after_s, server.hang)
-    log.info(
-        "The server is fired up and ready to roll!",
-        extra={"mode": cfg.mode, "port": cfg.port, "ranks": len(worker.ranks), "sessions": worker.session_ids},
-    )
+
+    async def warm_up() -> None:  # _execute_server_warmup: status Starting until its request passed
+        await asyncio.sleep(cfg.profile.wall_s(cfg.profile.load.server_warmup_s))
+        warmed.set()
+        log.info(
+            "The server is fired up and ready to roll!",
+            extra={"mode": cfg.mode, "port": cfg.port, "ranks": len(worker.ranks), "sessions": worker.session_ids},
+        )
+
+    background.append(loop.create_task(warm_up()))
     await stop.wait()
     for task in background:
         task.cancel()
     await cancel_all(worker.tasks)
     for runner in reversed(runners):
         await runner.cleanup()
+    runners.clear()
     for rank_server in rank_servers:
         await rank_server.close()
     await worker.close()
@@ -193,10 +277,16 @@ async def serve(cfg: SimConfig) -> int:
 
 
 async def _serve_other_node(
-    cfg: SimConfig, group: Rendezvous, host: str, worker_ready: asyncio.Future[Worker], stop: asyncio.Event
+    cfg: SimConfig,
+    group: Rendezvous,
+    host: str,
+    worker_ready: asyncio.Future[Worker],
+    stop: asyncio.Event,
+    loader: Loader,
 ) -> int:
-    """A node > 0: once the group formed, start this node's ranks (engines, PD endpoints) and the dummy health
-    server; its ranks then serve node 0's calls."""
+    """A node > 0: once the group formed, load this node's weights, start its ranks (engines, PD endpoints) and the
+    dummy health server (``launch_dummy_health_check_server`` runs after ``wait_for_ready``); its ranks then serve
+    node 0's calls."""
     connected = asyncio.ensure_future(group.all_connected.wait())
     lost = asyncio.ensure_future(group.lost.wait())
     await asyncio.wait({connected, lost}, return_when=asyncio.FIRST_COMPLETED)
@@ -204,6 +294,9 @@ async def _serve_other_node(
     lost.cancel()
     if group.lost.is_set():
         return 1
+    if (loaded := await _load(cfg, loader, stop)) is None:
+        return 0 if stop.is_set() else 1
+    cfg = loaded
     worker = _start_engines(cfg, host, group)
     if worker is None:
         return 1
@@ -240,7 +333,7 @@ def main(argv: Sequence[str]) -> int:
     logs.setup("info", "tandem_sim")
     try:
         cfg = parse(argv)
-    except ConfigError as err:
+    except (ConfigError, LoadFlagError) as err:
         print(f"tandem sim: error: {err}", file=sys.stderr)
         return 2
     logging.getLogger().setLevel(str(cfg.server_args.get("log_level") or "info").upper())  # SGLang's --log-level

@@ -29,6 +29,30 @@ Derivation (per DP group = per GPU):
 ``time_factor`` multiplies every simulated time (a run at factor 4 is 4x slower, so Python's own work per token
 stays small next to the simulated GPU time on a 2-core machine); the bench divides measured times by it.
 
+Start-up (``LoadProfile``, the phases of ``weights.py``; times are multiplied by ``time_factor`` too). For
+``kimi-k2.6-h200``, per 8xH200 node; **published** figures are marked, the rest are **our estimates**:
+
+- ``weight_bytes`` 600 GB: Kimi K2.6 INT4, the figure of issue #35 (Cloudflare cites ~560 GB for Kimi K2.5 on 8xH100,
+  "Building the foundation for running extra-large language models", 2026-04-16).
+- ``download_gb_s`` 1.25 GB/s (10 Gbit/s sustained from the hub or an object store): estimate.
+- ``read_gb_s`` 12 GB/s from the node's copy: derived from a **published log**, DeepSeek-V3 on 8xH200 with SGLang
+  reading its 163 safetensors shards (~690 GB) at ~3.2 shards/s, ~51 s (sgl-project/sglang#3416, #7181); the
+  files were likely in the page cache, so an NVMe-cold read is slower.
+- ``peer_gb_s`` 190 GB/s: **published**, Mooncake Transfer Engine over 8x400 Gbps RoCE (Mooncake's
+  transfer-engine benchmark, 40 GB payloads; TCP reaches ~41 GB/s there).
+- ``register_s`` 2 s: transfer-engine memory registration, "this may take a few seconds" (SGLang's log line in
+  ``RemoteInstanceModelLoader.load_model``): estimate.
+- ``init_s`` 15 s (process start, NCCL, model construction), ``jit_s`` 20 s (kernel warm-up with warm JIT caches;
+  cold DeepGEMM compiles take minutes): estimates.
+- ``cuda_graph_s`` 12 s: a **published log** of SGLang's decode graph capture on Hopper, "Capture cuda graph end.
+  Time elapsed: 12.11 s" (sgl-project/sglang#10088; that model is not K2.6).
+- ``server_warmup_s`` 1.5 s: ``_execute_server_warmup`` sleeps 1 s before its first ``/model_info`` (source), then
+  one short request (estimate).
+
+``cpu-small`` and ``instant`` load nothing (``NO_LOAD``): the tests' workers start as fast as before. The phases
+only take time with ``--sim-load-phases`` (``config.py`` puts ``NO_LOAD`` in the profile otherwise), so the
+benches and operator tests that run ``kimi-k2.6-h200`` for its step times keep their start-up.
+
 ``overhead`` multiplies every step time too: ``--enable-deterministic-inference`` sets it to 1.3435, SGLang's
 published cost of its batch-invariant kernels ("With CUDA graphs enabled ... reducing performance overhead to
 34.35%", LMSYS, "Towards Deterministic Inference in SGLang and Reproducible RL Training", 2025-09-22;
@@ -41,6 +65,35 @@ from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
+class LoadProfile:
+    """Start-up sizes and bandwidths of one node (``weights.phases``); bandwidths in GB/s (1e9 bytes)."""
+
+    weight_bytes: float  # the whole checkpoint
+    download_gb_s: float  # hub or object store -> node (--load-format auto, no local copy)
+    read_gb_s: float  # node copy -> GPUs (every rank reads the whole checkpoint, from the page cache after the first)
+    peer_gb_s: float  # seed node -> this node over the Mooncake fabric (--load-format remote_instance)
+    register_s: float  # transfer-engine memory registration of the weights (peer and seed)
+    init_s: float  # process start, distributed set-up, model construction
+    jit_s: float  # kernel JIT and warm-up
+    cuda_graph_s: float  # decode CUDA-graph capture
+    server_warmup_s: float  # HTTP up, status Starting, until the warm-up request passed
+
+
+NO_LOAD = LoadProfile(0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+KIMI_LOAD = LoadProfile(
+    weight_bytes=600e9,
+    download_gb_s=1.25,
+    read_gb_s=12.0,
+    peer_gb_s=190.0,
+    register_s=2.0,
+    init_s=15.0,
+    jit_s=20.0,
+    cuda_graph_s=12.0,
+    server_warmup_s=1.5,
+)
+
+
+@dataclass(frozen=True)
 class SimProfile:
     name: str
     prefill_base_ms: float  # per prefill batch (kernel launches, one forward)
@@ -50,6 +103,11 @@ class SimProfile:
     decode_ms_per_kv_token: float  # per KV token attended in the step (sum of the sequences' lengths)
     time_factor: float = 1.0
     overhead: float = 1.0  # step-time factor of the kernels: 1.3435 with --enable-deterministic-inference
+    load: LoadProfile = NO_LOAD  # start-up phases
+
+    def wall_s(self, simulated_s: float) -> float:
+        """Seconds of wall time for ``simulated_s`` seconds of start-up (the time factor, not the kernels')."""
+        return simulated_s * self.time_factor
 
     def scaled(self, ms: float) -> float:
         """Seconds of wall time for ``ms`` of simulated GPU time."""
@@ -85,6 +143,6 @@ PROFILES = {
     # Today's defaults (0.02 ms per prompt token, 2 ms per decoded token) for one sequence; a small per-sequence
     # cost so that latency grows with the batch.
     "cpu-small": SimProfile("cpu-small", 0.0, 0.02, 2.0, 0.01, 0.0),
-    "kimi-k2.6-h200": SimProfile("kimi-k2.6-h200", 0.0, 1000 / 6537, 20.0, 0.143, 7.0e-5),
+    "kimi-k2.6-h200": SimProfile("kimi-k2.6-h200", 0.0, 1000 / 6537, 20.0, 0.143, 7.0e-5, load=KIMI_LOAD),
 }
 DEFAULT_PROFILE = "cpu-small"

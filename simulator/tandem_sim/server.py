@@ -2,7 +2,8 @@
 
 Native ``/generate``; OpenAI ``/v1/completions``, ``/v1/chat/completions`` (streaming, ``usage``),
 ``/v1/models``; ``/health``, ``/health_generate``, ``/ready``, ``/model_info``, ``/server_info`` (+ ``/get_*``),
-``/flush_cache``, ``/abort_request``, ``/metrics``. ``/tandem/sim/faults`` changes fault injection at runtime.
+``/flush_cache``, ``/abort_request``, ``/metrics``, a seed's ``/remote_instance_transfer_engine_info``
+(``seed.py``). ``/tandem/sim/faults`` changes fault injection at runtime.
 The health endpoints and the server status are SGLang's (``health.py``)
 Each prefill rank serves its PD hand-over on its own port (``rankserver.py``).
 """
@@ -28,6 +29,7 @@ from tandem_sim.health import Health
 from tandem_sim.openai_requests import parse_openai
 from tandem_sim.requests import BadRequestError, GenerateInput, parse_generate
 from tandem_sim.responses import Outcome
+from tandem_sim.seed import info_handler
 from tandem_sim.streaming import OpenAIStream
 from tandem_sim.worker import GenerationError, OnProgress, Worker, run_together
 
@@ -46,17 +48,20 @@ def _json(doc: Any, status: int = 200) -> web.Response:
 
 
 class Server:
-    def __init__(self, cfg: SimConfig, worker: Worker, ready: Callable[[], bool]) -> None:
+    def __init__(
+        self, cfg: SimConfig, worker: Worker, ready: Callable[[], bool], warmed: Callable[[], bool] = lambda: True
+    ) -> None:
         self.cfg = cfg
         self.worker = worker
         self.ready = ready
         self.created = int(time.time())
+        self.weights: dict[str, Any] = {}  # the load report (loader.py), under /server_info's tandem_sim
         self.health_state = Health(
             [engine.stepper for engine in worker.engines.values()],
             prefill=cfg.mode == "prefill",
             timeout_s=cfg.pd.health_check_timeout_s,
             generation_on_health=cfg.pd.health_generation,
-            started=ready,
+            started=lambda: ready() and warmed(),  # status Starting until the warm-up request passed
             slow_s=lambda: cfg.slow_health_s if worker.engine.running > 0 else 0.0,
         )
 
@@ -95,6 +100,13 @@ class Server:
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
         r.add_get("/metrics", self.metrics)
+        for path, deprecated in (
+            ("/remote_instance_transfer_engine_info", False),
+            ("/get_remote_instance_transfer_engine_info", True),
+        ):
+            r.add_get(
+                path, info_handler(self.cfg.host, self.cfg.load.engine_info_bootstrap_port, deprecated=deprecated)
+            )
         r.add_post("/tandem/sim/faults", self.faults)
         return app
 
@@ -277,6 +289,7 @@ class Server:
             # numerics.py: batch-variant greedy output unless --enable-deterministic-inference
             "deterministic_inference": self.cfg.deterministic_inference,
             "decode_cuda_graph_bs": list(self.cfg.decode_cuda_graph_bs),
+            "weights": self.weights,
         }
         return web.Response(body=orjson.dumps(info, default=str), content_type="application/json")
 

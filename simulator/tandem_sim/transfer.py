@@ -102,6 +102,12 @@ class MooncakeTransfer:
         finally:
             self._draining = False
 
+    async def read(self, session: str, local: Sequence[int], remote: Sequence[int], lengths: Sequence[int]) -> int:
+        """batch_transfer_sync_read (a peer pulling weights from a seed): 0 on success, negative on failure."""
+        loop = asyncio.get_running_loop()
+        call = self.engine.batch_transfer_sync_read
+        return int(await loop.run_in_executor(self._prober, call, session, list(local), list(remote), list(lengths)))
+
     async def probe(self, session: str) -> int:
         loop = asyncio.get_running_loop()
         return int(await loop.run_in_executor(self._prober, self.engine.send_probe, session))

@@ -1,0 +1,19 @@
+"""``tandem bench sim-startup --quick`` runs end to end: one row per weight source of a recreated K2.6 decode, with
+the peer inside issue #35's 90 s. A smoke test (quick mode scales time by 0.02, so the measured column is rough)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.tandem_dev.benchhelpers import run_quick_bench
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(200)
+def test_bench_sim_startup_quick_prints_a_row_per_source() -> None:
+    out = run_quick_bench("sim-startup", timeout=190)
+    table = out.split("## sim-startup: recreated K2.6 decode -> serving, per weight source")[1]
+    for source in ("hub download", "node copy (NVMe)", "peer (Mooncake)"):
+        assert source in table, table
+    peer = next(line for line in table.splitlines() if line.startswith(" peer"))
+    assert peer.rstrip().endswith("yes"), table
