@@ -22,6 +22,7 @@ from tandem.registry import EtcdTLS
 from tandem.registry_signing import EndpointSigner
 from tandem_operator.api.common import GROUP, VERSION
 from tandem_operator.api.pdcluster import EtcdSpec, PDClusterSpec
+from tandem_operator.api.upgrade import ANNOTATION_ROLL
 from tandem_operator.desired.naming import LABEL_CLUSTER, ClusterRef
 from tandem_operator.fencing import NodeOutage, node_cordoned, node_outage
 from tandem_operator.k8s.kube import Kube
@@ -95,13 +96,17 @@ def build_registry(state: OperatorState) -> kopf.OperatorRegistry:
         model = parse_spec(spec)
         runtime = await state.ensure_runtime(ref, model)
         await runtime.reconciler.apply_pools()
+        runtime.set_roll_trigger((meta.get("annotations") or {}).get(ANNOTATION_ROLL))
         runtime.update(model, int(meta.get("generation") or 0), dict(status))
 
     @kopf.on.event(GROUP, VERSION, "pdclusters", registry=registry)
     async def cluster_event(event: kopf.RawEvent, **_: Any) -> None:
-        if event["type"] != "DELETED":
-            return
         meta = event["object"]["metadata"]
+        if event["type"] != "DELETED":
+            known = state.runtimes.get((meta["namespace"], meta["name"]))
+            if known is not None and known.ref.uid == meta.get("uid"):
+                known.set_roll_trigger((meta.get("annotations") or {}).get(ANNOTATION_ROLL))
+            return
         runtime = state.runtimes.pop((meta["namespace"], meta["name"]), None)
         if runtime is not None:
             await runtime.stop(unregister=True)

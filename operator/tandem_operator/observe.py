@@ -24,7 +24,9 @@ from typing import Any
 from tandem.registry import Role
 from tandem_operator.api.mooncake_ports import MAX_PORTS_PER_POD
 from tandem_operator.desired.naming import (
+    ANNOTATION_DESIRED_HASH,
     ANNOTATION_EPOCH,
+    ANNOTATION_GENERATION,
     LABEL_CLUSTER,
     LABEL_GROUP,
     LABEL_RANK,
@@ -188,6 +190,10 @@ class GroupView:
     template_hash: str  # "" when the ranks disagree (a half-rolled group counts as outdated)
     pods: tuple[str, ...]
     revision: str = ""  # compatibility revision of its pods ("" when the ranks disagree)
+    # The lowest PDCluster generation stamped on its pods (None when one has none: made before stamps existed) and
+    # the template hash wanted then ("" when absent or the ranks disagree): upgrade.py
+    generation: int | None = None
+    desired_hash: str = ""
 
 
 def is_ready(pod: Pod) -> bool:
@@ -249,6 +255,10 @@ def _group_view(
     ranks = {int(pod["metadata"]["labels"][LABEL_RANK]) for pod in pods}
     hashes = {pod["metadata"]["labels"].get(LABEL_TEMPLATE_HASH, "") for pod in pods}
     revisions = {pod["metadata"]["labels"].get(LABEL_REVISION, "") for pod in pods}
+    annotations = [pod["metadata"].get("annotations") or {} for pod in pods]
+    stamps = [str(a.get(ANNOTATION_GENERATION, "")) for a in annotations]
+    generation = min(int(s) for s in stamps) if all(s.isdigit() for s in stamps) else None
+    desired = {str(a.get(ANNOTATION_DESIRED_HASH, "")) for a in annotations}
     missing = set(range(nodes_per_group)) - ranks
     if PodHealth.DEAD in health or (missing and PodHealth.READY in health):
         state = GroupState.BROKEN
@@ -260,4 +270,7 @@ def _group_view(
         state = GroupState.STARTING
     names = tuple(sorted(pod["metadata"]["name"] for pod in pods))
     revision = revisions.pop() if len(revisions) == 1 else ""
-    return GroupView(index, state, hashes.pop() if len(hashes) == 1 else "", names, revision)
+    template_hash = hashes.pop() if len(hashes) == 1 else ""
+    return GroupView(
+        index, state, template_hash, names, revision, generation, desired.pop() if len(desired) == 1 else ""
+    )

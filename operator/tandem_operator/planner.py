@@ -42,6 +42,7 @@ from tandem_operator.observe import GroupKey, GroupState, GroupView, Pod, pod_fa
 from tandem_operator.reasons import Reason
 from tandem_operator.recovery import stamp_epoch
 from tandem_operator.registration import next_epoch
+from tandem_operator.upgrade import stamp_generation
 
 
 class DeleteReason(StrEnum):
@@ -188,12 +189,14 @@ Step = DeletePods | CreatePods
 
 @dataclass(frozen=True)
 class Observed:
-    """What ``steps`` reads besides the actions: pods by name and the epochs recorded on Services and pods."""
+    """What ``steps`` reads besides the actions: pods by name, the epochs recorded on Services and pods, and the
+    PDCluster's generation (stamped on new pods: ``upgrade.py``)."""
 
     pods: Mapping[str, Pod]
     service_epochs: Mapping[GroupKey, int]
     pod_epochs: Mapping[GroupKey, int]
     fenced: frozenset[GroupKey]
+    generation: int = 0
 
 
 _DELETE_EVENTS = {
@@ -270,7 +273,11 @@ def _create_step(
             existing.add(facts.rank)
     epoch = seen.pod_epochs[key] if existing else svc_epochs.get(key, 0)
     nodes = ctx.spec.role(ctx.role).nodes_per_group
-    pods = [stamp_epoch(group_pod(ctx, key.index, rank, epoch), epoch) for rank in range(nodes) if rank not in existing]
+    pods = [
+        stamp_generation(stamp_epoch(group_pod(ctx, key.index, rank, epoch), epoch), seen.generation, ctx.template_hash)
+        for rank in range(nodes)
+        if rank not in existing
+    ]
     event = None
     if view is None:
         event = Reason.GROUP_RECREATING if key in seen.fenced else Reason.SCALED_UP

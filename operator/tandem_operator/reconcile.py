@@ -15,6 +15,7 @@ from typing import Any
 
 from tandem.registry import Endpoint, Role
 from tandem_operator.api.common import API_VERSION, Condition
+from tandem_operator.api.upgrade import InvalidTriggerError, parse_trigger
 from tandem_operator.desired.naming import (
     LABEL_CLUSTER,
     OwnerRef,
@@ -33,6 +34,7 @@ from tandem_operator.k8s.apply import INITIAL_SIZE_MANAGER, object_path
 from tandem_operator.k8s.kube import ConflictError, Kube
 from tandem_operator.k8s.nodes import NodeDomains
 from tandem_operator.observe import GroupKey, GroupState, GroupView, group_views, slim_pod
+from tandem_operator.outdated import OutdatedPods
 from tandem_operator.planner import CreatePods, DeletePods, Observed, plan, steps
 from tandem_operator.recovery import (
     FenceRecord,
@@ -47,6 +49,7 @@ from tandem_operator.registrar import Registrar
 from tandem_operator.registration import desired_endpoints, leader_nodes
 from tandem_operator.state import ClusterState
 from tandem_operator.status import Recovery, cluster_status, pool_status, role_status
+from tandem_operator.upgrade import RoleUpgrade, gate, hold, pods_outdated_condition, restamp, trigger_done
 
 # Groups created concurrently in one pass (each applies its Service, then its pods PARALLEL_WRITES at a time):
 # one group after the other took 70 s for 100 four-node groups on a loaded API server (tandem bench operator). At
@@ -80,6 +83,7 @@ class Reconciler:
         self.state, self.kube, self.nodes = state, kube, nodes
         self.executor = Executor(state, kube, registrar, instance)
         self.node_domains = NodeDomains(kube)
+        self.outdated = OutdatedPods(kube, state.ref)
         self._pool_conditions: dict[Role, list[Condition]] = {}
         self._applied_status: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
 
@@ -129,6 +133,9 @@ class Reconciler:
         desired: dict[GroupKey, Endpoint] = {}
         roles = {}
         draining = False
+        trigger, trigger_error = self._roll_trigger()
+        upgrades: dict[Role, RoleUpgrade] = {}
+        changes: dict[Role, list[str]] = {}
         pairable = await self._pairable(observed)
         fabric = spec.fabric
         domains = await self.node_domains.resolve(fabric.domain_label, leader_nodes(pods)) if fabric else {}
@@ -140,9 +147,13 @@ class Reconciler:
             retiring = frozenset(k.index for k in state.retiring if k.role is role)
             surge = spec.role(role).max_surge_groups
             moving = frozenset(k.index for k in groups_on_nodes(state.role_pods(role), nodes.cordoned))
-            actions = plan(replicas, views, ctx.template_hash, surge, retiring, (ctx.revision, pairable), moving)
-            seen = Observed(state.pods, svc_epochs, pod_epochs, frozenset(state.fenced))
-            role_steps = steps(ctx, actions, views, seen)
+            upgrade = upgrades[role] = gate(
+                role, views, ctx.template_hash, state.generation, spec.upgrade_policy, trigger, datetime.now(UTC)
+            )
+            planned = hold(views, upgrade, ctx.template_hash)  # a held group reads as current
+            actions = plan(replicas, planned, ctx.template_hash, surge, retiring, (ctx.revision, pairable), moving)
+            seen = Observed(state.pods, svc_epochs, pod_epochs, frozenset(state.fenced), state.generation)
+            role_steps = steps(ctx, actions, planned, seen)
             self._resume_abandoned_drains(role, {s.group for s in role_steps if isinstance(s, DeletePods)})
             for step in role_steps:
                 if isinstance(step, DeletePods) and not await executor.delete(step):
@@ -153,6 +164,10 @@ class Reconciler:
             fenced = {k: r.epoch for k, r in state.fenced.items()}
             desired.update(desired_endpoints(spec, role, live, state.role_pods(role), fenced, domains))
             roles[role] = role_status(views, replicas, ctx.template_hash)
+            stale = restamp(live, ctx.template_hash, state.generation)
+            await self.outdated.stamp([n for i in stale for n in live[i].pods], state.generation, ctx.template_hash)
+            if upgrade.outdated:
+                changes[role] = await self.outdated.changes(ctx, views[upgrade.outdated[0]], state.pods)
             generation = int(pool["metadata"].get("generation", 0))
             labels = selector_string(role_labels(ref.name, role))
             previous = self._pool_conditions.get(role, [])
@@ -161,8 +176,27 @@ class Reconciler:
             body = _status_body("PDPool", pool_name(ref.name, role), ref.namespace, status.to_wire())
             await self._apply_status(body, pool["metadata"]["uid"])
         await executor.sync_registry(desired)
-        await self._write_status(roles[Role.PREFILL], roles[Role.DECODE])
+        outdated = pods_outdated_condition(
+            upgrades.values(),
+            changes,
+            spec.upgrade_policy,
+            ref.name,
+            trigger_error,
+            state.generation,
+            state.conditions,
+            datetime.now(UTC),
+        )
+        await self._write_status(roles[Role.PREFILL], roles[Role.DECODE], outdated)
+        if trigger_done(trigger, upgrades.values()) and state.roll_trigger is not None:
+            await self.outdated.clear_trigger(state.roll_trigger)
         return draining
+
+    def _roll_trigger(self) -> tuple[frozenset[Role], str | None]:
+        """The roles the ``tandem.dev/roll`` annotation asks to roll, or none and why it is refused."""
+        try:
+            return parse_trigger(self.state.roll_trigger), None
+        except InvalidTriggerError as err:
+            return frozenset(), str(err)
 
     async def _pairable(self, observed: dict[Role, dict[int, GroupView]]) -> frozenset[str]:
         """Revisions routers can pair now: a registered prefill and decode of it whose leaders answer /health.
@@ -195,7 +229,7 @@ class Reconciler:
             del self.state.draining[key]
             self.state.retiring.discard(key)
 
-    async def _write_status(self, prefill: Any, decode: Any) -> None:
+    async def _write_status(self, prefill: Any, decode: Any, outdated: Condition) -> None:
         state = self.state
         cluster = cluster_status(
             generation=state.generation,
@@ -206,7 +240,7 @@ class Reconciler:
             previous=state.conditions,
             now=_now(),
         )
-        conditions = list(cluster.conditions)
+        conditions = [*cluster.conditions, outdated]
         if state.integrity_reports is not None:
             conditions.append(integrity_condition(state.integrity_reports, state.conditions, state.generation, _now()))
         else:  # not listed yet: keep what the status says until the watch has synced

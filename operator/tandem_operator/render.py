@@ -23,6 +23,7 @@ from tandem.registry import Role
 from tandem_operator.api.common import API_VERSION
 from tandem_operator.api.messages import api_messages
 from tandem_operator.api.pdcluster import CLUSTER_NAME_RULES, PDClusterSpec
+from tandem_operator.api.upgrade import ANNOTATION_ROLL, InvalidTriggerError, parse_trigger
 from tandem_operator.desired.naming import ClusterRef, OwnerRef, pool_name
 from tandem_operator.desired.pods import RoleContext, group_manifests
 from tandem_operator.desired.pools import pool_manifest
@@ -69,6 +70,10 @@ def render(doc: Mapping[str, Any], namespace: str | None = None) -> list[dict[st
         spec = PDClusterSpec.model_validate(doc.get("spec") or {})
     except pydantic.ValidationError as err:
         errors += api_messages(err)
+    try:  # the operator refuses it the same way (the PodsOutdated condition); no CEL rule can see annotations
+        parse_trigger((meta.get("annotations") or {}).get(ANNOTATION_ROLL))
+    except InvalidTriggerError as err:
+        errors.append(str(err))
     if errors:
         raise InvalidClusterError(name, errors)
     cluster = ClusterRef(name, namespace or str(meta.get("namespace") or "default"), RENDER_UID)

@@ -101,6 +101,12 @@ class ClusterRuntime:
                 state.last_recovery_s = state.last_recovery_s or previous.last_recovery_seconds
         self.kick()
 
+    def set_roll_trigger(self, value: str | None) -> None:
+        """The PDCluster's ``tandem.dev/roll`` annotation (an annotation changes no generation: no update event)."""
+        if value != self.state.roll_trigger:
+            self.state.roll_trigger = value
+            self.kick()
+
     async def start(self) -> None:
         self.state.adopted = await self.registrar.list_endpoints(self.ref.namespace, self.ref.name)
         self.registrar.on_lease_lost(self.executor.reregister)

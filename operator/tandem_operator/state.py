@@ -33,6 +33,7 @@ class ClusterState:
     ref: ClusterRef
     spec: PDClusterSpec
     generation: int = 0
+    roll_trigger: str | None = None  # the PDCluster's tandem.dev/roll annotation (api/upgrade.py)
     conditions: list[Condition] = field(default_factory=list)
     pods: dict[str, Pod] = field(default_factory=dict)  # by name, from the last list plus every pod event
     registered: dict[GroupKey, Endpoint] = field(default_factory=dict)

@@ -11,10 +11,13 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import pytest_asyncio
 
+from tandem.registry import Role
 from tandem_dev.devcluster.cluster import DevCluster
 from tandem_dev.procs import ManagedProcess, free_port
 from tandem_operator.api.pdcluster import PDClusterSpec
 from tandem_operator.desired.drain_hook import DRAIN_GAUGES
+from tandem_operator.desired.naming import ClusterRef, OwnerRef
+from tandem_operator.desired.pods import RoleContext
 
 if TYPE_CHECKING:  # the live fixtures import them where used: the pure tests here need none (~1 s of CPU)
     from kubernetes_asyncio import client
@@ -46,6 +49,12 @@ KIMI_8XH200: dict[str, Any] = {
 
 def kimi_spec(**overrides: Any) -> PDClusterSpec:
     return PDClusterSpec.model_validate({**KIMI_8XH200, **overrides})
+
+
+def role_hash(spec: PDClusterSpec, role: Role) -> str:
+    """The role's template hash (revision of its pods as rendered) for a PDCluster ``c`` in ``ns``."""
+    owner = OwnerRef("tandem.dev/v1alpha1", "PDPool", f"c-{role.value}", "uid")
+    return RoleContext.build(ClusterRef("c", "ns", "uid"), spec, role, owner).template_hash
 
 
 @pytest.fixture(scope="session")

@@ -12,11 +12,11 @@ import yaml
 
 from tandem.registry import Role
 from tandem_operator.api.pdcluster import PDClusterSpec
-from tandem_operator.desired.naming import ClusterRef, OwnerRef, compat_revision, template_hash
+from tandem_operator.desired.naming import ClusterRef, OwnerRef, compat_revision
 from tandem_operator.desired.pods import RoleContext, group_manifests
 from tandem_operator.desired.pools import pool_manifests
 
-from .conftest import kimi_spec
+from .conftest import kimi_spec, role_hash
 
 GOLDEN = Path(__file__).parent / "golden"
 CLUSTER = ClusterRef(name="kimi", namespace="llm", uid="11111111-2222-3333-4444-555555555555")
@@ -181,7 +181,7 @@ def test_mooncake_keys_go_to_their_own_etcd_when_named() -> None:
     spec = kimi_spec(etcd=etcd)
     env = {v["name"]: v.get("value") for v in container(pods_of(group_manifests(ctx(spec, Role.DECODE), 0))[0])["env"]}
     assert env["MOONCAKE_MASTER"] == "etcd://mc-0.mc:2379;mc-1.mc:2379"
-    assert template_hash(spec, Role.DECODE) != template_hash(kimi_spec(), Role.DECODE)  # the pods roll onto it
+    assert role_hash(spec, Role.DECODE) != role_hash(kimi_spec(), Role.DECODE)  # the pods roll onto it
     with pytest.raises(pydantic.ValidationError, match="mooncakeEndpoints"):  # Mooncake's client has no TLS
         kimi_spec(etcd={"endpoints": ["https://r:2379"], "mooncakeEndpoints": ["https://mc:2379"]})
 
@@ -189,10 +189,10 @@ def test_mooncake_keys_go_to_their_own_etcd_when_named() -> None:
 def test_template_hash_ignores_group_count_and_other_role() -> None:
     base = kimi_spec()
     scaled = kimi_spec(prefill={**base.to_wire()["prefill"], "groups": 7})
-    assert template_hash(base, Role.PREFILL) == template_hash(scaled, Role.PREFILL)
+    assert role_hash(base, Role.PREFILL) == role_hash(scaled, Role.PREFILL)
     changed_decode = kimi_spec(decode={**base.to_wire()["decode"], "extraArgs": ["--stream-interval", "2"]})
-    assert template_hash(base, Role.PREFILL) == template_hash(changed_decode, Role.PREFILL)
-    assert template_hash(base, Role.DECODE) != template_hash(changed_decode, Role.DECODE)
+    assert role_hash(base, Role.PREFILL) == role_hash(changed_decode, Role.PREFILL)
+    assert role_hash(base, Role.DECODE) != role_hash(changed_decode, Role.DECODE)
     assert compat_revision(base) == compat_revision(changed_decode)
     new_model = kimi_spec(model={"path": "moonshotai/Kimi-K2.6", "revision": "abc123"})
     assert compat_revision(base) != compat_revision(new_model)

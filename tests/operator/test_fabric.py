@@ -13,12 +13,12 @@ from tandem.registry import FabricMode, Role
 from tandem_operator.api.messages import api_messages
 from tandem_operator.api.pdcluster import PDClusterSpec
 from tandem_operator.desired.fabric import node_domain
-from tandem_operator.desired.naming import LABEL_RANK, template_hash
+from tandem_operator.desired.naming import LABEL_RANK
 from tandem_operator.desired.pods import group_manifests
 from tandem_operator.k8s.nodes import NodeDomains
 from tandem_operator.observe import GroupKey, GroupState, GroupView
 from tandem_operator.registration import desired_endpoints, leader_endpoint, leader_nodes
-from tests.operator.conftest import KIMI_8XH200, kimi_spec
+from tests.operator.conftest import KIMI_8XH200, kimi_spec, role_hash
 from tests.operator.fakes import FakeKube
 from tests.operator.test_desired import ctx
 from tests.operator.workers import live_pod
@@ -70,9 +70,9 @@ def test_the_domain_label_rolls_the_pods_the_mode_does_not() -> None:
     required = kimi_spec(fabric={**FABRIC, "mode": "Required"})
     other = kimi_spec(fabric={"domainLabel": "nvidia.com/gpu.clique"})
     for role in Role:
-        hashes = {template_hash(s, role) for s in (plain, preferred, other)}
+        hashes = {role_hash(s, role) for s in (plain, preferred, other)}
         assert len(hashes) == 3
-        assert template_hash(preferred, role) == template_hash(required, role)
+        assert role_hash(preferred, role) == role_hash(required, role)
 
 
 @pytest.mark.parametrize(

@@ -19,14 +19,14 @@ import pytest
 from tandem.registry import Role
 from tandem_operator.api.lifecycle import LifecycleSpec
 from tandem_operator.api.pdcluster import PDClusterSpec
-from tandem_operator.desired.naming import ClusterRef, template_hash
+from tandem_operator.desired.naming import ClusterRef
 from tandem_operator.desired.pools import pool_manifest
 from tandem_operator.fencing import NodeOutage
 from tandem_operator.k8s.apply import object_path
 from tandem_operator.observe import GroupKey
 from tandem_operator.render import InvalidClusterError, render
 from tandem_operator.runtime import ClusterRuntime, RuntimeOptions
-from tests.operator.conftest import kimi_spec
+from tests.operator.conftest import kimi_spec, role_hash
 from tests.operator.fakes import FakeKube, FakeRegistrar
 from tests.operator.workers import CLUSTER, live_pod
 from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
@@ -203,6 +203,6 @@ def test_the_grace_is_validated_and_changes_no_pod() -> None:
     # The grace is the operator's own timer: changing it (or upgrading to an operator that has it) rolls no pod.
     for role in Role:
         short = kimi_spec(transfer={"protocol": "tcp"}, lifecycle={"nodeLostGraceSeconds": 30})
-        assert template_hash(short, role) == template_hash(SPEC, role)
+        assert role_hash(short, role) == role_hash(SPEC, role)
         longer = kimi_spec(transfer={"protocol": "tcp"}, lifecycle={"drainTimeoutSeconds": 30})
-        assert template_hash(longer, role) != template_hash(SPEC, role)  # the rest of lifecycle still rolls
+        assert role_hash(longer, role) != role_hash(SPEC, role)  # the rest of lifecycle still rolls

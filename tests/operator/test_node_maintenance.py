@@ -18,7 +18,7 @@ import pytest
 
 from tandem.registry import Role
 from tandem_operator.api.pdcluster import PDClusterSpec
-from tandem_operator.desired.naming import ANNOTATION_EPOCH, ClusterRef, compat_revision, template_hash
+from tandem_operator.desired.naming import ANNOTATION_EPOCH, ClusterRef, compat_revision
 from tandem_operator.desired.pods import RoleContext, group_pod
 from tandem_operator.desired.pools import pool_manifest
 from tandem_operator.fencing import NodeVerdicts, groups_on_nodes, node_cordoned, node_verdicts
@@ -27,7 +27,7 @@ from tandem_operator.observe import GroupKey, GroupState, GroupView
 from tandem_operator.planner import Action, CreateGroup, DeleteGroup, DeletePods, DeleteReason, Observed, plan, steps
 from tandem_operator.render import InvalidClusterError, render
 from tandem_operator.runtime import ClusterRuntime, RuntimeOptions
-from tests.operator.conftest import kimi_spec
+from tests.operator.conftest import kimi_spec, role_hash
 from tests.operator.fakes import FakeKube, FakeRegistrar
 from tests.operator.workers import CLUSTER, POOL, live_pod
 
@@ -238,7 +238,7 @@ def test_pods_prefer_nodes_that_hold_the_weights_without_rolling_anything() -> N
                 ]
                 assert "requiredDuringSchedulingIgnoredDuringExecution" not in affinity["nodeAffinity"]
         # a scheduling preference of new pods: no pod rolls, no revision changes
-        assert template_hash(cached, role) == template_hash(SPEC, role)
+        assert role_hash(cached, role) == role_hash(SPEC, role)
     assert compat_revision(cached) == compat_revision(SPEC)
 
 

@@ -55,6 +55,7 @@ from tandem_operator.api.recipe import (
 from tandem_operator.api.rules import CrdModel, Rule, immutable
 from tandem_operator.api.transfer import TransferProtocol as TransferProtocol
 from tandem_operator.api.transfer import TransferSpec as TransferSpec
+from tandem_operator.api.upgrade import UpgradePolicy
 
 # Flags the operator computes from the spec; extraArgs may not set them (they would silently fight).
 MANAGED_FLAGS = (
@@ -494,6 +495,12 @@ class PDClusterSpec(CrdModel):
         "routers pair across domains freely.",
     )
 
+    upgrade_policy: UpgradePolicy = Field(
+        default_factory=UpgradePolicy,
+        description="When groups whose pods differ from what this operator renders, the spec unchanged (an operator "
+        "upgrade), are rolled; a spec change that changes the pods rolls at once whatever it says.",
+    )
+
     cel_rules = (
         *(
             rule
@@ -634,7 +641,9 @@ class PDClusterStatus(CrdModel):
         json_schema_extra=CONDITIONS_LIST,
         description="Ready (a prefill and a decode group serve), Progressing (groups being created, scaled or "
         "rolled), Degraded (groups recreated after a member died), IntegrityDegraded (live routers quarantined "
-        "prefill/decode pairs for garbled output; the message names them and why).",
+        "prefill/decode pairs for garbled output; the message names them and why), PodsOutdated (groups whose pods "
+        "differ from what this operator renders with the spec unchanged, held or rolled per spec.upgradePolicy; the "
+        "message names the roles and the image, flags and env that differ).",
     )
     prefill: RoleStatus = Field(default_factory=RoleStatus)
     decode: RoleStatus = Field(default_factory=RoleStatus)

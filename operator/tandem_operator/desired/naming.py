@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,10 @@ LABEL_TEMPLATE_HASH = f"{GROUP}/template-hash"
 ANNOTATION_BOOTSTRAP_PORT = "sglang.ai/bootstrap-port"
 # Incarnation of a group: bumped each time the group is recreated after a member died (pods and Service carry it).
 ANNOTATION_EPOCH = f"{GROUP}/epoch"
+# The PDCluster's metadata.generation, and the template hash the operator wanted then, when the group's pods were
+# last looked at (upgrade.py: was a change of rendering the user's, or the operator's?).
+ANNOTATION_GENERATION = f"{GROUP}/generation"
+ANNOTATION_DESIRED_HASH = f"{GROUP}/desired-template-hash"
 ANNOTATION_FENCED = f"{GROUP}/fenced"  # on a group's Service: "<epoch>/<reason>" of the last fenced incarnation
 COMMON_LABELS = {"app.kubernetes.io/name": "tandem-worker", "app.kubernetes.io/managed-by": FIELD_MANAGER}
 
@@ -110,24 +115,33 @@ def _model(wire: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in wire["model"].items() if k != "cachedNodeLabel"}
 
 
-def template_hash(spec: PDClusterSpec, role: Role) -> str:
-    """Hash of every input of the role's pods: a change rolls the role's groups. ``groups`` is excluded."""
-    wire = spec.to_wire()
-    role_spec = {key: value for key, value in wire[role.value].items() if key != "groups"}
-    # fabric came later: hashed only when set, and only its placement (fabric.mode reaches routers, not pods)
-    fabric = {"fabric": spec.fabric.domain_label} if spec.fabric is not None else {}
-    return _digest(
-        {
-            **fabric,
-            "role": role_spec,
-            "model": _model(wire),
-            "images": wire["images"],
-            "transfer": wire["transfer"],
-            # mooncakeEndpoints came later: hashed only when set, so upgrading the operator rolls no pod
-            "etcd": {k: v for k, v in wire["etcd"].items() if k != "mooncakeEndpoints" or v},
-            # nodeLostGraceSeconds is the operator's own timer, in no pod: it came later, and changes no pod
-            "lifecycle": {k: v for k, v in wire["lifecycle"].items() if k != "nodeLostGraceSeconds"},
-            "jitCache": wire["jitCache"],
-            "scheduling": wire["scheduling"],
-        }
-    )
+# What a pod carries that is no input of what it runs: the revision hash itself, and per-incarnation stamps.
+_UNHASHED_LABELS = frozenset({LABEL_TEMPLATE_HASH})
+_UNHASHED_ANNOTATIONS = frozenset({ANNOTATION_EPOCH, ANNOTATION_GENERATION, ANNOTATION_DESIRED_HASH})
+
+
+_PREFERRED = "preferredDuringSchedulingIgnoredDuringExecution"
+
+
+def canonical_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """A pod manifest without what differs between two renderings of the same thing: its name, namespace and owner
+    (the PDPool's uid changes when the pool is recreated), its template hash and its incarnation stamps; and
+    without preferred (anti-)affinity terms: a preference only ranks nodes for the pods created from then on, a pod
+    placed without it runs the same (``model.cachedNodeLabel``). Everything else the kubelet runs from (the pod
+    spec) and the labels and annotations the pod carries stay."""
+    metadata = pod.get("metadata") or {}
+    labels = {k: v for k, v in (metadata.get("labels") or {}).items() if k not in _UNHASHED_LABELS}
+    annotations = {k: v for k, v in (metadata.get("annotations") or {}).items() if k not in _UNHASHED_ANNOTATIONS}
+    spec = dict(pod.get("spec") or {})
+    if "affinity" in spec:
+        kinds = {kind: {k: v for k, v in terms.items() if k != _PREFERRED} for kind, terms in spec["affinity"].items()}
+        spec["affinity"] = {kind: terms for kind, terms in kinds.items() if terms}
+    return {"metadata": {"labels": labels, "annotations": annotations}, "spec": spec}
+
+
+def template_hash(pods: Sequence[Mapping[str, Any]]) -> str:
+    """The revision of a role's pods: a hash of its canonical group's pods as rendered (every rank of group 0 at
+    epoch 0, ``pods.revision_pods``), canonicalized. Whatever changes what the pods run rolls the role's groups,
+    a change of the spec or of the operator's rendering alike; a new spec field, defaulted, rolls nothing unless
+    it renders differently. ``upgrade.py`` decides when a change of rendering alone may roll."""
+    return _digest([canonical_pod(pod) for pod in pods])

@@ -9,7 +9,7 @@ recreates the whole group (gang semantics) instead of the kubelet restarting one
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tandem.registry import Role
@@ -68,7 +68,14 @@ class RoleContext:
 
     @classmethod
     def build(cls, cluster: ClusterRef, spec: PDClusterSpec, role: Role, owner: OwnerRef) -> RoleContext:
-        return cls(cluster, spec, role, owner, template_hash(spec, role), compat_revision(spec))
+        unhashed = cls(cluster, spec, role, owner, "", compat_revision(spec))
+        return replace(unhashed, template_hash=template_hash(revision_pods(unhashed)))
+
+
+def revision_pods(ctx: RoleContext) -> list[dict[str, Any]]:
+    """The pods the role's revision is taken over (``naming.template_hash``): every rank of one group, group 0 at
+    epoch 0, so what differs by group, rank or incarnation differs the same way in every rendering."""
+    return [group_pod(ctx, 0, rank) for rank in range(ctx.spec.role(ctx.role).nodes_per_group)]
 
 
 def leader_address(ctx: RoleContext, group: int) -> str:
