@@ -183,10 +183,10 @@ async def _until(check: Any, what: str, within: float) -> None:
 
 
 def _router(etcd: list[str], namespace: str, port: int, log: Path) -> ManagedProcess:
-    """``tandem router`` on the cluster's registry, with the local setting's health interval (1 s)."""
+    """``tandem router`` on the cluster's registry, at its defaults (as the chart runs it)."""
     argv = [sys.executable, "-m", "tandem.cli", "router", "--host", HOST, "--port", str(port), "--discovery", "etcd"]
     argv += [arg for endpoint in etcd for arg in ("--etcd-endpoint", endpoint)]
-    argv += ["--cluster-namespace", namespace, "--cluster-name", NAME, "--health-interval-s", "1"]
+    argv += ["--cluster-namespace", namespace, "--cluster-name", NAME]
     return ManagedProcess(log.stem, argv, log)
 
 

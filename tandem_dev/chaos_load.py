@@ -83,7 +83,8 @@ async def one_stream(routers: Routers, spec: LoadSpec, prompt: int, first: int, 
     out = StreamResult(prompt=prompt, started=time.monotonic() - t0, ended=0.0)
     try:
         for attempt in range(FAILOVERS + 1):
-            url = routers.urls[(first + attempt) % len(routers.urls)]
+            out.router = (first + attempt) % len(routers.urls)
+            url = routers.urls[out.router]
             try:
                 await _stream(routers.sessions[url], url, spec, prompt, out, t0)
                 break

@@ -1,6 +1,11 @@
 """What a chaos run measured, as data: each stream's outcome judged against the uninterrupted reference, each
 fault's fence and recovery times, the tables ``tandem chaos`` prints and the invariants its test asserts.
 
+The promise a run checks: every stream the user started ends equal to its reference. A stream that failed or
+was cut and was not resumed is a violation, before or after its first byte; the one exemption is a stream whose
+own router was killed while it was in flight (no router can resume a stream across routers: the client sees its
+connection close), counted and shown apart.
+
 Pure: no I/O, no clocks. Times are seconds since the run's start.
 """
 
@@ -18,9 +23,11 @@ class Verdict(enum.StrEnum):
     OK = "ok"  # complete, equal to the reference
     LOST = "lost before first byte"  # an error status, or the connection went, before any event
     BROKEN_ERROR = "broken after first byte: error event"  # the router ended the stream with an OpenAI error
-    BROKEN_CUT = "broken after first byte: connection cut"  # the stream ended without [DONE] (its router died)
+    BROKEN_CUT = "broken after first byte: connection cut"  # the stream ended without [DONE], not resumed
     HUNG = "hung"  # no event for the hang timeout: the client gave up
     GARBLED = "garbled"  # text that is not the reference (or, when broken, not a prefix of it)
+    # Lost or cut (no error status, no error event) on a router killed while the stream was in flight: exempt.
+    ROUTER_KILLED = "cut on its killed router (exempt)"
 
 
 @dataclass
@@ -36,6 +43,7 @@ class StreamResult:
     error: str = ""  # an error event's message, or the HTTP status / transport error
     hung: bool = False
     failovers: int = 0  # attempts moved to another router because the first refused the connection
+    router: int | None = None  # index of the router its last attempt went to (``router-<index>`` in faults)
 
 
 def judge(result: StreamResult, reference: str) -> Verdict:
@@ -75,24 +83,31 @@ class ChaosReport:
     seconds: float = 0.0
 
     def verdicts(self) -> list[Verdict]:
-        return [judge(r, self.references[r.prompt]) for r in self.results]
+        kills = [(int(f.victim.rsplit("-", 1)[1]), f.at) for f in self.faults if f.kind == "router"]
+        return [_exempt(r, judge(r, self.references[r.prompt]), kills) for r in self.results]
 
     def counts(self) -> Counter[Verdict]:
         return Counter(self.verdicts())
 
 
-def violations(report: ChaosReport, *, allow_lost: int = 0) -> list[str]:
-    """The run's broken promises: anything garbled or hung, requests lost before their first byte (beyond
-    ``allow_lost``), a fault that was never recovered, or a run with no traffic."""
+def _exempt(result: StreamResult, verdict: Verdict, kills: list[tuple[int, float]]) -> Verdict:
+    """``ROUTER_KILLED`` for a stream lost or cut by its own router's death: it went to a router that was killed
+    while it was in flight (``at`` is taken before the kill, which no other task can run between) and ended
+    without an error status (an HTTP error is an answer, not a cut)."""
+    cut = verdict is Verdict.BROKEN_CUT or (verdict is Verdict.LOST and not result.error.startswith("HTTP"))
+    on_killed = any(result.router == i and result.started <= at <= result.ended for i, at in kills)
+    return Verdict.ROUTER_KILLED if cut and on_killed else verdict
+
+
+def violations(report: ChaosReport) -> list[str]:
+    """The run's broken promises: every stream that did not end equal to its reference (garbled, hung, lost
+    before its first byte, ended by an error event or cut after it) but those cut on their killed router, a fault
+    that was never recovered, or a run with no traffic."""
     counts = report.counts()
     out = []
     if not report.results:
         out.append("no stream ran")
-    for verdict in (Verdict.GARBLED, Verdict.HUNG):
-        if counts[verdict]:
-            out.append(f"{counts[verdict]} {verdict.value}")
-    if counts[Verdict.LOST] > allow_lost:
-        out.append(f"{counts[Verdict.LOST]} {Verdict.LOST.value}")
+    out += [f"{counts[v]} {v.value}" for v in Verdict if v not in (Verdict.OK, Verdict.ROUTER_KILLED) and counts[v]]
     out += [f"{f.kind} {f.victim} not recovered ({f.note})" for f in report.faults if f.recovered is None]
     return out
 

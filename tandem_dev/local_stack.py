@@ -253,8 +253,6 @@ class LocalStack:
             NAMESPACE,
             "--cluster-name",
             CLUSTER,
-            "--health-interval-s",
-            "1",
             *router_security,
             *self.router_args,
         ]

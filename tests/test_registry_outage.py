@@ -30,6 +30,7 @@ from tandem_dev.chaos_report import StreamResult, Verdict, judge
 from tandem_dev.local_stack import MODEL, LocalStack, deterministic_sim_worker_argv
 from tandem_dev.procs import ManagedProcess
 from tandem_dev.stack_fixture import running_stack
+from tandem_router.config import RouterSettings
 from tests.routermetrics import RouterMetrics, scrape
 from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
@@ -39,7 +40,7 @@ CLIENTS = 8
 PROMPTS = 8
 BEFORE_S = 4.0  # load before the fault
 AFTER_S = 12.0  # load after the registry is back
-DEFAULT_HEALTH = ("--health-interval-s", "2")  # the router's default (the local stack's own runs 1 s)
+HEALTH_S: float = RouterSettings.model_fields["health_interval_s"].default  # the default: the local stack's
 
 
 @dataclass
@@ -141,16 +142,14 @@ def _freeze(procs: list[ManagedProcess]) -> Callable[[], Awaitable[Callable[[], 
 
 
 async def test_a_registry_frozen_for_20s_costs_no_stream(tmp_path: Path) -> None:
-    with running_stack(tmp_path, router_port=0, worker_argv=SIMS, router_args=DEFAULT_HEALTH) as stack:
+    with running_stack(tmp_path, router_port=0, worker_argv=SIMS) as stack:
         outcome = await _under_load(stack, 20.0, _freeze(stack.etcds))
     _assert_unharmed(outcome)
     assert outcome.metrics.registry_panics >= 1  # the thaw did expire the lease: the storm happened and was held
 
 
 async def test_a_registry_killed_for_10s_costs_no_stream(tmp_path: Path) -> None:
-    with running_stack(
-        tmp_path, router_port=0, worker_argv=SIMS, router_args=DEFAULT_HEALTH, restart_etcd=False
-    ) as stack:
+    with running_stack(tmp_path, router_port=0, worker_argv=SIMS, restart_etcd=False) as stack:
         (etcd,) = stack.etcds
 
         def restart() -> None:
@@ -166,7 +165,7 @@ async def test_a_registry_killed_for_10s_costs_no_stream(tmp_path: Path) -> None
 
 
 async def test_a_three_member_registry_losing_quorum_for_20s_costs_no_stream(tmp_path: Path) -> None:
-    with running_stack(tmp_path, router_port=0, worker_argv=SIMS, router_args=DEFAULT_HEALTH, etcd_members=3) as stack:
+    with running_stack(tmp_path, router_port=0, worker_argv=SIMS, etcd_members=3) as stack:
         outcome = await _under_load(stack, 20.0, _freeze(stack.etcds[:2]))
     _assert_unharmed(outcome)
 
@@ -174,7 +173,7 @@ async def test_a_three_member_registry_losing_quorum_for_20s_costs_no_stream(tmp
 async def test_a_decode_killed_while_the_registry_is_frozen_leaves_routing_through_health_checks(
     tmp_path: Path,
 ) -> None:
-    with running_stack(tmp_path, router_port=0, worker_argv=SIMS, router_args=DEFAULT_HEALTH, restart=False) as stack:
+    with running_stack(tmp_path, router_port=0, worker_argv=SIMS, restart=False) as stack:
         (etcd,) = stack.etcds
         victim = next(w for w in stack.workers if w.group == "decode-1")
         etcd.signal(signal.SIGSTOP)
@@ -189,5 +188,5 @@ async def test_a_decode_killed_while_the_registry_is_frozen_leaves_routing_throu
             took = time.monotonic() - killed
         finally:
             etcd.signal(signal.SIGCONT)
-        print(f"\ndecode killed with the registry frozen: out of routing after {took:.2f} s (health interval 2 s)")
-        assert took <= 2.0 + 1.0  # one health interval, plus a probe's own time on a busy machine
+        print(f"\ndecode killed, registry frozen: out of routing after {took:.2f} s (health interval {HEALTH_S:g} s)")
+        assert took <= HEALTH_S + 1.0  # one health interval, plus a probe's own time on a busy machine

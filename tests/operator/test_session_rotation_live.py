@@ -93,7 +93,7 @@ async def test_a_decode_leader_recreated_10_times_at_its_old_address_serves_agai
         router_url = f"http://127.0.0.1:{router_port}"
         argv = [sys.executable, "-m", "tandem.cli", "router", "--host", "127.0.0.1", "--port", str(router_port),
                 "--discovery", "etcd", "--etcd-endpoint", etcd_endpoint.split("://", 1)[1],
-                "--cluster-namespace", ns, "--cluster-name", "sim", "--health-interval-s", "0.5"]  # fmt: skip
+                "--cluster-namespace", ns, "--cluster-name", "sim"]  # fmt: skip
         proc_factory.append(ManagedProcess("router", argv, tmp_path / "router.log").start())
         await asyncio.to_thread(proc_factory[-1].wait_http, f"{router_url}/readiness", 60.0)
         load = await asyncio.create_subprocess_exec(
