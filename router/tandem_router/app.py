@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import logging
 import os
 import time
@@ -23,6 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from tandem_router.canary import CanaryConfig
 from tandem_router.config import DiscoveryMode, RouterSettings
 from tandem_router.discovery import Discovery, make_discovery
+from tandem_router.flow.requests import asked_priority, estimated_tokens
+from tandem_router.flow_control import FlowControl
 from tandem_router.health import HealthChecker
 from tandem_router.integrity.monitor import IntegrityConfig, IntegrityMonitor
 from tandem_router.integrity.quarantine import QuarantinePolicy
@@ -48,6 +49,7 @@ from tandem_router.schema import (
     routing_key,
 )
 from tandem_router.server import HttpServer, Limits, Reply, Response, ServerRequest
+from tandem_router.tenants import client_identity
 from tandem_router.transport import Transport, TransportConfig
 
 log = logging.getLogger("tandem.router")
@@ -69,6 +71,7 @@ class RouterState:
     discovery: Discovery
     integrity: IntegrityMonitor | None = None
     hooks: IntegrityHooks | None = None
+    flow: FlowControl | None = None
     background: list[asyncio.Task[None]] = field(default_factory=list)
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     in_flight: int = 0
@@ -143,6 +146,8 @@ def build_app(settings: RouterSettings, gates: tuple[PairGate, ...] = ()) -> Rou
         make_discovery(pool, settings),
     )
     state.integrity, state.hooks = monitor, hooks
+    if settings.flow_control:
+        state.flow = FlowControl(settings, pool, metrics.registry)
     return RouterApp(state)
 
 
@@ -219,6 +224,8 @@ async def _startup(s: RouterState) -> None:
     s.health.start()
     if s.hooks is not None:
         s.background.append(asyncio.create_task(s.hooks.canary.run(s.stop)))
+    if s.flow is not None:
+        s.background.append(asyncio.create_task(s.flow.run(s.stop)))
     if s.integrity is not None and s.settings.discovery is DiscoveryMode.ETCD:
         publisher = IntegrityPublisher(
             s.integrity,
@@ -268,38 +275,36 @@ def _proxied(state: RouterState, route: Route) -> Endpoint:
             )
         # One pass over the prompt: the routing prefix is its start (and all of it the leak detector needs).
         prompt = prompt_text(route, body, limit=PROMPT_CHARS_INSPECTED if s.integrity is not None else PREFIX_UNITS)
-        req = ProxyRequest(
-            route=route,
-            body=body,
-            stream=body.get("stream") is True,
-            items=item_count(route, body),
-            prefix=routing_key(route, body, prompt, PREFIX_UNITS),
-            prompt=prompt if s.integrity is not None else "",
-            request_id=request.header("x-request-id")
-            or os.urandom(16).hex(),  # 32 hex digits, as uuid4().hex, for less work
-            started=started,
-            client=client_identity(request, s.settings),
-        )
-        s.in_flight += 1
+        client = client_identity(request, s.settings)
+        s.in_flight += 1  # queued requests count too: max_concurrent_requests bounds what the router holds
+        flow, slot = s.flow, None
         try:
+            if flow is not None:
+                admitted = await flow.enter(client, asked_priority(body), estimated_tokens(route, body, len(prompt)))
+                if isinstance(admitted, Reply):
+                    return admitted
+                slot = admitted
+                if s.settings.flow_worker_priority:
+                    body["priority"] = slot.priority
+            req = ProxyRequest(
+                route=route,
+                body=body,
+                stream=body.get("stream") is True,
+                items=item_count(route, body),
+                prefix=routing_key(route, body, prompt, PREFIX_UNITS),
+                prompt=prompt if s.integrity is not None else "",
+                request_id=request.header("x-request-id")
+                or os.urandom(16).hex(),  # 32 hex digits, as uuid4().hex, for less work
+                started=started,
+                client=client,
+            )
             return await s.proxy.handle(req, request)
         finally:
             s.in_flight -= 1
+            if flow is not None and slot is not None:
+                flow.leave(slot)
 
     return handle
-
-
-def client_identity(request: ServerRequest, settings: RouterSettings) -> str:
-    """Who sent a request, for integrity evidence (one client's findings alone never quarantine a pair): its API
-    key when the router checks keys (``api_keys``; an unchecked token could be made up per request), else the
-    value of ``client_id_header`` when the operator set one (a header that a trusted proxy in front of the router
-    sets), else the peer address."""
-    header = request.header("authorization")
-    if settings.api_keys and header[:7].lower() == "bearer " and header[7:]:
-        return "key:" + hashlib.sha256(header[7:].encode()).hexdigest()[:16]
-    if settings.client_id_header and request.header(settings.client_id_header):
-        return "header:" + request.header(settings.client_id_header)[:256]
-    return f"peer:{request.remote or 'unknown'}"
 
 
 def _parse(raw: bytes, route: Route, model_cls: type[pydantic.BaseModel]) -> tuple[dict[str, Any], Reply | None]:

@@ -150,6 +150,37 @@ class RouterSettings(BaseSettings):
         description="Largest top-1 minus runner-up logprob margin at which a flipped token is GPU numerics, not "
         "corruption (canaries, shadows, probation; 0: only exact ties).",
     )
+    flow_control: bool = Field(
+        default=True,
+        description="Tenant flow control: per-tenant queues in front of the pairs, weighted fair sharing of the "
+        "capacity learned from the decodes' gauges, the limits of flow_limits_file (router/README.md).",
+    )
+    flow_limits_file: Path | None = Field(
+        default=None,
+        description="YAML/JSON file of per-tenant weights, priorities and limits, reloaded when it changes "
+        "(a malformed one is refused, naming the field, and the last good one kept). Unset: every tenant equal.",
+    )
+    flow_reserve_share: float = Field(
+        default=0.25,
+        ge=0,
+        le=0.5,
+        description="Share of the learned capacity held for tenants below their fair share (at least 1 request).",
+    )
+    flow_headroom_share: float = Field(
+        default=0.5,
+        ge=0,
+        le=4,
+        description="Requests admitted beyond the learned capacity, as a share of it: a short queue on the workers "
+        "so that prefills overlap decoding (only tenants below their fair share use it).",
+    )
+    flow_worker_priority: bool = Field(
+        default=False,
+        description="Send each request's effective priority to the workers as SGLang's `priority` field (turn on "
+        "where they run --enable-priority-scheduling).",
+    )
+    flow_metrics_tenants: int = Field(
+        default=20, ge=0, le=1000, description="Tenants with metric series of their own; the rest are 'other'."
+    )
     log_level: str = "info"
 
     @property
@@ -248,6 +279,16 @@ def parser() -> argparse.ArgumentParser:
         "--integrity-near-tie-nats", type=float, help="margin within which a flipped token is numerics (0.5)"
     )
     p.add_argument("--shadow-rate", type=float, help="fraction of deterministic requests shadowed (default 0.01)")
+    p.add_argument("--flow-control", action=argparse.BooleanOptionalAction, help="tenant fair admission (default on)")
+    p.add_argument("--flow-limits-file", help="per-tenant weights, priorities and limits (YAML/JSON, reloaded)")
+    p.add_argument("--flow-reserve-share", type=float, help="capacity held for tenants below their share (0.25)")
+    p.add_argument("--flow-headroom-share", type=float, help="admitted beyond the learned capacity, share of it (0.5)")
+    p.add_argument(
+        "--flow-worker-priority",
+        action=argparse.BooleanOptionalAction,
+        help="send the effective priority to the workers (SGLang --enable-priority-scheduling)",
+    )
+    p.add_argument("--flow-metrics-tenants", type=int, help="tenants with metric series of their own (20)")
     p.add_argument("--log-level")
     return p
 

@@ -21,6 +21,7 @@ import uvloop
 from tandem import logs
 from tandem_router.app import build_app
 from tandem_router.config import RouterSettings, load
+from tandem_router.flow.limits import LimitsError, load_limits
 
 log = logging.getLogger("tandem.router")
 
@@ -72,6 +73,12 @@ def main(argv: Sequence[str]) -> int:
     except pydantic.ValidationError as err:
         print(f"tandem router: invalid configuration:\n{err}", file=sys.stderr)
         return 2
+    if settings.flow_control and settings.flow_limits_file is not None:
+        try:
+            load_limits(settings.flow_limits_file)
+        except LimitsError as err:
+            print(f"tandem router: --flow-limits-file: {err}", file=sys.stderr)
+            return 2
     logs.setup(settings.log_level, "tandem.router")
     if settings.discovery.value == "static" and not (settings.prefill and settings.decode):
         print("tandem router: static discovery needs at least one --prefill and one --decode", file=sys.stderr)

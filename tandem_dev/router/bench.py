@@ -82,12 +82,20 @@ class Load:
     wrk_cpu: float  # wrk's own CPU time over the run's wall time (1.0: one core busy: wrk would be the limit)
 
 
-def wrk(url: str, body: dict[str, object], connections: int, seconds: int, workdir: Path) -> Load:
-    """Run wrk (one thread) against ``url`` for ``seconds``."""
+def wrk(
+    url: str,
+    body: dict[str, object],
+    connections: int,
+    seconds: int,
+    workdir: Path,
+    headers: dict[str, str] | None = None,
+) -> Load:
+    """Run wrk (one thread) against ``url`` for ``seconds`` (``headers``: more request headers)."""
     script = workdir / "post.lua"
+    extra = "".join(f'wrk.headers["{k}"] = "{v}"\n' for k, v in (headers or {}).items())
     script.write_text(
         'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-        f"wrk.body = [[{orjson.dumps(body).decode()}]]\n"
+        f"{extra}wrk.body = [[{orjson.dumps(body).decode()}]]\n"
     )
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()

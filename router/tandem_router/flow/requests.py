@@ -1,0 +1,27 @@
+"""What a request asks of flow control: its own ``priority`` (SGLang's request field) and its estimated tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem_router.schema import Route
+
+CHARS_PER_TOKEN = 4
+
+
+def asked_priority(body: dict[str, Any]) -> int | None:
+    value = body.get("priority")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def estimated_tokens(route: Route, body: dict[str, Any], prompt_chars: int) -> float:
+    """Prompt characters / 4 plus the output limit the request sets (none set: the prompt alone)."""
+    if route is Route.GENERATE:
+        params = body.get("sampling_params")
+        limit = params.get("max_new_tokens") if isinstance(params, dict) else None
+    else:
+        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    output = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else 0
+    choices = body.get("n")
+    n = choices if isinstance(choices, int) and not isinstance(choices, bool) and choices > 1 else 1
+    return prompt_chars / CHARS_PER_TOKEN + output * n
