@@ -7,4 +7,4 @@ Packages:
 - ``tandem_operator``: the kopf operator (``tandem operator``).
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -178,13 +178,11 @@ class Executor:
 
     # -- the registry ------------------------------------------------------------------------------------------
     async def sync_registry(self, desired: dict[GroupKey, Endpoint]) -> None:
-        """Put new or changed entries (under the operator's lease), remove the rest, and close finished recoveries."""
+        """Put new or changed entries (under the operator's lease), then remove the rest (a group retired for its
+        replacement goes after the replacement is in), and close finished recoveries."""
         state = self.state
         changes = registry_changes(desired, state.registered)
         stale_adopted = [k for k in state.adopted if k not in desired]
-        for key in [*changes.remove, *stale_adopted]:
-            await self.unregister(key)
-        state.adopted.clear()
         put: list[str] = []
         for key, endpoint in changes.put.items():
             async with self.registry_lock:
@@ -194,6 +192,9 @@ class Executor:
                 await self.registrar.put(self._ns, state.ref.name, endpoint)
                 state.registered[key] = endpoint
             put.append(f"group {key.name} epoch {endpoint.epoch} at {endpoint.url}")
+        for key in [*changes.remove, *stale_adopted]:
+            await self.unregister(key)
+        state.adopted.clear()
         if put:  # one Event per pass: a ramp registers hundreds of groups in a few passes
             note = put[0] if len(put) == 1 else f"{len(put)} groups registered: " + "; ".join(put)
             self.emit(Reason.REGISTERED, note, "Register")

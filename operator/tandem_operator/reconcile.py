@@ -35,7 +35,7 @@ from tandem_operator.k8s.kube import ConflictError, Kube
 from tandem_operator.k8s.nodes import NodeDomains
 from tandem_operator.observe import GroupKey, GroupState, GroupView, group_views, slim_pod
 from tandem_operator.outdated import OutdatedPods
-from tandem_operator.planner import CreatePods, DeletePods, Observed, plan, steps
+from tandem_operator.planner import CreatePods, DeletePods, DeleteReason, Observed, plan, steps
 from tandem_operator.recovery import (
     FenceRecord,
     apply_fences,
@@ -133,6 +133,7 @@ class Reconciler:
         desired: dict[GroupKey, Endpoint] = {}
         roles = {}
         draining = False
+        retirements: list[DeletePods] = []
         trigger, trigger_error = self._roll_trigger()
         upgrades: dict[Role, RoleUpgrade] = {}
         changes: dict[Role, list[str]] = {}
@@ -156,7 +157,9 @@ class Reconciler:
             role_steps = steps(ctx, actions, planned, seen)
             self._resume_abandoned_drains(role, {s.group for s in role_steps if isinstance(s, DeletePods)})
             for step in role_steps:
-                if isinstance(step, DeletePods) and not await executor.delete(step):
+                if isinstance(step, DeletePods) and step.reason is DeleteReason.ROLLOUT:
+                    retirements.append(step)  # after the registry sync below
+                elif isinstance(step, DeletePods) and not await executor.delete(step):
                     draining = True
             await bounded([executor.create(s) for s in role_steps if isinstance(s, CreatePods)], PARALLEL_GROUPS)
             deleting = {s.group.index for s in role_steps if isinstance(s, DeletePods)}
@@ -176,6 +179,11 @@ class Reconciler:
             body = _status_body("PDPool", pool_name(ref.name, role), ref.namespace, status.to_wire())
             await self._apply_status(body, pool["metadata"]["uid"])
         await executor.sync_registry(desired)
+        # A rollout retires a group once its replacement is Ready: the replacement is registered (above) before the
+        # retired group is unregistered, so routers never lack the role in between (one group per role: the pass).
+        for step in retirements:
+            if not await executor.delete(step):
+                draining = True
         outdated = pods_outdated_condition(
             upgrades.values(),
             changes,
