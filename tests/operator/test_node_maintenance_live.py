@@ -152,7 +152,9 @@ async def test_a_rollout_without_a_spare_node_completes_in_place_and_surge_stays
             async def pending(name: str = name) -> bool:
                 return await _unschedulable(live.api, ns, name)
 
-            await eventually(pending, f"{name} Pending: Unschedulable", within=60)
+            # the patch reaches the operator by its watch, or at the latest its 30 s resync, and a busy API server
+            # (status patches timing out) slows the pass that creates the surge group
+            await eventually(pending, f"{name} Pending: Unschedulable", within=120)
         assert sorted(await reg.endpoints(ns, "sim")) == groups  # nothing retired: the old groups serve on
 
         load = await start_load(sim.base_url, SIM_MODEL, 8, 60.0, max_tokens=50)
