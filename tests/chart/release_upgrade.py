@@ -17,7 +17,7 @@ from openai import AsyncOpenAI, OpenAIError
 
 from tandem import registry
 from tandem.registry_etcd import client as etcd_client
-from tests.chart.stack import LocalDeployment
+from tests.chart.stack import EndpointLoad, LocalDeployment
 
 SCHEMA_METRIC = "tandem_router_registry_entries_by_schema"
 
@@ -30,54 +30,35 @@ def release_env(tree: Path) -> dict[str, str]:
 
 
 @dataclass
-class StreamLoad:
-    """Streaming chat completions through a Service: each stream goes to the next of its ready ``endpoints`` (round
-    robin, as kube-proxy spreads connections); ``endpoints`` is edited while it runs, as Endpoints are. Counts
-    streams that finished, were cut after their first chunk, or failed before it (no SDK retries)."""
+class StreamLoad(EndpointLoad):
+    """Streaming chat completions, unbounded until ``stop``; counts streams cut after their first chunk apart from
+    those that failed before it."""
 
-    model: str
-    endpoints: list[str]
+    max_requests: int = 10**9
     concurrency: int = 4
-    stop: asyncio.Event = field(default_factory=asyncio.Event)
-    ok: int = 0
     cut_mid_stream: int = 0
     failed_before_first_byte: list[str] = field(default_factory=list)
-    served: dict[str, int] = field(default_factory=dict)
-    _issued: int = 0
 
-    async def run(self) -> None:
-        clients: dict[str, AsyncOpenAI] = {}
+    async def request(self, sdk: AsyncOpenAI, base: str, n: int) -> bool:
+        received = False
         try:
-            await asyncio.gather(*(self._worker(clients) for _ in range(self.concurrency)))
-        finally:
-            for sdk in clients.values():
-                await sdk.close()
-
-    async def _worker(self, clients: dict[str, AsyncOpenAI]) -> None:
-        while not self.stop.is_set():
-            base = self.endpoints[self._issued % len(self.endpoints)]
-            self._issued += 1
-            sdk = clients.setdefault(base, AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0))
-            received = False
-            try:
-                stream = await sdk.chat.completions.create(
-                    model=self.model,
-                    messages=[{"role": "user", "content": f"upgrade probe {self._issued}"}],
-                    max_tokens=16,
-                    stream=True,
-                    timeout=30,
-                )
-                async for _ in stream:
-                    received = True
-            except OpenAIError as err:
-                if received:
-                    self.cut_mid_stream += 1
-                else:
-                    at = time.strftime("%H:%M:%S", time.gmtime())
-                    self.failed_before_first_byte.append(f"{at} {base}: {type(err).__name__}: {err}")
-                continue
-            self.ok += 1
-            self.served[base] = self.served.get(base, 0) + 1
+            stream = await sdk.chat.completions.create(
+                model=self.model,
+                messages=[{"role": "user", "content": f"upgrade probe {n}"}],
+                max_tokens=16,
+                stream=True,
+                timeout=30,
+            )
+            async for _ in stream:
+                received = True
+        except OpenAIError as err:
+            if received:
+                self.cut_mid_stream += 1
+            else:
+                at = time.strftime("%H:%M:%S", time.gmtime())
+                self.failed_before_first_byte.append(f"{at} {base}: {type(err).__name__}: {err}")
+            return False
+        return True
 
     def summary(self) -> str:
         failed = len(self.failed_before_first_byte)

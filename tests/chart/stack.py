@@ -12,6 +12,7 @@ from the Deployments' own argv (read back from the API server after ``helm insta
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import json
@@ -162,10 +163,12 @@ async def cluster_objects_of_release(cluster: DevCluster, release: str) -> list[
 
 
 @dataclass
-class ServiceLoad:
-    """A bounded request loop through a Service: each request goes to one of the Service's ready endpoints
-    (round robin, as kube-proxy spreads connections). ``endpoints`` is edited while it runs, as Endpoints are.
-    It runs until ``stop`` is set (or ``max_requests`` were sent); ``served`` counts successes per endpoint."""
+class EndpointLoad(abc.ABC):
+    """A request loop through a Service: each request goes to the next of the Service's ready ``endpoints`` (round
+    robin, as kube-proxy spreads connections); ``endpoints`` is edited while it runs, as Endpoints are. It runs
+    until ``stop`` is set (or ``max_requests`` were sent), ``concurrency`` requests at a time, one SDK client per
+    endpoint with no retries (a failed request must show up, not be hidden by a second try); ``request`` is the
+    kind of load."""
 
     model: str
     endpoints: list[str]
@@ -173,7 +176,6 @@ class ServiceLoad:
     concurrency: int = 2
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     served: dict[str, int] = field(default_factory=dict)
-    failures: list[str] = field(default_factory=list)
     _issued: int = 0
 
     @property
@@ -192,14 +194,28 @@ class ServiceLoad:
         while self._issued < self.max_requests and not self.stop.is_set():
             base = self.endpoints[self._issued % len(self.endpoints)]
             self._issued += 1
-            # No SDK retries: a failed request must show up here, not be hidden by a second try.
             sdk = clients.setdefault(base, AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0))
-            try:
-                out = await sdk.completions.create(model=self.model, prompt="upgrade probe", max_tokens=4, timeout=30)
-            except OpenAIError as err:
-                self.failures.append(f"{base}: {type(err).__name__}: {err}")
-                continue
-            if out.usage is not None and out.usage.completion_tokens > 0:
+            if await self.request(sdk, base, self._issued):
                 self.served[base] = self.served.get(base, 0) + 1
-            else:
-                self.failures.append(f"{base}: empty completion {out}")
+
+    @abc.abstractmethod
+    async def request(self, sdk: AsyncOpenAI, base: str, n: int) -> bool:
+        """Send request ``n`` to ``base``; True when it was served, else it is recorded as this load records it."""
+
+
+@dataclass
+class ServiceLoad(EndpointLoad):
+    """Short completions; ``failures`` lists every request not served, with why."""
+
+    failures: list[str] = field(default_factory=list)
+
+    async def request(self, sdk: AsyncOpenAI, base: str, n: int) -> bool:
+        try:
+            out = await sdk.completions.create(model=self.model, prompt="upgrade probe", max_tokens=4, timeout=30)
+        except OpenAIError as err:
+            self.failures.append(f"{base}: {type(err).__name__}: {err}")
+            return False
+        if out.usage is not None and out.usage.completion_tokens > 0:
+            return True
+        self.failures.append(f"{base}: empty completion {out}")
+        return False
