@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
+from tandem import __version__
 from tandem_router.schema import REQUEST_MODELS, ErrorResponse, ModelList, Route
 
 _SUMMARIES = {
@@ -17,7 +18,7 @@ _SUMMARIES = {
 }
 
 
-def document(title: str = "Tandem router", version: str = "0.1.0") -> dict[str, Any]:
+def document(title: str = "Tandem router", version: str = __version__) -> dict[str, Any]:
     models: list[tuple[type[BaseModel], JsonSchemaMode]] = [(m, "validation") for m in REQUEST_MODELS.values()]
     models += [
         (ErrorResponse, "serialization"),

@@ -8,6 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
+import tandem
 from tandem.registry import Role
 from tandem_dev.procs import free_port
 from tandem_router.policy.selection import Policy
@@ -325,6 +326,7 @@ async def test_models_health_metrics_openapi() -> None:
         assert 'tandem_router_requests_total{route="/v1/chat/completions",status="200"} 1.0' in text
         doc = await (await s.http.get(f"{s.router.url}/openapi.json")).json()
         assert set(doc["paths"]) >= {"/v1/chat/completions", "/v1/completions", "/generate", "/v1/models"}
+        assert doc["info"]["version"] == tandem.__version__
 
 
 async def test_unknown_path_is_openai_404() -> None:
