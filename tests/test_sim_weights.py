@@ -85,8 +85,13 @@ async def test_load_phases_take_the_profiles_time(tmp_path: Path) -> None:
                 ready, _ = await _get(sess, f"{prefill.url}/ready")
                 model_info, _ = await _get(sess, f"{prefill.url}/model_info")
                 bootstrap, _ = await _get(sess, route)
-                seen.append((time.monotonic() - started, health, ready, model_info, bootstrap))
-                if health == 200:
+                # /health tells the three phases apart and they only move forward: a sample whose /health answered
+                # the same before and after its reads saw one phase in all of them (else a phase change fell between
+                # two reads, which a busy machine makes likely enough to fail the checks below).
+                health_after, _ = await _get(sess, f"{prefill.url}/health")
+                if health_after == health:
+                    seen.append((time.monotonic() - started, health, ready, model_info, bootstrap))
+                if health_after == 200:
                     break
                 await asyncio.sleep(0.01)
         weights = (await _info(sess, prefill))["weights"]
