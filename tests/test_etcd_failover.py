@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 
 from tandem import registry
+from tandem.integrity_watch import IntegrityWatcher
 from tandem.registry import Endpoint, IntegrityReport, Role
 from tandem.registry_etcd import EndpointWatcher, client
 from tandem_dev.local_stack import (
@@ -30,7 +31,6 @@ from tandem_dev.local_stack import (
 )
 from tandem_dev.procs import ManagedProcess
 from tandem_dev.stack_fixture import running_stack
-from tandem_operator.integrity_watch import IntegrityWatcher
 from tandem_operator.observe import GroupKey
 from tandem_operator.registrar import Registrar
 from tests.routermetrics import scrape

@@ -23,6 +23,7 @@ from typing import Any
 
 import pydantic
 
+from tandem.integrity_watch import IntegrityWatcher
 from tandem.registry import IntegrityReport
 from tandem_operator.api.pdcluster import PDClusterSpec, PDClusterStatus
 from tandem_operator.autoscale.loop import Autoscaler
@@ -38,7 +39,6 @@ from tandem_operator.fencing import (
     unroute_decision,
 )
 from tandem_operator.integrity import integrity_decision, integrity_recreations
-from tandem_operator.integrity_watch import IntegrityWatcher
 from tandem_operator.k8s.kube import Kube
 from tandem_operator.observe import Pod, slim_pod
 from tandem_operator.reasons import EventType, Reason

@@ -1,4 +1,6 @@
-"""Watches one PD cluster's integrity reports in etcd (thin adapter; deciding is ``tandem_operator.integrity``).
+"""Watches one PD cluster's integrity reports in etcd (thin adapter): the operator shows them on the
+PDCluster (``tandem_operator.integrity``); the routers split the canary probing among the routers that report
+(``tandem_router.integrity_members``).
 
 Lists ``integrity_prefix(namespace, cluster)``, then watches it from the next revision; a PUT upserts a report, a
 DELETE -- a router removed it, or its lease expired -- drops it. Every change calls ``on_change`` with the whole
@@ -17,7 +19,7 @@ from tandem import registry
 from tandem.registry import EtcdTLS, IntegrityReport
 from tandem.registry_etcd import PrefixWatcher
 
-log = logging.getLogger("tandem.operator.integrity")
+log = logging.getLogger("tandem.integrity.watch")
 
 OnChange = Callable[[dict[str, IntegrityReport]], Awaitable[None]]
 
