@@ -19,7 +19,7 @@ import orjson
 import pydantic
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from tandem_router.canary import CanaryConfig
+from tandem_router.canary import CanaryConfig, ProbeScope
 from tandem_router.config import DiscoveryMode, RouterSettings
 from tandem_router.discovery import Discovery, make_discovery
 from tandem_router.flow.requests import asked_priority, estimated_tokens
@@ -27,7 +27,8 @@ from tandem_router.flow_control import FlowControl
 from tandem_router.health import HealthChecker
 from tandem_router.integrity.monitor import IntegrityConfig, IntegrityMonitor
 from tandem_router.integrity.quarantine import QuarantinePolicy
-from tandem_router.integrity_hooks import IntegrityHooks, build_hooks
+from tandem_router.integrity_hooks import IntegrityHooks, build_hooks, probing_capacity
+from tandem_router.integrity_members import RouterMembers, router_id
 from tandem_router.integrity_publisher import IntegrityPublisher, integrity_document
 from tandem_router.metrics import RouterMetrics
 from tandem_router.openai.requests import canonical, param_path, refusal
@@ -72,6 +73,7 @@ class RouterState:
     integrity: IntegrityMonitor | None = None
     hooks: IntegrityHooks | None = None
     flow: FlowControl | None = None
+    members: RouterMembers | None = None  # the cluster's routers, for splitting canary rounds (etcd discovery)
     background: list[asyncio.Task[None]] = field(default_factory=list)
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     in_flight: int = 0
@@ -126,8 +128,34 @@ def build_app(settings: RouterSettings, gates: tuple[PairGate, ...] = ()) -> Rou
     )
     metrics = RouterMetrics(pool)
     retry_cfg = RetryConfig(settings.retry_max_attempts, settings.retry_initial_backoff_s)
-    canary_cfg = CanaryConfig(interval_s=settings.canary_interval_s)
-    hooks = build_hooks(monitor, transport, pool, canary_cfg, settings.shadow_rate) if monitor is not None else None
+    canary_cfg = CanaryConfig(interval_s=settings.canary_interval_s, sample=settings.canary_sample)
+    flow = FlowControl(settings, pool, metrics.registry) if settings.flow_control else None
+    members = (
+        RouterMembers(
+            router_id(),
+            settings.etcd_endpoints,
+            settings.cluster_namespace,
+            settings.cluster_name,
+            tls=settings.etcd_tls,
+        )
+        if monitor is not None and settings.discovery is DiscoveryMode.ETCD
+        else None
+    )
+    hooks = None
+    if monitor is not None:
+        me = router_id() if members is None else members.me
+        hooks = build_hooks(
+            monitor,
+            transport,
+            pool,
+            canary_cfg,
+            settings.shadow_rate,
+            budget_share=settings.probe_budget_share,
+            capacity=lambda: probing_capacity(pool, flow),
+            scope=ProbeScope(me, lambda: {me}, monitor.probe_first)
+            if members is None
+            else ProbeScope(me, members.ids, monitor.probe_first, members.peer_quarantined),
+        )
     state = RouterState(
         settings,
         pool,
@@ -145,9 +173,7 @@ def build_app(settings: RouterSettings, gates: tuple[PairGate, ...] = ()) -> Rou
         HealthChecker(pool, transport, settings.health_interval_s),
         make_discovery(pool, settings),
     )
-    state.integrity, state.hooks = monitor, hooks
-    if settings.flow_control:
-        state.flow = FlowControl(settings, pool, metrics.registry)
+    state.integrity, state.hooks, state.flow, state.members = monitor, hooks, flow, members
     return RouterApp(state)
 
 
@@ -226,12 +252,14 @@ async def _startup(s: RouterState) -> None:
         s.background.append(asyncio.create_task(s.hooks.canary.run(s.stop)))
     if s.flow is not None:
         s.background.append(asyncio.create_task(s.flow.run(s.stop)))
-    if s.integrity is not None and s.settings.discovery is DiscoveryMode.ETCD:
+    if s.integrity is not None and s.members is not None:
+        s.members.start()
         publisher = IntegrityPublisher(
             s.integrity,
             s.settings.etcd_endpoints,
             s.settings.cluster_namespace,
             s.settings.cluster_name,
+            s.members.me,
             tls=s.settings.etcd_tls,
         )
         s.background.append(asyncio.create_task(publisher.run(s.stop)))
@@ -243,6 +271,8 @@ async def _cleanup(s: RouterState) -> None:
     if s.hooks is not None:
         await s.hooks.drain()
     await s.health.stop()
+    if s.members is not None:
+        await s.members.stop()
     await s.discovery.stop()
     await s.proxy.drain_background()
     await s.transport.close()

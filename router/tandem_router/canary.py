@@ -1,18 +1,23 @@
-"""Known-answer canaries: deterministic probes through each specific (prefill, decode) pair.
+"""Known-answer canaries: deterministic probes through specific (prefill, decode) pairs.
 
-Every ``interval_s`` one canary prompt (temperature 0, fixed seed) goes through every pair the pool can form,
-quarantined ones included, with the top-two logprobs of every token. The reference answer is the answer a strict
-majority of the pool's answers is SAME or NUMERICAL with (``integrity.consensus``): without
+Every ``interval_s`` (rounds start at multiples of it on the wall clock, so the routers of a cluster tick together)
+one canary prompt (temperature 0, fixed seed) goes through this router's share of the round's plan
+(``integrity.probe_plan``): pairs to probe first (under suspicion, a failed request, a worker seen for the first
+time), then a rotation that gives every worker ``sample`` partners a round. The routers split the plan by a
+rendezvous hash over the routers registered in the registry (``members``), and the probing budget
+(``integrity.probe_budget``) cuts what does not fit. Each answer carries the top-two logprobs of every token. The
+reference answer is the answer a strict majority of the round's answers is SAME or NUMERICAL with
+(``integrity.consensus``), or the last round's reference when fewer than three pairs answered: without
 ``--enable-deterministic-inference`` a near-tied token may flip with the batch on a clean pair, and that is counted
 (``tandem_integrity_canaries_total{result="numerical"}``), never a failure. Pairs whose answer is DIFFERENT from
 the reference fail the canary. The router picks the prompts and asks for the logprobs, so no client can make a
 canary look like corruption or like numerics. Canary rounds never release a quarantined pair.
 
-Bursts: every canary whose reference is known, cycled up to ``size`` concurrent requests through one pair.
-They confirm a detector finding that a shadow re-run cannot (the suspect request was not deterministic), and
-they give a pair on probation comparisons at the pool's live concurrency when no mirrorable live traffic does
-(``probation.py`` mirrors live requests otherwise). A pair that cannot be reached is the breakers' business, not
-an integrity failure: it is skipped.
+Bursts: every canary whose reference is known, cycled up to ``size`` concurrent requests through one pair (as many
+as the budget grants). They confirm a detector finding that a shadow re-run cannot (the suspect request was not
+deterministic), and they give a pair on probation comparisons at the pool's live concurrency when no mirrorable
+live traffic does (``probation.py`` mirrors live requests otherwise). A pair that cannot be reached is the
+breakers' business, not an integrity failure: it is skipped.
 """
 
 from __future__ import annotations
@@ -21,12 +26,15 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from tandem_router.integrity.consensus import judge
 from tandem_router.integrity.divergence import Answer, Kind, compare
 from tandem_router.integrity.monitor import IntegrityMonitor, PairKey
+from tandem_router.integrity.probe_budget import ProbeBudget, ProbeKind
+from tandem_router.integrity.probe_plan import DEFAULT_SAMPLE, plan_round, round_number, rounds_to_cover
 from tandem_router.pair_request import answers_from_pair
 from tandem_router.pool import Pair
 from tandem_router.transport import Transport
@@ -34,6 +42,7 @@ from tandem_router.transport import Transport
 log = logging.getLogger("tandem.router.canary")
 
 MAX_BURST = 64  # concurrent canaries through one pair
+PEER_CONFIRM_S = 5.0  # a pair another router quarantined is confirmed here at most this often
 
 CANARY_PROMPTS: tuple[str, ...] = (
     "Canary: list the planets of the solar system in order from the sun.",
@@ -50,6 +59,18 @@ class CanaryConfig:
     timeout_s: float = 30.0
     seed: int = 1234
     probation_idle_s: float = 5.0  # a pair on probation without comparisons this long gets a canary burst
+    sample: int = DEFAULT_SAMPLE  # partners each worker is probed with per round (``probe_plan.rotation``)
+
+
+@dataclass(frozen=True)
+class ProbeScope:
+    """Who probes what: this router's id, the ids of the cluster's routers (this one included or not), the pairs to
+    probe before the rotation, and the pairs other routers quarantined (confirmed here with bursts)."""
+
+    me: str
+    members: Callable[[], Collection[str]]
+    probe_first: Callable[[PairKey], bool]
+    peer_quarantined: Callable[[], Collection[PairKey]] = frozenset
 
 
 class CanaryProber:
@@ -58,56 +79,88 @@ class CanaryProber:
         monitor: IntegrityMonitor,
         transport: Transport,
         pairs: Callable[[], list[Pair]],
+        budget: ProbeBudget,
+        scope: ProbeScope,
         cfg: CanaryConfig | None = None,
         rng: random.Random | None = None,
         concurrency: Callable[[PairKey], int] = lambda pair: 1,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.monitor = monitor
         self.transport = transport
         self.pairs = pairs
+        self.budget = budget
+        self.scope = scope
         self.concurrency = concurrency  # concurrent requests through a pair at the pool's live load
         self.cfg = cfg or CanaryConfig()
+        self.wall_clock = wall_clock
         self._tasks: set[asyncio.Task[None]] = set()
         self.rng = rng or random.Random()
         self.references: dict[str, Answer] = {}
         self._round = 0
+        self._workers_seen: set[tuple[str, int]] | None = None  # (key, epoch) of every worker at the last round
+        self._peer_confirmed: dict[PairKey, float] = {}  # pair -> when a peer's quarantine was last confirmed here
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Rounds every ``interval_s``; in between (every 0.5 s) quarantined pairs whose wait is over go on
-        probation, and pairs on probation without comparisons for ``probation_idle_s`` get a canary burst."""
+        """A round at start, then at each multiple of ``interval_s`` of the wall clock; in between (every 0.5 s)
+        quarantined pairs whose wait is over go on probation, and pairs on probation without comparisons for
+        ``probation_idle_s`` get a canary burst."""
         next_round = 0.0
         loop = asyncio.get_running_loop()
         while not stop.is_set():
             try:
                 if loop.time() >= next_round:
                     await self.round()
-                    next_round = loop.time() + self.cfg.interval_s
+                    wall = self.wall_clock()
+                    next_round = (
+                        loop.time() + (round_number(wall, self.cfg.interval_s) + 1) * self.cfg.interval_s - wall
+                    )
                 self.monitor.start_probations()
+                self.confirm_peer_quarantines()
                 await self.probation_bursts()
             except Exception:
                 log.exception("canary iteration failed")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
 
+    def _first(self, pairs: list[Pair]) -> list[PairKey]:
+        """Pairs to probe before the rotation: the monitor's (suspicion, failed requests), and every pair of a worker
+        that was not there (or had another epoch) at the last round."""
+        workers = {(spec.key, spec.epoch) for pair in pairs for spec in (pair.prefill, pair.decode)}
+        new = set() if self._workers_seen is None else {key for key, _ in workers - self._workers_seen}
+        self._workers_seen = workers
+        return [p.key for p in pairs if new & set(p.key) or self.scope.probe_first(p.key)]
+
     async def round(self) -> None:
-        """One prompt through every pair; judge by consensus; score every pair that answered."""
+        """One prompt through this router's share of the round's plan, as far as the budget goes; judge by
+        consensus; score every pair that answered."""
         prompt = CANARY_PROMPTS[self._round % len(CANARY_PROMPTS)]
         self._round += 1
-        pairs = self.pairs()
-        if len(pairs) < 2:
+        pairs = {p.key: p for p in self.pairs()}
+        first = self._first(list(pairs.values()))
+        round_no = round_number(self.wall_clock(), self.cfg.interval_s)
+        plan = plan_round(pairs, round_no, self.cfg.sample, first, self.scope.members(), self.scope.me)
+        plan = plan[: self.budget.grant(ProbeKind.CANARY, len(plan))]
+        if not plan or (len(plan) < 2 and prompt not in self.references):
             return  # one answer is no consensus; nothing to compare against
-        answers = await asyncio.gather(*(self.probe(pair, prompt) for pair in pairs))
-        by_pair: dict[PairKey, Answer] = {p.key: a for p, a in zip(pairs, answers, strict=True) if a is not None}
+        answers = await asyncio.gather(*(self.timed_probe(ProbeKind.CANARY, pairs[key], prompt) for key in plan))
+        by_pair: dict[PairKey, Answer] = {key: a for key, a in zip(plan, answers, strict=True) if a is not None}
         near_tie = self.monitor.cfg.near_tie_nats
         verdict = judge(by_pair, self.references.get(prompt) if len(by_pair) < 3 else None, near_tie)
-        if verdict.reference is None:
-            log.warning("canary round without a majority answer", extra={"pairs": len(pairs), "answered": len(by_pair)})
+        if verdict.reference is None or (len(by_pair) < 2 and prompt not in self.references):
+            log.warning("canary round without a majority answer", extra={"pairs": len(plan), "answered": len(by_pair)})
             return
         self.references[prompt] = verdict.reference
         log.info(
             "canary round",
             extra={
+                "round": round_no,
                 "pairs": len(pairs),
+                "probed": len(plan),
+                "first": len(first),
+                "rounds_to_cover": rounds_to_cover(
+                    len({p for p, _ in pairs}), len({d for _, d in pairs}), self.cfg.sample
+                ),
                 "answered": len(by_pair),
                 "failed": sorted(verdict.failed),
                 "numerical": len(verdict.numerical),
@@ -125,27 +178,40 @@ class CanaryProber:
         """A burst at the pool's live concurrency through each pair on probation that mirroring left idle."""
         due = set(self.monitor.idle_probations(self.cfg.probation_idle_s))
         pairs = [p for p in self.pairs() if p.key in due]
-        await asyncio.gather(*(self.burst(pair, self.concurrency(pair.key)) for pair in pairs))
+        await asyncio.gather(*(self.burst(pair, self.concurrency(pair.key), ProbeKind.BURST) for pair in pairs))
+
+    def confirm_peer_quarantines(self) -> None:
+        """A burst through each pair another router quarantined that this one still serves, at most once per
+        ``PEER_CONFIRM_S`` a pair (``integrity_members``: each router judges only what it saw itself)."""
+        now = time.monotonic()
+        quarantined, peers = self.monitor.quarantined_keys(), set(self.scope.peer_quarantined())
+        self._peer_confirmed = {k: at for k, at in self._peer_confirmed.items() if k in peers}
+        for key in peers:
+            if key not in quarantined and now - self._peer_confirmed.get(key, -PEER_CONFIRM_S) >= PEER_CONFIRM_S:
+                self._peer_confirmed[key] = now
+                self.confirm_soon(key)
 
     def confirm_soon(self, key: PairKey) -> None:
         """Confirm a detector finding on ``key`` with a canary burst, in the background."""
         pair = next((p for p in self.pairs() if p.key == key), None)
         if pair is None or not self.references:
             return
-        task = asyncio.create_task(self.burst(pair, self.concurrency(pair.key)))
+        task = asyncio.create_task(self.burst(pair, self.concurrency(pair.key), ProbeKind.CONFIRMATION))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def drain(self) -> None:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def burst(self, pair: Pair, size: int) -> None:
-        """``size`` concurrent canaries (known references, cycled) through ``pair``; each answer is scored."""
+    async def burst(self, pair: Pair, size: int, kind: ProbeKind) -> None:
+        """``size`` concurrent canaries (known references, cycled; as many as the budget grants) through ``pair``;
+        each answer is scored."""
         known = list(self.references)
         if not known:
             return
-        prompts = [known[i % len(known)] for i in range(max(len(known), min(size, MAX_BURST)))]
-        answers = await asyncio.gather(*(self.probe(pair, prompt) for prompt in prompts))
+        wanted = max(len(known), min(size, MAX_BURST))
+        prompts = [known[i % len(known)] for i in range(self.budget.grant(kind, wanted))]
+        answers = await asyncio.gather(*(self.timed_probe(kind, pair, prompt) for prompt in prompts))
         for prompt, answer in zip(prompts, answers, strict=True):
             if answer is None:
                 continue
@@ -155,6 +221,14 @@ class CanaryProber:
                 self.monitor.canary_result(pair.key, False, why)
             else:
                 self.monitor.canary_result(pair.key, True, numerical_at=verdict.token)
+
+    async def timed_probe(self, kind: ProbeKind, pair: Pair, prompt: str) -> Answer | None:
+        """``probe``, its time settled with the budget (the probe was granted before)."""
+        reserved, started = self.budget.expected_s, time.monotonic()
+        try:
+            return await self.probe(pair, prompt)
+        finally:
+            self.budget.settle(kind, reserved, time.monotonic() - started)
 
     async def probe(self, pair: Pair, prompt: str) -> Answer | None:
         """The decode's answer (text and logprobs) for ``prompt`` through exactly this pair, or None if the pair

@@ -115,6 +115,15 @@ class RouterSettings(BaseSettings):
 
     integrity: bool = Field(default=True, description="Run the output-integrity detectors, canaries and quarantine.")
     canary_interval_s: float = Field(default=30.0, gt=0, description="Seconds between known-answer canary rounds.")
+    canary_sample: int = Field(
+        default=2, ge=1, description="Partners each prefill and decode is probed with per canary round (rotating)."
+    )
+    probe_budget_share: float = Field(
+        default=0.01,
+        gt=0,
+        le=1,
+        description="Share of the cluster's capacity (requests at once) canaries, bursts and confirmations may use.",
+    )
     quarantine_threshold: int = Field(
         default=2, ge=1, description="Integrity failures within the window that quarantine a pair."
     )
@@ -264,6 +273,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout-s", type=float)
     p.add_argument("--integrity", action=argparse.BooleanOptionalAction, help="output-integrity checks (default on)")
     p.add_argument("--canary-interval-s", type=float)
+    p.add_argument("--canary-sample", type=int, help="partners per worker per canary round (default 2)")
+    p.add_argument("--probe-budget-share", type=float, help="probing's share of the cluster's capacity (0.01)")
     p.add_argument("--quarantine-threshold", type=int)
     p.add_argument("--quarantine-window-s", type=float)
     p.add_argument("--quarantine-probe-initial-s", type=float)

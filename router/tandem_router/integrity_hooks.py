@@ -10,10 +10,15 @@ mirrored to the pairs on probation.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from tandem_router.canary import CanaryConfig, CanaryProber
+from tandem.registry import Role
+from tandem_router.canary import CanaryConfig, CanaryProber, ProbeScope
+from tandem_router.flow_control import FlowControl
 from tandem_router.integrity.monitor import IntegrityMonitor
+from tandem_router.integrity.probe_budget import ProbeBudget, ProbeMetrics
 from tandem_router.pool import Pair, WorkerPool
 from tandem_router.probation import ProbationMirror, load_target
 from tandem_router.proxy import ProxyRequest
@@ -53,9 +58,27 @@ def pairs_for_integrity(pool: WorkerPool, monitor: IntegrityMonitor) -> list[Pai
     return pairs
 
 
+def probing_capacity(pool: WorkerPool, flow: FlowControl | None) -> float:
+    """Requests at once the probing budget is a share of: what flow control learned from the decodes' gauges,
+    else a lower bound (each decode that may take traffic runs what it runs now, at least one)."""
+    learned = None if flow is None else flow.core.capacity
+    if learned is not None:
+        return float(learned)
+    return sum(max(1.0, w.load.running) for w in pool.available(Role.DECODE, time.monotonic()))
+
+
 def build_hooks(
-    monitor: IntegrityMonitor, transport: Transport, pool: WorkerPool, canary_cfg: CanaryConfig, shadow_rate: float
+    monitor: IntegrityMonitor,
+    transport: Transport,
+    pool: WorkerPool,
+    canary_cfg: CanaryConfig,
+    shadow_rate: float,
+    *,
+    budget_share: float,
+    capacity: Callable[[], float],
+    scope: ProbeScope,
 ) -> IntegrityHooks:
+    budget = ProbeBudget(budget_share, capacity, ProbeMetrics(monitor.metrics.registry))
     return IntegrityHooks(
         monitor,
         ShadowSampler(monitor, transport, pool, shadow_rate),
@@ -63,6 +86,8 @@ def build_hooks(
             monitor,
             transport,
             lambda: pairs_for_integrity(pool, monitor),
+            budget,
+            scope,
             canary_cfg,
             concurrency=lambda pair: load_target(pool, monitor, pair),
         ),

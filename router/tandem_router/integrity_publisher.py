@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import socket
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -83,13 +81,14 @@ class IntegrityPublisher:
         etcd_endpoints: Sequence[str],
         namespace: str,
         cluster: str,
+        router: str,
         ttl: int = 10,
         interval_s: float = 1.0,
         tls: EtcdTLS | None = None,
     ) -> None:
         self.monitor = monitor
         self.endpoints, self.tls = list(etcd_endpoints), tls
-        self.router = f"{socket.gethostname()}-{os.getpid()}"
+        self.router = router
         self.key = registry.integrity_key(namespace, cluster, self.router).encode()
         self.ttl, self.interval_s = ttl, interval_s
 

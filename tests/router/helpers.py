@@ -15,7 +15,10 @@ from aiohttp import web
 from tandem_dev.procs import ManagedProcess, free_port
 from tandem_dev.router import instant_worker
 from tandem_router.app import RouterApp, build_app, state_of
+from tandem_router.canary import ProbeScope
 from tandem_router.config import PrefillSpec, RouterSettings
+from tandem_router.integrity.monitor import IntegrityMonitor
+from tandem_router.integrity.probe_budget import ProbeBudget, ProbeMetrics
 from tandem_router.policy.selection import Policy
 from tandem_router.server import HttpServer
 
@@ -128,3 +131,14 @@ def start_instant_workers(procs: list[ManagedProcess], logs: Path) -> dict[str, 
         urls[role] = f"http://127.0.0.1:{port}"
         procs[-1].wait_http(urls[role] + "/health")
     return urls
+
+
+def ample_budget(monitor: IntegrityMonitor) -> ProbeBudget:
+    """A probing budget that never cuts a round or a burst (a cluster of 10,000 request slots), for tests of
+    what the prober decides rather than of how much it may send."""
+    return ProbeBudget(1.0, lambda: 10_000.0, ProbeMetrics(monitor.metrics.registry))
+
+
+def lone_router() -> ProbeScope:
+    """The scope of a router that is alone in its cluster and has nothing to probe first."""
+    return ProbeScope("router-0", lambda: {"router-0"}, lambda pair: False)

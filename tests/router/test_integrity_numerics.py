@@ -16,6 +16,7 @@ from tandem_router.canary import CanaryProber
 from tandem_router.config import load
 from tandem_router.integrity.divergence import NEAR_TIE_NATS, Answer
 from tandem_router.integrity.monitor import IntegrityConfig, IntegrityMonitor
+from tandem_router.integrity.probe_budget import ProbeKind
 from tandem_router.integrity.quarantine import QuarantinePolicy
 from tandem_router.pool import Pair, WorkerPool, WorkerSpec
 from tandem_router.probation import ProbationMirror
@@ -23,6 +24,7 @@ from tandem_router.proxy import ProxyRequest
 from tandem_router.schema import Route
 from tandem_router.shadow import ShadowSampler
 from tandem_router.transport import Request, Transport
+from tests.router.helpers import ample_budget, lone_router
 from tests.test_integrity_divergence import FLIP, REF, Step, answer, generate_doc, sure, text_of, tied
 
 P = WorkerSpec(Role.PREFILL, "http://p0:1", 8998)
@@ -88,7 +90,7 @@ class FakeWorkers(Transport):
 
 class FixedAnswers(CanaryProber):
     def __init__(self, monitor: IntegrityMonitor, answers: dict[str, Answer]) -> None:
-        super().__init__(monitor, Transport(), lambda: PAIRS)
+        super().__init__(monitor, Transport(), lambda: PAIRS, ample_budget(monitor), lone_router())
         self.answers = answers
 
     async def probe(self, pair: Pair, prompt: str) -> Answer | None:
@@ -117,16 +119,17 @@ async def test_bursts_compare_with_the_stored_reference_by_the_same_relation() -
     prober = FixedAnswers(monitor, {D[0].url: answer(REF), D[1].url: answer(REF), D[2].url: answer(FLIP)})
     await prober.round()
     assert _count(monitor, "canaries", "numerical") == 1
-    await prober.burst(PAIRS[2], 4)  # numerical again: never a failure
+    await prober.burst(PAIRS[2], 4, ProbeKind.CONFIRMATION)  # numerical again: never a failure
     assert monitor.quarantined_keys() == frozenset()
     prober.answers[D[2].url] = Answer("The sky looks very quarterly report")
-    await prober.burst(PAIRS[2], 1)
+    await prober.burst(PAIRS[2], 1, ProbeKind.CONFIRMATION)
     assert monitor.quarantined_keys() == {PAIRS[2].key}
 
 
 async def test_canary_probes_ask_for_the_top_two_logprobs() -> None:
     workers = FakeWorkers({d.url: _body(REF) for d in D})
-    prober = CanaryProber(_monitor(), workers, lambda: PAIRS)
+    monitor = _monitor()
+    prober = CanaryProber(monitor, workers, lambda: PAIRS, ample_budget(monitor), lone_router())
     got = await prober.probe(PAIRS[0], "Canary: a prompt")
     assert got is not None
     assert got.text == text_of(REF).text

@@ -45,7 +45,7 @@ async def _until_reports(endpoint: str, check: object, within: float = 10.0) -> 
 async def test_quarantine_is_published_and_cleared(etcd: str) -> None:
     monitor = IntegrityMonitor(IntegrityConfig(policy=QuarantinePolicy(threshold=1)), CollectorRegistry())
     monitor.set_pairs([PAIR], {PAIR[1]: 7})
-    publisher = IntegrityPublisher(monitor, [etcd], "ns", "c1", ttl=3, interval_s=0.05)
+    publisher = IntegrityPublisher(monitor, [etcd], "ns", "c1", "router-a", ttl=3, interval_s=0.05)
     stop = asyncio.Event()
     task = asyncio.create_task(publisher.run(stop))
     try:

@@ -141,6 +141,7 @@ class IntegrityMonitor:
         self._suspects: dict[str, PairKey] = {}  # request id -> pair, findings waiting for a confirmation
         self._confirmed_at: dict[PairKey, float] = {}
         self._suspicious_until: dict[PairKey, float] = {}
+        self._failed_at: dict[PairKey, float] = {}  # pair -> when a request through it last failed
         self._known_pairs: list[PairKey] = []
         self._epochs: dict[str, int] = {}
 
@@ -151,7 +152,10 @@ class IntegrityMonitor:
         return not self.book.is_quarantined(pair.key)
 
     def record(self, pair: _PairLike, ok: bool, now: float) -> None:
-        """Transport outcomes are the breakers' business; integrity only scores content."""
+        """Transport outcomes are the breakers' business and integrity only scores content, but a pair whose request
+        failed is probed first by the next canary round (a broken transfer path may also garble)."""
+        if not ok:
+            self._failed_at[pair.key] = self.clock()
 
     # -- live traffic -----------------------------------------------------------------------------------------
     def started(self, request_id: str, prompt: str, client: str = "") -> None:
@@ -245,6 +249,12 @@ class IntegrityMonitor:
             return True
         return any(self.book.worker_confirmed_failing(w, now) for w in pair)
 
+    def probe_first(self, pair: PairKey) -> bool:
+        """Canary rounds probe this pair before their rotation: it is under suspicion, or a request through it
+        failed within ``suspicion_s``."""
+        recent = self.clock() - self._failed_at.get(pair, -math.inf) < self.cfg.suspicion_s
+        return recent or self.under_suspicion(pair)
+
     def _pairs_of(self, worker: str) -> frozenset[PairKey]:
         return frozenset(p for p in self._known_pairs if worker in p)
 
@@ -335,6 +345,7 @@ class IntegrityMonitor:
             self.book.forget(gone)
             self.evidence.forget(gone)
             self._suspicious_until.pop(gone, None)
+            self._failed_at.pop(gone, None)
         self._epochs.update(epochs)
         self._known_pairs = list(pairs)
         self._update_gauge()

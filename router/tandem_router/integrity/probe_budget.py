@@ -1,0 +1,115 @@
+"""The probing budget: canaries, bursts and confirmations together use at most ``share`` of the cluster's capacity.
+
+Capacity is counted in requests at once (what the decodes run together), so the budget is in *request-seconds per
+second*: a probe that takes 0.8 s holds one of the cluster's request slots for 0.8 s. With ``share`` 1 % and 1,000
+slots, probing may keep 10 requests in flight on average. A token bucket holds the allowance: it fills at
+``share x capacity`` request-seconds a second and holds at most ``depth_s`` seconds of it (and at least
+``MIN_PROBES`` probes, the smallest round with a majority, so a small cluster still probes, just rarely). Each
+probe reserves the current estimate of a probe's duration before it is sent and settles with what it really took.
+What is not granted is not sent: a round is cut from its end (the plan puts suspects first), a burst is made
+smaller.
+
+Shadows and probation mirrors are not counted here: they re-run a share of live traffic (``--shadow-rate``) or
+mirror it to pairs on probation, so they scale with the traffic, not with the fleet.
+
+The capacity comes from outside (``capacity()``): the capacity flow control learned from the decodes' gauges when
+known, else a lower bound (what the decodes run now, at least one each), so the budget errs towards less probing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from enum import StrEnum
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+DEFAULT_SHARE = 0.01
+DEPTH_S = 60.0  # at most this many seconds of allowance saved up
+FIRST_GUESS_S = 1.0  # a probe's duration before one was measured
+SMOOTHING = 0.2  # weight of the newest measured duration
+MIN_PROBES = 3  # the bucket holds at least this many probes: three answers have a majority without a reference
+
+
+class ProbeKind(StrEnum):
+    CANARY = "canary"  # rotation rounds
+    BURST = "burst"  # concurrent canaries through a pair on probation
+    CONFIRMATION = "confirmation"  # a burst that confirms a detector finding
+
+
+class ProbeMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.probes = Counter(
+            "tandem_integrity_probes",
+            "Probe requests sent (canaries, bursts, confirmations).",
+            ["kind"],
+            registry=registry,
+        )
+        self.seconds = Counter(
+            "tandem_integrity_probe_seconds", "Request-seconds the probes took, by kind.", ["kind"], registry=registry
+        )
+        self.denied = Counter(
+            "tandem_integrity_probes_denied",
+            "Probes not sent: over the probing budget, by kind.",
+            ["kind"],
+            registry=registry,
+        )
+        self.budget = Gauge(
+            "tandem_integrity_probe_budget_requests",
+            "Requests at once the probing budget allows on average (share x capacity).",
+            registry=registry,
+        )
+        self.capacity = Gauge(
+            "tandem_integrity_probe_capacity_requests",
+            "Requests at once the cluster runs, as the probing budget counts it (learned, else a lower bound).",
+            registry=registry,
+        )
+
+
+class ProbeBudget:
+    def __init__(
+        self,
+        share: float,
+        capacity: Callable[[], float],
+        metrics: ProbeMetrics,
+        clock: Callable[[], float] = time.monotonic,
+        depth_s: float = DEPTH_S,
+    ) -> None:
+        self.share, self.capacity, self.metrics, self.clock, self.depth_s = share, capacity, metrics, clock, depth_s
+        self.expected_s = FIRST_GUESS_S
+        self._rate = 0.0
+        self._tokens = 0.0
+        self._at: float | None = None
+
+    def _refill(self) -> None:
+        now = self.clock()
+        slots = max(0.0, self.capacity())
+        self._rate = self.share * slots
+        self.metrics.capacity.set(slots)
+        self.metrics.budget.set(self._rate)
+        depth = max(self._rate * self.depth_s, MIN_PROBES * self.expected_s)
+        if self._at is None:
+            self._tokens = depth  # a new router may probe one full allowance at once
+        else:
+            self._tokens = min(depth, self._tokens + self._rate * (now - self._at))
+        self._at = now
+
+    def grant(self, kind: ProbeKind, wanted: int) -> int:
+        """How many of ``wanted`` probes may go now; their expected time is reserved."""
+        if wanted <= 0:
+            return 0
+        self._refill()
+        granted = min(wanted, max(0, math.floor(self._tokens / self.expected_s + 1e-9)))
+        self._tokens -= granted * self.expected_s
+        if granted < wanted:
+            self.metrics.denied.labels(kind.value).inc(wanted - granted)
+        self.metrics.probes.labels(kind.value).inc(granted)
+        return granted
+
+    def settle(self, kind: ProbeKind, reserved_s: float, took_s: float) -> None:
+        """A granted probe, for which ``reserved_s`` was reserved (``expected_s`` when it was granted), is over
+        after ``took_s``: the bucket pays the difference, and the estimate of a probe's duration moves towards it."""
+        self._tokens += reserved_s - took_s
+        self.expected_s += SMOOTHING * (max(took_s, 0.001) - self.expected_s)
+        self.metrics.seconds.labels(kind.value).inc(took_s)
