@@ -29,6 +29,7 @@ SECTIONS: dict[str, str] = {
     "router": "tandem_dev.router.bench",
     "prefix": "tandem_dev.router.bench_prefix",
     "integrity": "tandem_dev.router.bench_integrity",
+    "probing": "tandem_dev.router.bench_probing",
     "tenants": "tandem_dev.router.bench_tenants",
     "operator": "tandem_dev.operator.bench",
     "images": "tandem_dev.images.bench",
