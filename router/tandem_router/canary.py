@@ -181,14 +181,17 @@ class CanaryProber:
         await asyncio.gather(*(self.burst(pair, self.concurrency(pair.key), ProbeKind.BURST) for pair in pairs))
 
     def confirm_peer_quarantines(self) -> None:
-        """A burst through each pair another router quarantined that this one still serves, at most once per
-        ``PEER_CONFIRM_S`` a pair (``integrity_members``: each router judges only what it saw itself)."""
+        """Each pair another router quarantined that this one still serves goes under suspicion here (its
+        deterministic answers are compared: the races need live prompts that fill KV pages, which canaries do not)
+        and gets a canary burst (a broken data path), at most once per ``PEER_CONFIRM_S`` a pair
+        (``integrity_members``: each router judges only what it saw itself)."""
         now = time.monotonic()
         quarantined, peers = self.monitor.quarantined_keys(), set(self.scope.peer_quarantined())
         self._peer_confirmed = {k: at for k, at in self._peer_confirmed.items() if k in peers}
         for key in peers:
             if key not in quarantined and now - self._peer_confirmed.get(key, -PEER_CONFIRM_S) >= PEER_CONFIRM_S:
                 self._peer_confirmed[key] = now
+                self.monitor.suspect(key)
                 self.confirm_soon(key)
 
     def confirm_soon(self, key: PairKey) -> None:

@@ -255,6 +255,12 @@ class IntegrityMonitor:
         recent = self.clock() - self._failed_at.get(pair, -math.inf) < self.cfg.suspicion_s
         return recent or self.under_suspicion(pair)
 
+    def suspect(self, pair: PairKey) -> None:
+        """Another router quarantined ``pair``: for ``suspicion_s`` its deterministic answers here are re-run on
+        other pairs and compared (evidence of this router's own; nothing is quarantined on the other's word)."""
+        if not self.book.is_quarantined(pair):
+            self._suspicious_until[pair] = self.clock() + self.cfg.suspicion_s
+
     def _pairs_of(self, worker: str) -> frozenset[PairKey]:
         return frozenset(p for p in self._known_pairs if worker in p)
 
