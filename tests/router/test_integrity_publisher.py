@@ -12,6 +12,7 @@ from tandem import registry, registry_etcd
 from tandem_dev.local_stack import start_etcd
 from tandem_router.integrity.monitor import IntegrityConfig, IntegrityMonitor
 from tandem_router.integrity.quarantine import QuarantinePolicy
+from tandem_router.integrity_members import RouterMembers
 from tandem_router.integrity_publisher import IntegrityPublisher
 
 pytestmark = pytest.mark.procs
@@ -69,3 +70,43 @@ async def test_quarantine_is_published_and_cleared(etcd: str) -> None:
         stop.set()
         await task
     assert await _reports(etcd) == []  # a router that stops removes its report at once
+
+
+async def _until(check: object, within: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within
+    while not check():  # type: ignore[operator]
+        assert asyncio.get_running_loop().time() < deadline, "not reached"
+        await asyncio.sleep(0.05)
+
+
+async def test_routers_see_each_other_and_the_pairs_the_others_quarantined(etcd: str) -> None:
+    """``RouterMembers`` (what the canary prober splits rounds over) follows the reports: a second router appears
+    when it publishes, its quarantines are the peer's, and it is gone at once when it stops."""
+    monitors = {
+        r: IntegrityMonitor(IntegrityConfig(policy=QuarantinePolicy(threshold=1)), CollectorRegistry()) for r in "ab"
+    }
+    for monitor in monitors.values():
+        monitor.set_pairs([PAIR])
+    members = RouterMembers("router-a", [etcd], "ns", "c2")
+    members.start()
+    stops = {r: asyncio.Event() for r in "ab"}
+    tasks = {
+        r: asyncio.create_task(
+            IntegrityPublisher(monitors[r], [etcd], "ns", "c2", f"router-{r}", ttl=3, interval_s=0.05).run(stops[r])
+        )
+        for r in "ab"
+    }
+    try:
+        assert members.ids() >= {"router-a"}  # itself, before any report
+        await _until(lambda: members.ids() == {"router-a", "router-b"})
+        assert members.peer_quarantined() == frozenset()
+        monitors["a"].failure(PAIR, "prompt_leak")  # its own quarantine is not a peer's
+        monitors["b"].failure(PAIR, "prompt_leak")
+        await _until(lambda: members.peer_quarantined() == {PAIR})
+        stops["b"].set()
+        await tasks["b"]
+        await _until(lambda: members.ids() == {"router-a"} and not members.peer_quarantined())
+    finally:
+        stops["a"].set()
+        await asyncio.gather(*tasks.values())
+        await members.stop()
