@@ -45,7 +45,8 @@ from tandem_dev.router.integrity_stack import integrity_state, metric_values
 SIZES = ((1, 1), (8, 8), (125, 125))
 QUICK_SIZES = ((1, 1), (8, 8))
 ROUTERS = 4
-CLEAN_S, QUICK_CLEAN_S = 60.0, 15.0
+CLEAN_S, QUICK_CLEAN_S = 60.0, 15.0  # full: two canary rounds (30 s apart on the wall clock)
+WARMUP_S = 10.0
 WATCH_S, QUICK_WATCH_S = 60.0, 30.0
 OUT_WITHIN_S = 10.0
 BUDGET_SHARE = 0.01  # the router's default (--probe-budget-share), for the note
@@ -239,6 +240,7 @@ async def measure(cluster: Cluster, size: str, clean_s: float, watch_s: float) -
         work = bodies(400, seed=40, tokens=(24, 48))
         load_task = asyncio.create_task(run_load(sess, cluster.routers, work, clients, stop))
         try:
+            await asyncio.sleep(WARMUP_S)  # the routers' first rounds (at start, not on the wall-clock grid) are over
             before = await _snapshot(sess, cluster)
             print(f"#   {size}: phase A, {clients} clients for {clean_s:.0f}s", flush=True)
             await asyncio.sleep(clean_s)
