@@ -188,16 +188,24 @@ class CanaryProber:
         now = time.monotonic()
         quarantined, peers = self.monitor.quarantined_keys(), set(self.scope.peer_quarantined())
         self._peer_confirmed = {k: at for k, at in self._peer_confirmed.items() if k in peers}
-        for key in peers:
-            if key not in quarantined and now - self._peer_confirmed.get(key, -PEER_CONFIRM_S) >= PEER_CONFIRM_S:
-                self._peer_confirmed[key] = now
-                self.monitor.suspect(key)
-                self.confirm_soon(key)
+        due = [k for k in peers - quarantined if now - self._peer_confirmed.get(k, -PEER_CONFIRM_S) >= PEER_CONFIRM_S]
+        if not due:
+            return
+        serving = {p.key: p for p in self.pairs()}  # once: a fleet forms P x D pairs
+        for key in due:
+            self._peer_confirmed[key] = now
+            self.monitor.suspect(key)
+            if key in serving:
+                self._burst_soon(serving[key])
 
     def confirm_soon(self, key: PairKey) -> None:
         """Confirm a detector finding on ``key`` with a canary burst, in the background."""
         pair = next((p for p in self.pairs() if p.key == key), None)
-        if pair is None or not self.references:
+        if pair is not None:
+            self._burst_soon(pair)
+
+    def _burst_soon(self, pair: Pair) -> None:
+        if not self.references:
             return
         task = asyncio.create_task(self.burst(pair, self.concurrency(pair.key), ProbeKind.CONFIRMATION))
         self._tasks.add(task)

@@ -110,3 +110,21 @@ async def test_suspects_and_new_workers_go_first_and_the_budget_cuts_the_rest() 
     assert len(prober.probed) == 4
     denied = monitor.metrics.registry.get_sample_value("tandem_integrity_probes_denied_total", {"kind": "canary"})
     assert denied == 13
+
+
+async def test_a_pair_another_router_quarantined_is_suspected_and_confirmed_here_not_quarantined() -> None:
+    monitor = _monitor()
+    peer_out = FLEET[3].key
+    scope = ProbeScope("a", lambda: {"a", "b"}, lambda pair: False, lambda: {peer_out})
+    prober = Recorded(monitor, scope)
+    await prober.round()  # a reference to burst with
+    prober.probed.clear()
+    prober.confirm_peer_quarantines()
+    await prober.drain()
+    assert monitor.under_suspicion(peer_out)  # its deterministic answers are compared here now
+    assert set(prober.probed) == {peer_out}  # and a confirmation burst went through it
+    assert monitor.quarantined_keys() == frozenset()  # its answers were clean here: nothing on the peer's word
+    prober.probed.clear()
+    prober.confirm_peer_quarantines()
+    await prober.drain()
+    assert prober.probed == []  # at most once per PEER_CONFIRM_S
