@@ -48,9 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import logging
-import random
 import signal
 import time
 from collections import OrderedDict
@@ -65,23 +63,15 @@ from aiohttp import web
 from tandem.leased_writer import LeasedWriter
 from tandem.registry import Endpoint, Role
 from tandem.registry_signing import registry_entry
+from tandem_dev.router import fleet_answers as answers
 from tandem_dev.router.instant_worker import MODEL, _bootstrap_problem, _health, _models
 
 log = logging.getLogger("tandem.dev.fleet")
 
 HOST = "127.0.0.1"
 PAGE_TOKENS = 16
-MARGIN = 3.0  # nats between a token and its runner-up: far above the router's 0.5-nat near-tie
 TRANSFER_TIMEOUT_S = 10.0
 ROOMS_KEPT = 1 << 16  # rooms a prefill saw that no decode claimed yet (bounded: oldest dropped)
-DEFAULT_TOKENS = 32
-# 96 made-up words for the answers (the bench prompts are other syllables, so no answer repeats a prompt by chance)
-VOCAB = tuple(
-    a + b + c
-    for a in ("cho", "shu", "quo", "wyx", "jeh", "yul", "xim", "wha")
-    for b in ("lan", "rik", "tov")
-    for c in ("", "ge", "ri", "ot")
-)
 
 
 @dataclass(eq=False)
@@ -151,7 +141,7 @@ class Fleet:
         request handed back already, if any: that request reads this prompt from its next token on."""
         full_pages = len(prompt) // PAGE_TOKENS
         release = now + (PAGE_TOKENS - len(prompt) % PAGE_TOKENS) * self.step_s if full_pages else None
-        req = Running(prompt, clean_words(prompt, tokens), now, release)
+        req = Running(prompt, answers.clean_words(prompt, tokens), now, release)
         if decode.race and prompt:
             for victim in decode.running:
                 if victim.thief is None and victim.release_at is not None and victim.release_at <= now:
@@ -161,106 +151,6 @@ class Fleet:
                     break
         decode.running.add(req)
         return req
-
-
-def prompt_seed(prompt: list[str]) -> int:
-    return int.from_bytes(hashlib.blake2b(" ".join(prompt).encode(), digest_size=8).digest(), "little")
-
-
-def clean_words(prompt: list[str], tokens: int) -> list[str]:
-    """The clean answer: a function of the prompt alone, so every clean pair answers a request alike."""
-    rng = random.Random(prompt_seed(prompt))
-    return [VOCAB[rng.randrange(len(VOCAB))] for _ in range(tokens)]
-
-
-def _token(word: str) -> tuple[list[Any], list[list[Any]]]:
-    """SGLang's ``[logprob, token_id, text]`` of a token and its top two (the runner-up ``MARGIN`` nats behind)."""
-    chosen = VOCAB.index(word) if word in VOCAB else len(VOCAB) + prompt_seed([word]) % 50000
-    runner = VOCAB[(chosen + 1) % len(VOCAB)]
-    first = [-0.05, chosen, f" {word}"]
-    return first, [first, [-0.05 - MARGIN, (chosen + 1) % len(VOCAB), f" {runner}"]]
-
-
-def _prompt(path: str, body: dict[str, Any]) -> list[str] | None:
-    if path == "/v1/chat/completions":
-        messages = body.get("messages")
-        if not isinstance(messages, list):
-            return None
-        return " ".join(str(m.get("content", "")) for m in messages if isinstance(m, dict)).split()
-    text = body.get("prompt" if path == "/v1/completions" else "text")
-    return text.split() if isinstance(text, str) else None
-
-
-def _budget(path: str, body: dict[str, Any]) -> int:
-    if path == "/generate":
-        params = body.get("sampling_params") or {}
-        value = params.get("max_new_tokens") if isinstance(params, dict) else None
-    else:
-        value = body.get("max_completion_tokens") or body.get("max_tokens")
-    return value if isinstance(value, int) and 0 < value <= 4096 else DEFAULT_TOKENS
-
-
-def _logprobs_asked(path: str, body: dict[str, Any]) -> bool:
-    return bool(body.get("return_logprob") if path == "/generate" else body.get("logprobs"))
-
-
-def _full_body(path: str, words: list[str], prompt_len: int, logprobs: bool) -> bytes:
-    text = "".join(f" {w}" for w in words)
-    usage = {"prompt_tokens": prompt_len, "completion_tokens": len(words), "total_tokens": prompt_len + len(words)}
-    pairs = [_token(w) for w in words] if logprobs else []
-    if path == "/generate":
-        meta: dict[str, Any] = {
-            "prompt_tokens": prompt_len,
-            "completion_tokens": len(words),
-            "finish_reason": {"type": "length", "length": len(words)},
-        }
-        if logprobs:
-            meta["output_token_logprobs"] = [first for first, _ in pairs]
-            meta["output_top_logprobs"] = [top for _, top in pairs]
-        return orjson.dumps({"text": text, "meta_info": meta})
-    if path == "/v1/chat/completions":
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": "length",
-        }
-        if logprobs:
-            content = [
-                {"token": t[2], "logprob": t[0], "bytes": list(t[2].encode()),
-                 "top_logprobs": [{"token": a[2], "logprob": a[0], "bytes": list(a[2].encode())} for a in top]}
-                for t, top in pairs
-            ]  # fmt: skip
-            choice["logprobs"] = {"content": content}
-        kind = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": "length"}
-        if logprobs:
-            offsets = [sum(len(w) + 1 for w in words[:i]) for i in range(len(words))]
-            choice["logprobs"] = {
-                "tokens": [t[2] for t, _ in pairs], "token_logprobs": [t[0] for t, _ in pairs],
-                "top_logprobs": [{a[2]: a[0] for a in top} for _, top in pairs], "text_offset": offsets,
-            }  # fmt: skip
-        kind = "text_completion"
-    doc = {"id": "fleet", "object": kind, "created": 0, "model": MODEL, "choices": [choice], "usage": usage}
-    return orjson.dumps(doc)
-
-
-def _chunk(path: str, words: list[str], i: int) -> bytes:
-    """The SSE event of token ``i``: cumulative text on ``/generate`` (SGLang's default), deltas on OpenAI routes."""
-    last = i == len(words) - 1
-    finish = "length" if last else None
-    if path == "/generate":
-        meta: dict[str, Any] = {"completion_tokens": i + 1}
-        if last:
-            meta["finish_reason"] = {"type": "length", "length": len(words)}
-        doc: dict[str, Any] = {"text": "".join(f" {w}" for w in words[: i + 1]), "meta_info": meta}
-    elif path == "/v1/chat/completions":
-        choice = {"index": 0, "delta": {"content": f" {words[i]}"}, "finish_reason": finish}
-        doc = {"id": "fleet", "object": "chat.completion.chunk", "model": MODEL, "choices": [choice]}
-    else:
-        choice = {"index": 0, "text": f" {words[i]}", "finish_reason": finish}
-        doc = {"id": "fleet", "object": "text_completion", "model": MODEL, "choices": [choice]}
-    return b"data: " + orjson.dumps(doc) + b"\n\n"
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -286,7 +176,7 @@ async def _serve(request: web.Request) -> web.StreamResponse:
     problem = _bootstrap_problem(body) if isinstance(body, dict) else "body must be a JSON object"
     if problem is None and isinstance(body["bootstrap_room"], list):
         problem = "fleet workers take one request at a time (no batches)"
-    prompt = _prompt(request.path, body) if problem is None else None
+    prompt = answers.prompt(request.path, body) if problem is None else None
     if problem is not None or prompt is None:
         return _error(400, problem or "no prompt")
     port, room = body["bootstrap_port"], body["bootstrap_room"]
@@ -304,7 +194,13 @@ async def _serve(request: web.Request) -> web.StreamResponse:
         return _error(500, f"KV transfer failed: prefill on bootstrap port {port} never sent room {room}")
     fleet.rooms.pop((port, room), None)
     rid = request.headers.get("X-Request-Id", "")
-    kind = "canary" if rid.startswith("canary-") else "integrity" if _logprobs_asked(request.path, body) else "client"
+    kind = (
+        "canary"
+        if rid.startswith("canary-")
+        else "integrity"
+        if answers.logprobs_asked(request.path, body)
+        else "client"
+    )
     started = time.monotonic()
     assert worker.slots is not None
     worker.queued += 1
@@ -312,7 +208,7 @@ async def _serve(request: web.Request) -> web.StreamResponse:
         await worker.slots.acquire()
     finally:
         worker.queued -= 1
-    req = fleet.admit(worker, prompt, _budget(request.path, body), time.monotonic())
+    req = fleet.admit(worker, prompt, answers.budget(request.path, body), time.monotonic())
     try:
         return await _answer(request, fleet, req, body, len(prompt))
     finally:
@@ -329,8 +225,8 @@ async def _answer(
     n = len(req.clean)
     if not body.get("stream"):
         await asyncio.sleep(n * fleet.step_s)
-        full = _full_body(
-            request.path, [req.word(i) for i in range(n)], prompt_len, _logprobs_asked(request.path, body)
+        full = answers.full_body(
+            request.path, [req.word(i) for i in range(n)], prompt_len, answers.logprobs_asked(request.path, body)
         )
         return web.Response(body=full, content_type="application/json")
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -339,7 +235,7 @@ async def _answer(
     for i in range(n):
         await asyncio.sleep(max(0.0, req.admitted + (i + 1) * fleet.step_s - time.monotonic()))
         words.append(req.word(i))
-        await resp.write(_chunk(request.path, words, i))
+        await resp.write(answers.chunk(request.path, words, i))
     await resp.write(b"data: [DONE]\n\n")
     return resp
 

@@ -16,7 +16,7 @@ import pytest
 
 from tandem_dev.procs import ManagedProcess
 from tandem_dev.router.bench_probing import Cluster, start_cluster
-from tandem_dev.router.fleet_workers import clean_words
+from tandem_dev.router.fleet_answers import clean_words
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
 
