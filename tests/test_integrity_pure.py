@@ -278,3 +278,21 @@ def test_quarantines_on_text_findings_alone_never_make_a_repeat_offender() -> No
         assert book.record_comparison(FOUR[0], True, now + 500) is Transition.RELEASED
     assert book.totals(FOUR[0]) == (5, 5)
     assert book.repeat_offenders(FOUR) == {}
+
+
+def test_one_confirmed_failure_of_a_pair_another_router_quarantined_quarantines_it_and_its_worker() -> None:
+    """Another router quarantined every pair of decode d1; here one confirmed failure of one of them (this router's
+    own evidence agreeing) quarantines that pair and the other's pairs of d1, not d0's. Detector findings alone,
+    or a failure of a pair no other router quarantined, stay below the threshold as before."""
+    pairs = [(f"prefill:http://p{i}", f"decode:http://d{j}") for i in range(3) for j in range(2)]
+    peer = frozenset(p for p in pairs if p[1] == "decode:http://d1")
+    book = IntegrityBook(QuarantinePolicy(threshold=2))
+    first = ("prefill:http://p0", "decode:http://d1")
+    assert book.record_failure(first, "leak", 0.0, pairs, detector_only=True, corroborated=peer).newly == ()
+    book = IntegrityBook(QuarantinePolicy(threshold=2))
+    not_the_peers = ("prefill:http://p0", "decode:http://d0")
+    assert book.record_failure(not_the_peers, "shadow", 0.0, pairs, corroborated=peer).newly == ()
+    book = IntegrityBook(QuarantinePolicy(threshold=2))
+    outcome = book.record_failure(first, "shadow mismatch", 1.0, pairs, corroborated=peer)
+    assert set(outcome.newly) == peer
+    assert not any(book.is_quarantined(p) for p in pairs if p not in peer)

@@ -142,6 +142,7 @@ class IntegrityMonitor:
         self._confirmed_at: dict[PairKey, float] = {}
         self._suspicious_until: dict[PairKey, float] = {}
         self._failed_at: dict[PairKey, float] = {}  # pair -> when a request through it last failed
+        self._peer_quarantined_until: dict[PairKey, float] = {}  # pairs another router quarantined (``suspect``)
         self._known_pairs: list[PairKey] = []
         self._epochs: dict[str, int] = {}
 
@@ -257,9 +258,12 @@ class IntegrityMonitor:
 
     def suspect(self, pair: PairKey) -> None:
         """Another router quarantined ``pair``: for ``suspicion_s`` its deterministic answers here are re-run on
-        other pairs and compared (evidence of this router's own; nothing is quarantined on the other's word)."""
+        other pairs and compared, and the first that fails (this router's own evidence agreeing with the other's)
+        quarantines it with the other router's pairs that share a worker with it (``record_failure``). Nothing is
+        quarantined on the other's word alone."""
         if not self.book.is_quarantined(pair):
-            self._suspicious_until[pair] = self.clock() + self.cfg.suspicion_s
+            until = self.clock() + self.cfg.suspicion_s
+            self._suspicious_until[pair] = self._peer_quarantined_until[pair] = until
 
     def _pairs_of(self, worker: str) -> frozenset[PairKey]:
         return frozenset(p for p in self._known_pairs if worker in p)
@@ -279,7 +283,11 @@ class IntegrityMonitor:
     def failure(self, pair: PairKey, reason: str) -> None:
         """A canary or shadow mismatch on ``pair``: a failure, and the confirmation of its pending findings."""
         now = self.clock()
-        self._note(self.book.record_failure(pair, reason, now, self._known_pairs), reason)
+        self._peer_quarantined_until = {p: t for p, t in self._peer_quarantined_until.items() if t > now}
+        outcome = self.book.record_failure(
+            pair, reason, now, self._known_pairs, corroborated=self._peer_quarantined_until.keys()
+        )
+        self._note(outcome, reason)
         self._promote(frozenset({pair}), now, detector_only=False)
         self._update_gauge()
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -118,10 +119,20 @@ class IntegrityBook:
         return sorted(p for p, rec in self._pairs.items() if rec.probation_since is not None)
 
     def record_failure(
-        self, pair: Pair, reason: str, now: float, known_pairs: list[Pair], *, detector_only: bool = False
+        self,
+        pair: Pair,
+        reason: str,
+        now: float,
+        known_pairs: list[Pair],
+        *,
+        detector_only: bool = False,
+        corroborated: Collection[Pair] = frozenset(),
     ) -> FailureOutcome:
         """A corroborated integrity failure on ``pair``. ``detector_only``: backed by detector findings alone
-        (several independent clients), so the quarantine may not exceed ``max_detector_share`` of the pairs."""
+        (several independent clients), so the quarantine may not exceed ``max_detector_share`` of the pairs.
+        ``corroborated``: pairs another router of the cluster has quarantined. A confirmed failure (a canary or
+        shadow mismatch, not detector findings) of one of them is this router's own evidence agreeing with the
+        other's: it quarantines the pair at once, with the corroborated pairs that share a worker with it."""
         record = self._record(pair)
         record.total_failures += 1
         record.last_failure_at = now
@@ -136,8 +147,14 @@ class IntegrityBook:
         while record.failures and record.failures[0] < now - self.policy.window_s:
             record.failures.popleft()
         watched = record.released_at is not None and now - record.released_at < self.policy.watch_s
-        tipped = [pair] if len(record.failures) >= self.policy.threshold or watched else []
+        agreed = not detector_only and pair in corroborated
+        tipped = [pair] if len(record.failures) >= self.policy.threshold or watched or agreed else []
         spread, why = self._spread(pair, known_pairs, reason, now)
+        if agreed:
+            known = set(known_pairs)
+            siblings = [p for p in corroborated if p != pair and set(p) & set(pair) and p in known]
+            spread = [*spread, *(p for p in sorted(siblings) if not self.is_quarantined(p))]
+            why = why or f"quarantined by another router, and {pair} failed here too; last: {reason}"
         newly = list(dict.fromkeys([*tipped, *spread]))
         if not newly:
             return FailureOutcome()
