@@ -130,9 +130,10 @@ def build_app(settings: RouterSettings, gates: tuple[PairGate, ...] = ()) -> Rou
     retry_cfg = RetryConfig(settings.retry_max_attempts, settings.retry_initial_backoff_s)
     canary_cfg = CanaryConfig(interval_s=settings.canary_interval_s, sample=settings.canary_sample)
     flow = FlowControl(settings, pool, metrics.registry) if settings.flow_control else None
+    me = router_id()
     members = (
         RouterMembers(
-            router_id(),
+            me,
             settings.etcd_endpoints,
             settings.cluster_namespace,
             settings.cluster_name,
@@ -143,7 +144,6 @@ def build_app(settings: RouterSettings, gates: tuple[PairGate, ...] = ()) -> Rou
     )
     hooks = None
     if monitor is not None:
-        me = router_id() if members is None else members.me
         hooks = build_hooks(
             monitor,
             transport,

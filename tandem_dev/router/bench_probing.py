@@ -40,7 +40,8 @@ from tandem_dev.bench import BenchArgs, Plot, Table
 from tandem_dev.local_stack import CLUSTER, HOST, NAMESPACE, start_etcd
 from tandem_dev.procs import ManagedProcess, ProcessFailedError, free_port
 from tandem_dev.router.bench_integrity import bodies
-from tandem_dev.router.integrity_stack import integrity_state, metric_values
+from tandem_dev.router.integrity_stack import integrity_state, metric_values, metrics_of
+from tandem_router.config import RouterSettings
 
 SIZES = ((1, 1), (8, 8), (125, 125))
 QUICK_SIZES = ((1, 1), (8, 8))
@@ -49,12 +50,13 @@ CLEAN_S, QUICK_CLEAN_S = 60.0, 15.0  # full: two canary rounds (30 s apart on th
 WARMUP_S = 10.0
 WATCH_S, QUICK_WATCH_S = 60.0, 30.0
 OUT_WITHIN_S = 10.0
-BUDGET_SHARE = 0.01  # the router's default (--probe-budget-share), for the note
+BUDGET_SHARE = RouterSettings.model_fields["probe_budget_share"].default  # the router's default, for the note
 MAX_RUNNING = 8  # the fleet's default per decode
 PROBES = "tandem_integrity_probes_total"
 PROBE_SECONDS = "tandem_integrity_probe_seconds_total"
 BUDGET = "tandem_integrity_probe_budget_requests"
 CAPACITY = "tandem_integrity_probe_capacity_requests"
+SCRAPED = (PROBES, PROBE_SECONDS, BUDGET, CAPACITY)  # one /metrics scrape a router a snapshot
 COLUMNS = (
     "size", "routers", "clients", "client req/s", "probes/s (routers)", "probes/s (workers saw)",
     "probing % of capacity (routers)", "probing % of capacity (workers saw)", "budget %", "time to quarantine s",
@@ -183,10 +185,11 @@ async def run_load(
 async def _snapshot(sess: aiohttp.ClientSession, cluster: Cluster) -> Snapshot:
     snap = Snapshot(time.monotonic(), 0.0, 0.0, [], [], {})
     for url in cluster.routers:
-        snap.probes += sum((await metric_values(sess, url, PROBES)).values())
-        snap.probe_seconds += sum((await metric_values(sess, url, PROBE_SECONDS)).values())
-        snap.budgets.append(sum((await metric_values(sess, url, BUDGET)).values()))
-        snap.capacities.append(sum((await metric_values(sess, url, CAPACITY)).values()))
+        values = {name: sum(v.values()) for name, v in (await metrics_of(sess, url, SCRAPED)).items()}
+        snap.probes += values[PROBES]
+        snap.probe_seconds += values[PROBE_SECONDS]
+        snap.budgets.append(values[BUDGET])
+        snap.capacities.append(values[CAPACITY])
     async with sess.get(f"{cluster.fleet_url}/_stats") as resp:
         snap.fleet = await resp.json()
     return snap

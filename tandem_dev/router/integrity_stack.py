@@ -77,14 +77,20 @@ async def integrity_state(sess: aiohttp.ClientSession, router_url: str) -> dict[
 
 async def metric_values(sess: aiohttp.ClientSession, url: str, name: str) -> dict[str, float]:
     """Samples of counter/gauge ``name`` on ``url``/metrics, keyed by their label text (``""`` without labels)."""
+    return (await metrics_of(sess, url, [name]))[name]
+
+
+async def metrics_of(sess: aiohttp.ClientSession, url: str, names: Sequence[str]) -> dict[str, dict[str, float]]:
+    """``metric_values`` of each of ``names`` from one scrape of ``url``/metrics."""
     async with sess.get(f"{url}/metrics") as resp:
         text = await resp.text()
-    out: dict[str, float] = {}
+    out: dict[str, dict[str, float]] = {name: {} for name in names}
     for line in text.splitlines():
         if line.startswith("#"):
             continue
         head, _, value = line.rpartition(" ")
         metric, _, labels = head.partition("{")
-        if metric == name:
-            out[labels.rstrip("}")] = out.get(labels.rstrip("}"), 0.0) + float(value)
+        if metric in out:
+            samples = out[metric]
+            samples[labels.rstrip("}")] = samples.get(labels.rstrip("}"), 0.0) + float(value)
     return out

@@ -25,7 +25,6 @@ from enum import StrEnum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-DEFAULT_SHARE = 0.01
 DEPTH_S = 60.0  # at most this many seconds of allowance saved up
 FIRST_GUESS_S = 1.0  # a probe's duration before one was measured
 SMOOTHING = 0.2  # weight of the newest measured duration
