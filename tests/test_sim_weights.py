@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import signal
 import time
 from pathlib import Path
@@ -146,17 +147,38 @@ async def test_peer_pulls_weights_from_a_serving_seed(tmp_path: Path) -> None:
         assert "deprecated" in seed.proc.log_path.read_text()  # the peer asked the seed's HTTP server
 
 
+def _transport_port(log: str) -> int:
+    """The seed's Mooncake TCP transport port, from the engine's own start-up line."""
+    found = re.search(r"TcpTransport: listen on port (\d+)", log)
+    assert found, log[-2000:]
+    return int(found.group(1))
+
+
+def _connected_to(port: int) -> bool:
+    """A socket of this network namespace, in any state (TIME_WAIT included), has ``port`` as its remote end: the peer
+    has begun reading from the seed's transport (each read may open and close its own connection)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError), open(table) as f:
+            for line in f.readlines()[1:]:
+                if int(line.split()[2].rsplit(":", 1)[1], 16) == port:
+                    return True
+    return False
+
+
 async def test_killed_seed_fails_the_load(tmp_path: Path) -> None:
     """The seed dies while the peer pulls: the next read fails, the scheduler raises SGLang's error and the server
-    exits 1 (no retry, no fallback)."""
+    exits 1 (no retry, no fallback). The kill waits until the peer has read from the seed's transport: killed while
+    the peer still asks for the weight info, the peer fails earlier ("Cannot get transfer engine session or weight
+    info.", tested in ``test_load_fails_without_a_seed``)."""
     seed = _start_seed("seed", tmp_path)
+    transport = _transport_port(seed.proc.log_path.read_text())
     extra = [*KIMI, "--sim-time-factor", "0.5", "--sim-weight-mb", "8", *_peer_of(seed)]
     peer = start_worker("peer", tmp_path, extra, wait=False)
     try:
         async with asyncio.timeout(120):
-            while "deprecated" not in seed.proc.log_path.read_text():  # the peer asked where the weights are
+            while not _connected_to(transport):  # the peer got the weight info and reads
                 assert peer.proc.alive(), peer.proc.log_tail()
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.005)
         seed.proc.signal(signal.SIGKILL)
         assert peer.proc.popen is not None
         await asyncio.to_thread(peer.proc.popen.wait, 60)
