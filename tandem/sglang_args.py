@@ -18,6 +18,9 @@ from importlib import resources
 from typing import Any
 
 SGLANG_VERSION = "0.5.23"
+# The HTTP server's accept queue: ``http_server.py``: ``launch_server`` builds ``uvicorn.Config`` without a backlog,
+# so uvicorn's default holds (the simulator and the bench's instant workers listen with the same).
+SGLANG_HTTP_BACKLOG = 2048
 _SI = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 _IEC = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 

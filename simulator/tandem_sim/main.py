@@ -16,6 +16,7 @@ import uvloop
 from aiohttp import web
 
 from tandem import logs
+from tandem.sglang_args import SGLANG_HTTP_BACKLOG
 from tandem_sim.bootstrap import BootstrapServer
 from tandem_sim.config import ConfigError, SimConfig, parse
 from tandem_sim.loader import Loader, LoadError
@@ -43,9 +44,11 @@ def rank_host(cfg: SimConfig) -> str:
 
 
 async def _site(app: web.Application, host: str, port: int) -> web.AppRunner:
+    """The HTTP server, with the accept queue SGLang's has: a burst of connections larger than aiohttp's default
+    (128) is queued, not dropped to a 1 s SYN retransmission."""
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
-    await web.TCPSite(runner, host, port, reuse_address=True).start()
+    await web.TCPSite(runner, host, port, reuse_address=True, backlog=SGLANG_HTTP_BACKLOG).start()
     return runner
 
 

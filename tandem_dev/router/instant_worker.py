@@ -26,6 +26,8 @@ import orjson
 import uvloop
 from aiohttp import web
 
+from tandem.sglang_args import SGLANG_HTTP_BACKLOG
+
 MODEL = "instant-model"
 CHUNKS = 16
 
@@ -268,7 +270,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     app = build_app(args.role, chunks=args.chunks, record=not args.no_record)
     print(f"instant {args.role} worker on {args.host}:{args.port} ({time.monotonic() - started:.3f}s)", flush=True)
-    web.run_app(app, host=args.host, port=args.port, access_log=None, print=None, loop=uvloop.new_event_loop())
+    web.run_app(
+        app,
+        host=args.host,
+        port=args.port,
+        access_log=None,
+        print=None,
+        loop=uvloop.new_event_loop(),
+        backlog=SGLANG_HTTP_BACKLOG,  # SGLang's accept queue, not aiohttp's 128: a burst is queued as it would be there
+    )
     return 0
 
 

@@ -1,5 +1,6 @@
 """The router's HTTP/1.1 client (tandem_router.transport) against scripted workers: body framings, keep-alive
-reuse, every failure mapped to a ``FailureReason`` (before and after the response head), pool limits."""
+reuse, every failure mapped to a ``FailureReason`` (before and after the response head), pool limits, the order
+in which waiting requests get connections."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import uvloop
 
 from tandem_dev.procs import free_port
 from tandem_router.transport import FailureReason, Request, Transport, TransportConfig, WorkerError
+from tandem_router.transport.client import WorkerResponse
+from tandem_router.transport.http1 import Connection
 
 Test = Callable[[], Awaitable[None]]
 
@@ -325,4 +328,118 @@ async def test_retain_closes_the_connections_of_removed_workers() -> None:
         t.retain(set())
         await asyncio.sleep(0.05)
         assert worker.open == 0
+        await t.close()
+
+
+async def _served(t: Transport, url: str) -> WorkerResponse:
+    """A response read to its end and not yet released: its connection stays the caller's."""
+    resp = await t.open_post(url, "/generate", b"{}")
+    assert await resp.read() == b"ok"
+    return resp
+
+
+@on_both_loops
+async def test_waiting_requests_are_served_in_arrival_order_and_a_later_one_never_overtakes() -> None:
+    """A released connection goes to the oldest waiting request, even when a new request arrives before that one
+    runs again (it used to go back to the idle list, where the newcomer took it and the waiter queued anew)."""
+    worker = ScriptedWorker(keep_alive(b"ok"))
+    t = Transport(TransportConfig(connections_per_worker=1))
+    async with worker as url:
+        pool = t.connections(url)
+        held = await _served(t, url)
+        first = asyncio.create_task(pool.acquire())
+        second = asyncio.create_task(pool.acquire())
+        await asyncio.sleep(0.01)
+        assert not first.done()
+        assert not second.done()
+        newcomer = asyncio.create_task(pool.acquire())  # its first step runs before ``first`` wakes up
+        held.release()
+        conn = await first
+        await asyncio.sleep(0.01)
+        assert not second.done()
+        assert not newcomer.done()
+        pool.release(conn)  # unused: still reusable
+        assert await second is conn
+        await asyncio.sleep(0.01)
+        assert not newcomer.done()
+        pool.release(conn)
+        assert await newcomer is conn
+        assert worker.connections == 1
+        await t.close()
+
+
+@on_both_loops
+async def test_a_connection_handed_to_a_cancelled_request_goes_to_the_next_one() -> None:
+    worker = ScriptedWorker(keep_alive(b"ok"))
+    t = Transport(TransportConfig(connections_per_worker=1))
+    async with worker as url:
+        pool = t.connections(url)
+        held = await _served(t, url)
+        gone = asyncio.create_task(pool.acquire())
+        waiting = asyncio.create_task(pool.acquire())
+        await asyncio.sleep(0.01)
+        held.release()  # handed to ``gone``...
+        gone.cancel()  # ...which is cancelled before it runs
+        conn = await waiting
+        assert gone.cancelled()
+        assert pool.open == 1
+        assert worker.connections == 1
+        pool.release(conn)
+        await t.close()
+
+
+@on_both_loops
+async def test_a_burst_opens_at_most_max_connecting_connections_at_once() -> None:
+    """Forty requests at once against a worker that holds each response: never more than four connects in
+    flight (a worker's accept queue drops the SYNs of a larger burst), and every request is answered."""
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(reader)
+            await asyncio.sleep(0.05)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    worker = ScriptedWorker(slow)
+    t = Transport(TransportConfig(max_connecting_per_worker=4))
+    async with worker as url:
+        pool = t.connections(url)
+        connect, in_flight, most = pool._connect, 0, 0
+
+        async def slow_connect() -> Connection:
+            nonlocal in_flight, most
+            in_flight += 1
+            most = max(most, in_flight)
+            try:
+                await asyncio.sleep(0.01)  # a handshake that takes time
+                return await connect()
+            finally:
+                in_flight -= 1
+
+        pool._connect = slow_connect  # type: ignore[method-assign]
+
+        async def one() -> bytes:
+            async with await t.open_post(url, "/generate", b"{}") as resp:
+                return await resp.read()
+
+        assert await asyncio.gather(*(one() for _ in range(40))) == [b"ok"] * 40
+        assert most == 4
+        assert pool.connecting == 0
+        assert pool.open == worker.connections
+        await t.close()
+
+
+@on_both_loops
+async def test_closing_a_pool_fails_its_waiting_requests() -> None:
+    worker = ScriptedWorker(keep_alive(b"ok"))
+    t = Transport(TransportConfig(connections_per_worker=1))
+    async with worker as url:
+        held = await _served(t, url)
+        waiting = asyncio.create_task(t.connections(url).acquire())
+        await asyncio.sleep(0.01)
+        t.retain(set())
+        with pytest.raises(WorkerError) as failed:
+            await waiting
+        assert failed.value.reason is FailureReason.CLOSED
+        held.release()
         await t.close()

@@ -26,7 +26,8 @@ class TransportConfig:
     read_idle_timeout: float = 300.0  # longest silence between two bytes of a worker's response
     probe_timeout: float = 5.0
     connections_per_worker: int = 0  # 0: unbounded
-    max_idle_per_worker: int = 512
+    max_idle_per_worker: int = 4096
+    max_connecting_per_worker: int = 32  # connects in flight to one worker: below its accept queue (http1.py)
     # An idle connection older than this is closed rather than reused. Below SGLang's own keep-alive timeout
     # (uvicorn's timeout_keep_alive, SGLANG_TIMEOUT_KEEP_ALIVE = 5 s in sglang/srt/environ.py, passed by
     # sglang/srt/entrypoints/http_server.py): a request sent on a connection the worker is closing at that very
@@ -113,6 +114,7 @@ class Transport:
                 limit=self.cfg.connections_per_worker,
                 max_idle=self.cfg.max_idle_per_worker,
                 keepalive_s=self.cfg.keepalive_s,
+                max_connecting=self.cfg.max_connecting_per_worker,
             )
         return pool
 

@@ -10,8 +10,9 @@ connection is never reused. Reading is paused while more than ``HIGH_WATER`` bod
 
 ``WorkerConnections`` is one worker's keep-alive pool: a connection goes back to it only when its response was
 read to the end and the worker kept it alive; the newest idle connection is reused first, idle ones older than
-``keepalive_s`` are closed, and at most ``max_idle`` are kept. ``limit`` bounds the open connections (0: none);
-a request waits for a free one.
+``keepalive_s`` are closed, and at most ``max_idle`` are kept. ``limit`` bounds the open connections (0: none)
+and ``max_connecting`` the connects in flight; a request that finds neither an idle connection nor a free slot
+waits its turn (first come, first served).
 """
 
 from __future__ import annotations
@@ -190,7 +191,16 @@ class Connection(asyncio.Protocol):
 
 
 class WorkerConnections:
-    """One worker's keep-alive connections."""
+    """One worker's keep-alive connections, handed out in arrival order.
+
+    A request takes an idle connection, or opens one while fewer than ``max_connecting`` connects to this worker
+    are in flight (and fewer than ``limit`` are open); otherwise it waits in a FIFO queue, served by the next
+    connection released or the next connect slot freed, and a request arriving later never overtakes one that
+    waits. Bounding the connects in flight keeps a burst of requests (a thousand clients arriving at once) from
+    sending a thousand SYNs at a worker whose accept queue holds fewer (SGLang's uvicorn listens with
+    ``backlog=2048``, aiohttp with 128): the kernel drops the overflow and each dropped client waits out a 1 s SYN
+    retransmission, which was the router's p99 at 1,000 streams (issue #42).
+    """
 
     def __init__(
         self,
@@ -199,8 +209,9 @@ class WorkerConnections:
         connect_timeout: float,
         read_idle_timeout: float,
         limit: int = 0,
-        max_idle: int = 512,
+        max_idle: int = 4096,
         keepalive_s: float = 4.0,
+        max_connecting: int = 32,
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -215,39 +226,73 @@ class WorkerConnections:
         self.limit = limit
         self.max_idle = max_idle
         self.keepalive_s = keepalive_s
+        self.max_connecting = max_connecting
         self.idle: collections.deque[Connection] = collections.deque()
-        self.open = 0  # connections made and not yet lost (idle + busy)
-        self._free: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.open = 0  # connections made or being made, and not yet lost (idle + busy + connecting)
+        self.connecting = 0
+        # Waiting requests, oldest first: each gets a connection, or None (a connect slot reserved for it).
+        self._waiters: collections.deque[asyncio.Future[Connection | None]] = collections.deque()
         self._closed = False
 
     async def acquire(self) -> Connection:
-        now = time.monotonic()
-        self._reap(now)
+        self._reap(time.monotonic())
+        while self._waiters and self._waiters[0].done():  # cancelled while they waited
+            self._waiters.popleft()
+        if not self._waiters:
+            if (conn := self._pop_idle()) is not None:
+                return conn
+            if self._may_connect():
+                self._reserve()
+                return await self._connect_reserved()
+        waiter: asyncio.Future[Connection | None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)  # a cancelled waiter stays queued, done: the dispatch skips it
+        self._dispatch()  # the waiters ahead may all be gone
+        try:
+            handed = await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self._return(waiter.result())  # handed over as the request was cancelled: pass it on
+            raise
+        if handed is None:
+            return await self._connect_reserved()
+        return handed
+
+    def _pop_idle(self) -> Connection | None:
         while self.idle:
             conn = self.idle.pop()  # the most recently used: warmest, least likely closed by the worker
             if not conn.closing:
                 return conn
-        while self.limit and self.open >= self.limit:
-            free = asyncio.get_running_loop().create_future()
-            self._free.append(free)
-            try:
-                await free
-            finally:
-                if free in self._free:
-                    self._free.remove(free)
-            if self.idle:
-                return await self.acquire()
+        return None
+
+    def _may_connect(self) -> bool:
+        return self.connecting < self.max_connecting and not (self.limit and self.open >= self.limit)
+
+    def _reserve(self) -> None:
         self.open += 1
+        self.connecting += 1
+
+    async def _connect_reserved(self) -> Connection:
         try:
             conn = await self._connect()
         except BaseException:
             # Also when cancelled after the socket connected: asyncio closes that connection, whose loss must
             # then not be counted a second time (``counted`` is still False).
             self.open -= 1
-            self._wake_one()
             raise
+        finally:
+            self.connecting -= 1
+            self._dispatch()
         conn.counted = True
         return conn
+
+    def _return(self, handed: Connection | None) -> None:
+        """A connection or connect slot handed to a request that no longer wants it."""
+        if handed is None:
+            self.open -= 1
+            self.connecting -= 1
+            self._dispatch()
+        else:
+            self.release(handed)
 
     async def _connect(self) -> Connection:
         loop = asyncio.get_running_loop()
@@ -273,7 +318,7 @@ class WorkerConnections:
         if conn.reusable and not self._closed and len(self.idle) < self.max_idle:
             conn.idle_since = time.monotonic()
             self.idle.append(conn)
-            self._wake_one()
+            self._dispatch()
         else:
             conn.close()
 
@@ -284,20 +329,29 @@ class WorkerConnections:
         self.open -= 1
         if conn in self.idle:
             self.idle.remove(conn)
-        self._wake_one()
+        self._dispatch()
 
     def _reap(self, now: float) -> None:
         while self.idle and now - self.idle[0].idle_since > self.keepalive_s:
             self.idle.popleft().close()
 
-    def _wake_one(self) -> None:
-        while self._free:
-            free = self._free.popleft()
-            if not free.done():
-                free.set_result(None)
+    def _dispatch(self) -> None:
+        """Serve the oldest waiting requests: an idle connection each, else a connect slot while one is free."""
+        while self._waiters:
+            if self._waiters[0].done():  # cancelled while it waited
+                self._waiters.popleft()
+            elif (conn := self._pop_idle()) is not None:
+                self._waiters.popleft().set_result(conn)
+            elif self._may_connect() and not self._closed:
+                self._reserve()
+                self._waiters.popleft().set_result(None)
+            else:
                 return
 
     def close(self) -> None:
         self._closed = True
         while self.idle:
             self.idle.pop().close()
+        while self._waiters:
+            if not (waiter := self._waiters.popleft()).done():
+                waiter.set_exception(WorkerError(FailureReason.CLOSED, f"{self.url}: removed from the router"))
