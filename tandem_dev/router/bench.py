@@ -4,8 +4,9 @@ The same *instant* PD workers (prefill answers at once, decode streams 16 SSE ch
 through Tandem's router (1, 2 and 4 processes, and without integrity checks) and through SGLang's Rust gateway
 ``smg`` (pinned, installed by ``make peers`` into its own venv under ``~/.cache/tandem/``: tandem_dev.peers).
 Throughput comes from ``wrk`` (C, with a Lua body) at 1, 8, 32 and 128 connections (a table and a plot of
-throughput against concurrency); CPU per request from /proc at 32; wrk's own CPU is reported to show it is not
-the limit. TTFT at concurrency 1 from a blocking socket client that timestamps the first body byte. The targets
+throughput against concurrency), the tail at 256, 1,000 and 4,000 (``bench_tail``); CPU per request from /proc at
+32; wrk's own CPU is reported to show it is not the limit. TTFT at concurrency 1 from a blocking socket client that
+timestamps the first body byte. The targets
 are measured interleaved, so that a change in what else the shared cores run falls on all of them alike: each
 concurrency level is run for every target before the next level, and TTFT in ``TTFT_ROUNDS`` rounds, each
 target in turn, starting with a different one each round (percentiles over all rounds' samples). Every
@@ -34,6 +35,7 @@ import orjson
 from tandem_dev import peers
 from tandem_dev.bench import NOT_MEASURED, BenchArgs, Plot, Table
 from tandem_dev.procs import ManagedProcess, ProcessFailedError, free_port
+from tandem_dev.router import bench_tail
 
 BODY = {"model": "instant-model", "messages": [{"role": "user", "content": "Say hi"}], "stream": True, "max_tokens": 16}
 DIRECT_BODY = {**BODY, "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 12345}
@@ -62,6 +64,7 @@ class Result:
 
 TANDEM = "tandem router"
 NO_INTEGRITY = "tandem router --no-integrity"
+TAIL_TARGETS = ("direct to decode", TANDEM)  # and smg: the tail section's targets
 ROUTERS: list[tuple[str, list[str]]] = [
     (TANDEM, []),
     (NO_INTEGRITY, ["--no-integrity"]),
@@ -287,6 +290,18 @@ def router_cost(args: BenchArgs) -> list[Table]:
     ):
         measured = _measure_all([t for t in targets if t.url], levels, seconds, n_ttft, Path(tmp))
         results: dict[str, Result | None] = {t.name: measured.get(t.name) for t in targets}
+        tail_levels = bench_tail.QUICK_LEVELS if args.quick else bench_tail.LEVELS
+        tail_targets = [t for t in targets if t.name in TAIL_TARGETS or t.name.startswith("smg")]
+        tail_runs = bench_tail.measure(
+            [bench_tail.TailTarget(t.name, t.url, t.body) for t in tail_targets if t.url],
+            PATH,
+            tail_levels,
+            seconds,
+            1 if args.quick else bench_tail.ROUNDS,
+            Path(tmp),
+        )
+        for t in tail_targets:
+            tail_runs.setdefault(t.name, {c: [] for c in tail_levels})  # not measured
     load_end = os.getloadavg()
     direct = results["direct to decode"]
     assert direct is not None
@@ -356,7 +371,8 @@ def router_cost(args: BenchArgs) -> list[Table]:
     )
     for connections in levels:
         curve.rows.append([connections, *(r.curve[connections] if r else NOT_MEASURED for r in results.values())])
-    return [table, curve]
+    smg_name = next(name for name in results if name.startswith("smg"))
+    return [table, curve, bench_tail.table(tail_runs, tail_levels, seconds, smg_name)]
 
 
 def _ratio(value: float, base: float | None) -> str:

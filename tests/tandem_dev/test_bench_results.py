@@ -72,10 +72,11 @@ def test_router_bench_fails_before_starting_anything_without_smg(
 @pytest.mark.timeout(300)
 def test_router_bench_quick_measures_every_target_side_by_side() -> None:
     """The router bench's quick run (wrk and smg are peers installed by ``make peers``): every target measured,
-    no errors, ratios to smg computed, the TTFT rounds interleaved (the note says so)."""
+    no errors, ratios to smg computed, the TTFT rounds interleaved (the note says so), the tail at 256 connections
+    with ordered percentiles."""
     from tandem_dev.router import bench as router_bench
 
-    cost, curve = router_bench.router_cost(BenchArgs(quick=True))
+    cost, curve, tail = router_bench.router_cost(BenchArgs(quick=True))
     rows = {row[0]: dict(zip(cost.columns, row, strict=True)) for row in cost.rows}
     names = ["direct to decode", *(name for name, _ in router_bench.ROUTERS), f"smg {peers.smg_version()}"]
     assert list(rows) == names
@@ -90,3 +91,11 @@ def test_router_bench_quick_measures_every_target_side_by_side() -> None:
     assert str(rows[router_bench.TANDEM]["vs smg"]).endswith("x")
     assert any(f"({router_bench.TTFT_ROUNDS} interleaved rounds)" in note for note in cost.notes)
     assert [row[0] for row in curve.rows] == [8, router_bench.COST_AT]
+    tails = {row[1]: dict(zip(tail.columns, row, strict=True)) for row in tail.rows}
+    assert list(tails) == ["direct to decode", router_bench.TANDEM, f"smg {peers.smg_version()}"]
+    for name, row in tails.items():
+        assert row["connections"] == 256, (name, row)
+        assert row["errors"] == 0, (name, row)
+        assert 0 < row["p50 ms"] <= row["p99 ms"] <= row["p99.9 ms"] <= row["max ms"], (name, row)
+    assert tails[router_bench.TANDEM]["p99 vs ref"].endswith("x")
+    assert tail.figure is not None
