@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import orjson
 import pytest
+import uvloop
 
 from tandem_router.server import HttpServer, Limits, Reply, Response, ServerRequest
 
@@ -194,3 +198,43 @@ async def test_drain_lets_the_request_in_flight_finish_and_refuses_new_connectio
         with pytest.raises(ConnectionRefusedError):
             await asyncio.open_connection("127.0.0.1", port)
     assert status == 200
+
+
+def test_a_burst_of_connections_is_accepted_at_once_on_a_busy_uvloop() -> None:
+    """500 clients connect at once while the loop is saturated (ten callbacks of 5 ms each per iteration): the
+    listener takes every queued connection per readiness. libuv under uvloop takes one per loop iteration (libuv
+    #3696), which would leave them queued for about 25 s."""
+
+    async def burst() -> float:
+        loop = asyncio.get_running_loop()
+        async with _served() as (_, server, port):
+            busy = True
+
+            def hog() -> None:
+                until = time.perf_counter() + 0.005
+                while time.perf_counter() < until:
+                    pass
+                if busy:
+                    loop.call_soon(hog)
+
+            for _ in range(10):
+                loop.call_soon(hog)
+            clients = []
+            try:
+                started = time.monotonic()
+                for _ in range(500):
+                    sock = socket.socket()
+                    sock.setblocking(False)
+                    with contextlib.suppress(BlockingIOError):
+                        sock.connect(("127.0.0.1", port))
+                    clients.append(sock)
+                while len(server.site.connections) < 500 and time.monotonic() - started < 20:  # noqa: ASYNC110 -- a count, no event
+                    await asyncio.sleep(0.01)
+                return time.monotonic() - started
+            finally:
+                busy = False
+                for sock in clients:
+                    sock.close()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        assert runner.run(burst()) < 5.0

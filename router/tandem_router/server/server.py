@@ -1,4 +1,5 @@
-"""The router's HTTP/1.1 server: listening, the connections' deadlines, graceful shutdown.
+"""The router's HTTP/1.1 server: listening (``listener``: every waiting connection accepted at once), the
+connections' deadlines, graceful shutdown.
 
 ``stop_listening`` closes the listener (new connections are refused) and closes idle keep-alive connections;
 ``drain`` then lets the requests being answered finish for up to its timeout (each connection closes after its
@@ -11,6 +12,7 @@ import asyncio
 import contextlib
 import time
 
+from tandem_router.server.listener import Listener, bind
 from tandem_router.server.protocol import Handler, Limits, ServerConnection, Site
 
 _SWEEP_S = 1.0
@@ -19,21 +21,18 @@ _SWEEP_S = 1.0
 class HttpServer:
     def __init__(self, handler: Handler, limits: Limits) -> None:
         self.site = Site(handler, limits)
-        self._server: asyncio.Server | None = None
+        self._listener: Listener | None = None
         self._sweeper: asyncio.Task[None] | None = None
 
     async def start(self, host: str, port: int, *, reuse_port: bool = False, backlog: int = 4096) -> None:
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: ServerConnection(self.site), host, port, reuse_port=reuse_port or None, backlog=backlog
-        )
+        sockets = bind(host, port, reuse_port=reuse_port, backlog=backlog)
+        self._listener = Listener(sockets, lambda: ServerConnection(self.site))
         self._sweeper = asyncio.create_task(self._sweep())
 
     @property
     def address(self) -> tuple[str, int]:
-        assert self._server is not None
-        assert self._server.sockets
-        host, port = self._server.sockets[0].getsockname()[:2]
+        assert self._listener is not None
+        host, port = self._listener.sockets[0].getsockname()[:2]
         return str(host), int(port)
 
     async def _sweep(self) -> None:
@@ -46,8 +45,8 @@ class HttpServer:
 
     def stop_listening(self) -> None:
         self.site.draining = True
-        if self._server is not None:
-            self._server.close()
+        if self._listener is not None:
+            self._listener.close()
         for conn in list(self.site.connections):
             if conn.idle:
                 conn.close()
