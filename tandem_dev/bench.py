@@ -27,6 +27,7 @@ SECTIONS: dict[str, str] = {
     "sim-load": "tandem_dev.sim.bench_load",
     "sim-startup": "tandem_dev.sim.bench_startup",
     "router": "tandem_dev.router.bench",
+    "streams": "tandem_dev.router.bench_streams",
     "prefix": "tandem_dev.router.bench_prefix",
     "integrity": "tandem_dev.router.bench_integrity",
     "probing": "tandem_dev.router.bench_probing",

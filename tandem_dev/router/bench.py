@@ -180,9 +180,13 @@ def ttft_samples(url: str, body: dict[str, object], n: int) -> list[float]:
 
 
 @contextlib.contextmanager
-def _processes(
-    workdir: Path, allow_missing_peers: bool
+def processes(
+    workdir: Path,
+    allow_missing_peers: bool,
+    routers: Sequence[tuple[str, list[str]]] = ROUTERS,
+    decode_args: Sequence[str] = (),
 ) -> Iterator[tuple[list[Target], list[ManagedProcess], list[str]]]:
+    """The instant workers (the decode with ``decode_args`` more), each of ``routers`` and smg in front of them."""
     procs: list[ManagedProcess] = []
     notes: list[str] = []
     py = sys.executable
@@ -198,7 +202,7 @@ def _processes(
         prefill, decode = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
         worker = [py, "-m", "tandem_dev.router.instant_worker", "--no-record", "--port"]
         start("prefill", [*worker, str(p_port), "--role", "prefill"], prefill + "/health")
-        start("decode", [*worker, str(d_port), "--role", "decode"], decode + "/health")
+        start("decode", [*worker, str(d_port), "--role", "decode", *decode_args], decode + "/health")
         targets = [Target("direct to decode", decode, DIRECT_BODY)]
         router_args = [
             "--prefill",
@@ -211,7 +215,7 @@ def _processes(
             "--policy",
             "round_robin",
         ]
-        for name, extra in ROUTERS:
+        for name, extra in routers:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             argv = [py, "-m", "tandem.cli", "router", "--port", str(port), *extra, *router_args]
@@ -286,7 +290,7 @@ def router_cost(args: BenchArgs) -> list[Table]:
     load_start = os.getloadavg()
     with (
         tempfile.TemporaryDirectory(prefix="tandem-bench-router-") as tmp,
-        _processes(Path(tmp), args.allow_missing_peers) as (targets, _, notes),
+        processes(Path(tmp), args.allow_missing_peers) as (targets, _, notes),
     ):
         measured = _measure_all([t for t in targets if t.url], levels, seconds, n_ttft, Path(tmp))
         results: dict[str, Result | None] = {t.name: measured.get(t.name) for t in targets}

@@ -1,6 +1,7 @@
 """An *instant* PD worker: a real loopback HTTP server that answers like an SGLang prefill or decode server at
-once (prefill: a JSON body; decode: 16 SSE chunks), so a benchmark measures the router's own cost and tests can
-exercise the router against real sockets with scripted faults.
+once (prefill: a JSON body; decode: 16 SSE chunks, or ``--chunks`` paced ``--chunk-interval-s`` apart), so a
+benchmark measures the router's own cost and tests can exercise the router against real sockets with scripted
+faults.
 
 It checks what a PD router must send (``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room`` with one room per
 item for batches) and answers 400 otherwise, keeps the recent bodies it received (``GET /_requests``), and takes
@@ -48,6 +49,7 @@ class Faults:
 class WorkerState:
     role: str
     chunks: int = CHUNKS
+    interval_s: float = 0.0  # between two chunks of a stream (0: back to back)
     record: bool = True
     received: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=1000))
     total: int = 0
@@ -88,6 +90,15 @@ def _with_usage(chunk: bytes, i: int) -> bytes:
 _STREAMS = {
     r: [_chunk_bytes(r, i) for i in range(CHUNKS)] for r in ("/v1/chat/completions", "/v1/completions", "/generate")
 }
+
+
+def _stream_chunks(route: str, chunks: int) -> list[bytes]:
+    ready = _STREAMS.get(route, _STREAMS["/generate"])
+    if chunks <= len(ready):
+        return ready[:chunks]
+    route = route if route in _STREAMS else "/generate"
+    _STREAMS[route] = ready = [_chunk_bytes(route, i) for i in range(chunks)]  # longer streams: made once
+    return ready
 
 
 def _full_body(route: str, chunks: int) -> bytes:
@@ -174,17 +185,20 @@ async def _serve(request: web.Request) -> web.StreamResponse:
         error = {"object": "error", "message": "injected KV transfer failure", "code": f.stream_error_code}
         await resp.write(b"data: " + orjson.dumps({"error": error}) + b"\n\n")
         return resp
-    chunks = _STREAMS.get(request.path, _STREAMS["/generate"])[: s.chunks]
+    chunks = _stream_chunks(request.path, s.chunks)
     options = body.get("stream_options")
     if request.path == "/v1/chat/completions" and isinstance(options, dict) and options.get("continuous_usage_stats"):
         chunks = [_with_usage(chunk, i) for i, chunk in enumerate(chunks)]
     s.in_flight += 1
+    started = time.monotonic()
     try:
         for i, chunk in enumerate(chunks):
             if i == f.break_after:
                 f.break_after = -1
                 request.transport.close() if request.transport is not None else None
                 return resp
+            if s.interval_s and i:  # paced from the stream's start: a late chunk does not delay the next ones
+                await asyncio.sleep(max(0.0, started + i * s.interval_s - time.monotonic()))
             await resp.write(chunk)
         await resp.write(b"data: [DONE]\n\n")
     finally:
@@ -241,11 +255,11 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(text=text, content_type="text/plain")
 
 
-def build_app(role: str, *, chunks: int = CHUNKS, record: bool = True) -> web.Application:
+def build_app(role: str, *, chunks: int = CHUNKS, interval_s: float = 0.0, record: bool = True) -> web.Application:
     if role not in {"prefill", "decode"}:
         raise ValueError(f"role must be prefill or decode, got {role!r}")
     app = web.Application()
-    app[_STATE] = WorkerState(role, chunks, record)
+    app[_STATE] = WorkerState(role, chunks, interval_s, record)
     for path in ("/generate", "/v1/chat/completions", "/v1/completions"):
         app.router.add_post(path, _serve)
     app.router.add_post("/_faults", _faults)
@@ -265,10 +279,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--chunks", type=int, default=CHUNKS)
+    p.add_argument("--chunk-interval-s", type=float, default=0.0, help="pace a stream's chunks this far apart")
     p.add_argument("--no-record", action="store_true", help="do not keep received bodies (benchmarks)")
     args = p.parse_args(argv)
     started = time.monotonic()
-    app = build_app(args.role, chunks=args.chunks, record=not args.no_record)
+    app = build_app(args.role, chunks=args.chunks, interval_s=args.chunk_interval_s, record=not args.no_record)
     print(f"instant {args.role} worker on {args.host}:{args.port} ({time.monotonic() - started:.3f}s)", flush=True)
     web.run_app(
         app,

@@ -101,3 +101,29 @@ def test_router_bench_quick_measures_every_target_side_by_side() -> None:
         assert latencies == sorted(latencies), (name, row)  # type: ignore[type-var]
     assert str(tails[router_bench.TANDEM]["p99 vs ref"]).endswith("x")
     assert tail.figure is not None
+
+
+@pytest.mark.netns
+@pytest.mark.procs
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_streams_bench_quick_holds_paced_streams_through_every_target() -> None:
+    """``tandem bench streams --quick``: 100 paced streams at once through each target, none broken, the gaps
+    about the worker's pacing, the router's CPU and memory per stream measured (smg's too), direct's not."""
+    from tandem_dev.router import bench_streams
+
+    (table,) = bench_streams.run(BenchArgs(quick=True))
+    rows = {row[0]: dict(zip(table.columns, row, strict=True)) for row in table.rows}
+    assert list(rows) == ["direct to decode", "tandem router", f"smg {peers.smg_version()}"]
+    interval_ms = bench_streams.QUICK[2] * 1000
+    for name, row in rows.items():
+        assert row["broken"] == 0, (name, row)
+        gap = row["gap p50 ms"]
+        assert isinstance(gap, float), (name, row)
+        assert interval_ms / 2 < gap < interval_ms * 2, (name, row)
+    for name in ("tandem router", f"smg {peers.smg_version()}"):
+        cpu, kb = rows[name]["CPU us/chunk"], rows[name]["KB/stream"]
+        assert isinstance(cpu, float), (name, cpu)
+        assert isinstance(kb, float), (name, kb)
+        assert cpu > 0, (name, cpu)
+    assert rows["direct to decode"]["CPU us/chunk"] == "-"
