@@ -119,10 +119,8 @@ def wrk(
     return Load(rps, _wrk_pct(out, "50%"), _wrk_pct(out, "99%"), errors, total, cpu / wall)
 
 
-def group_cpu_seconds(pgid: int) -> float:
-    """User + system CPU seconds of every live process in process group ``pgid`` (Linux /proc)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
+def _group_stats(pgid: int) -> Iterator[list[str]]:
+    """The /proc/<pid>/stat fields after "(comm)" of every live process in process group ``pgid`` (Linux)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -130,9 +128,19 @@ def group_cpu_seconds(pgid: int) -> float:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[2]) == pgid:  # fields after "(comm)": state ppid pgrp ...; utime/stime are 12th/13th
-            total += int(fields[11]) + int(fields[12])
-    return total / ticks
+        if int(fields[2]) == pgid:  # state ppid pgrp ...
+            yield fields
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds of every live process in process group ``pgid``."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    return sum(int(f[11]) + int(f[12]) for f in _group_stats(pgid)) / ticks  # utime, stime
+
+
+def group_rss_mb(pgid: int) -> float:
+    """Resident set of every live process in process group ``pgid`` (MB)."""
+    return sum(int(f[21]) for f in _group_stats(pgid)) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _wrk_pct(out: str, pct: str) -> float:

@@ -122,20 +122,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _rss_mb(pgid: int | None) -> float:
-    """Resident set of every process in group ``pgid`` (MB)."""
-    if pgid is None:
-        return 0.0
-    total = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(stat[2]) == pgid:
-                total += int(stat[21])  # rss in pages
-        except (OSError, IndexError, ValueError):
-            continue
-    return total * 4096 / 2**20
+    return 0.0 if pgid is None else bench.group_rss_mb(pgid)
 
 
 def run(args: BenchArgs) -> list[Table]:

@@ -5,7 +5,8 @@ in which waiting requests get connections."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import uvloop
@@ -13,7 +14,7 @@ import uvloop
 from tandem_dev.procs import free_port
 from tandem_router.transport import FailureReason, Request, Transport, TransportConfig, WorkerError
 from tandem_router.transport.client import WorkerResponse
-from tandem_router.transport.http1 import Connection
+from tandem_router.transport.http1 import Connection, WorkerConnections
 
 Test = Callable[[], Awaitable[None]]
 
@@ -73,6 +74,15 @@ async def read_request(reader: asyncio.StreamReader) -> bytes:
         if line.lower().startswith(b"content-length:"):
             length = int(line.split(b":")[1])
     return head + await reader.readexactly(length)
+
+
+async def _slow_ok(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Every request answered "ok" after 50 ms."""
+    while True:
+        await read_request(reader)
+        await asyncio.sleep(0.05)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
 
 
 def keep_alive(body: bytes, extra: bytes = b"") -> Handler:
@@ -283,14 +293,7 @@ async def test_malformed_responses_are_protocol_failures() -> None:
 
 @on_both_loops
 async def test_the_connection_limit_makes_requests_wait_for_a_free_connection() -> None:
-    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            await read_request(reader)
-            await asyncio.sleep(0.05)
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-            await writer.drain()
-
-    worker = ScriptedWorker(slow)
+    worker = ScriptedWorker(_slow_ok)
     t = Transport(TransportConfig(connections_per_worker=2, max_idle_per_worker=1))
     async with worker as url:
 
@@ -338,18 +341,29 @@ async def _served(t: Transport, url: str) -> WorkerResponse:
     return resp
 
 
+@contextlib.asynccontextmanager
+async def _one_held_connection() -> AsyncIterator[tuple[ScriptedWorker, Transport, WorkerConnections, WorkerResponse]]:
+    """A worker's pool limited to one connection, held by a response read to its end."""
+    worker = ScriptedWorker(keep_alive(b"ok"))
+    t = Transport(TransportConfig(connections_per_worker=1))
+    async with worker as url:
+        yield worker, t, t.connections(url), await _served(t, url)
+        await t.close()
+
+
+async def _queued(pool: WorkerConnections, n: int) -> list[asyncio.Task[Connection]]:
+    """``n`` requests for a connection, waiting in this order."""
+    tasks = [asyncio.create_task(pool.acquire()) for _ in range(n)]
+    await asyncio.sleep(0.01)
+    return tasks
+
+
 @on_both_loops
 async def test_waiting_requests_are_served_in_arrival_order_and_a_later_one_never_overtakes() -> None:
     """A released connection goes to the oldest waiting request, even when a new request arrives before that one
     runs again (it used to go back to the idle list, where the newcomer took it and the waiter queued anew)."""
-    worker = ScriptedWorker(keep_alive(b"ok"))
-    t = Transport(TransportConfig(connections_per_worker=1))
-    async with worker as url:
-        pool = t.connections(url)
-        held = await _served(t, url)
-        first = asyncio.create_task(pool.acquire())
-        second = asyncio.create_task(pool.acquire())
-        await asyncio.sleep(0.01)
+    async with _one_held_connection() as (worker, _, pool, held):
+        first, second = await _queued(pool, 2)
         assert not first.done()
         assert not second.done()
         newcomer = asyncio.create_task(pool.acquire())  # its first step runs before ``first`` wakes up
@@ -365,19 +379,12 @@ async def test_waiting_requests_are_served_in_arrival_order_and_a_later_one_neve
         pool.release(conn)
         assert await newcomer is conn
         assert worker.connections == 1
-        await t.close()
 
 
 @on_both_loops
 async def test_a_connection_handed_to_a_cancelled_request_goes_to_the_next_one() -> None:
-    worker = ScriptedWorker(keep_alive(b"ok"))
-    t = Transport(TransportConfig(connections_per_worker=1))
-    async with worker as url:
-        pool = t.connections(url)
-        held = await _served(t, url)
-        gone = asyncio.create_task(pool.acquire())
-        waiting = asyncio.create_task(pool.acquire())
-        await asyncio.sleep(0.01)
+    async with _one_held_connection() as (worker, _, pool, held):
+        gone, waiting = await _queued(pool, 2)
         held.release()  # handed to ``gone``...
         gone.cancel()  # ...which is cancelled before it runs
         conn = await waiting
@@ -385,7 +392,6 @@ async def test_a_connection_handed_to_a_cancelled_request_goes_to_the_next_one()
         assert pool.open == 1
         assert worker.connections == 1
         pool.release(conn)
-        await t.close()
 
 
 @on_both_loops
@@ -393,14 +399,7 @@ async def test_a_burst_opens_at_most_max_connecting_connections_at_once() -> Non
     """Forty requests at once against a worker that holds each response: never more than four connects in
     flight (a worker's accept queue drops the SYNs of a larger burst), and every request is answered."""
 
-    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            await read_request(reader)
-            await asyncio.sleep(0.05)
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-            await writer.drain()
-
-    worker = ScriptedWorker(slow)
+    worker = ScriptedWorker(_slow_ok)
     t = Transport(TransportConfig(max_connecting_per_worker=4))
     async with worker as url:
         pool = t.connections(url)
@@ -431,15 +430,10 @@ async def test_a_burst_opens_at_most_max_connecting_connections_at_once() -> Non
 
 @on_both_loops
 async def test_closing_a_pool_fails_its_waiting_requests() -> None:
-    worker = ScriptedWorker(keep_alive(b"ok"))
-    t = Transport(TransportConfig(connections_per_worker=1))
-    async with worker as url:
-        held = await _served(t, url)
-        waiting = asyncio.create_task(t.connections(url).acquire())
-        await asyncio.sleep(0.01)
+    async with _one_held_connection() as (_, t, pool, held):
+        (waiting,) = await _queued(pool, 1)
         t.retain(set())
         with pytest.raises(WorkerError) as failed:
             await waiting
         assert failed.value.reason is FailureReason.CLOSED
         held.release()
-        await t.close()
