@@ -64,7 +64,7 @@ class Result:
 
 TANDEM = "tandem router"
 NO_INTEGRITY = "tandem router --no-integrity"
-TAIL_TARGETS = ("direct to decode", TANDEM)  # and smg: the tail section's targets
+TAIL_TARGETS = ("direct to decode", TANDEM, "tandem router --workers 2")  # and smg: the tail section's targets
 ROUTERS: list[tuple[str, list[str]]] = [
     (TANDEM, []),
     (NO_INTEGRITY, ["--no-integrity"]),

@@ -92,7 +92,7 @@ def test_router_bench_quick_measures_every_target_side_by_side() -> None:
     assert any(f"({router_bench.TTFT_ROUNDS} interleaved rounds)" in note for note in cost.notes)
     assert [row[0] for row in curve.rows] == [8, router_bench.COST_AT]
     tails = {row[1]: dict(zip(tail.columns, row, strict=True)) for row in tail.rows}
-    assert list(tails) == ["direct to decode", router_bench.TANDEM, f"smg {peers.smg_version()}"]
+    assert list(tails) == [*router_bench.TAIL_TARGETS, f"smg {peers.smg_version()}"]
     for name, row in tails.items():
         assert row["connections"] == 256, (name, row)
         assert row["errors"] == 0, (name, row)
