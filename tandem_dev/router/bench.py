@@ -112,11 +112,9 @@ def wrk(
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
-    errors = int(m.group(1)) if (m := re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)) else 0
-    errors += sum(int(x) for x in re.findall(r"(?:connect|read|write|timeout) (\d+)", out))
     total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
     wall = time.monotonic() - started
-    return Load(rps, _wrk_pct(out, "50%"), _wrk_pct(out, "99%"), errors, total, cpu / wall)
+    return Load(rps, _wrk_pct(out, "50%"), _wrk_pct(out, "99%"), bench_tail.errors(out), total, cpu / wall)
 
 
 def _group_stats(pgid: int) -> Iterator[list[str]]:

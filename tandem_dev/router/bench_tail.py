@@ -70,9 +70,13 @@ def parse(out: str) -> Tail:
     """wrk's summary and the ``done`` hook's percentile lines (microseconds)."""
     found = dict(re.findall(r"^pct (\S+) (\d+)$", out, re.M))
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
-    errors = int(m.group(1)) if (m := re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)) else 0
-    errors += sum(int(x) for x in re.findall(r"(?:connect|read|write|timeout) (\d+)", out))
-    return Tail(rps, {p: int(found[f"{p:g}"]) / 1000 for p in PERCENTILES}, int(found["max"]) / 1000, errors)
+    return Tail(rps, {p: int(found[f"{p:g}"]) / 1000 for p in PERCENTILES}, int(found["max"]) / 1000, errors(out))
+
+
+def errors(out: str) -> int:
+    """wrk's non-2xx responses plus its socket errors (connect, read, write, timeout)."""
+    failed = int(m.group(1)) if (m := re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)) else 0
+    return failed + sum(int(x) for x in re.findall(r"(?:connect|read|write|timeout) (\d+)", out))
 
 
 def measure(
