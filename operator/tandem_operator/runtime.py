@@ -211,13 +211,26 @@ class ClusterRuntime:
                     "decode": event.pair.decode,
                 },
             )
-        fenced = {k: r.epoch for k, r in state.fenced.items()}
-        for group, epoch, note in integrity_recreations(reports.values(), state.registered, fenced):
+        await self._recreate_repeat_offenders()
+        self.kick()
+
+    async def _recreate_repeat_offenders(self) -> None:
+        """Fence every registered incarnation a live report names as a repeat offender. Level-triggered: run on
+        each report change and after each reconcile pass, so a group that was not registered when the report came
+        (registering in the same instant, or unrouted meanwhile) is recreated once it is. The snapshot is taken
+        under the registry lock, so a put in flight is either complete in ``registered`` or not yet visible."""
+        state = self.state
+        async with self.executor.registry_lock:
+            fenced = {k: r.epoch for k, r in state.fenced.items()}
+            reports = (state.integrity_reports or {}).values()
+            found = integrity_recreations(reports, dict(state.registered), fenced)
+        for group, epoch, note in found:
+            if (record := state.fenced.get(group)) is not None and record.epoch == epoch:
+                continue  # fenced by the other caller while this one fenced an earlier group
             note = f"recreating group {group.name}: {note}"
             self.executor.emit(Reason.INTEGRITY_RECREATE, note, "Recreate", EventType.WARNING)
             fence = Fence(group, epoch, FenceReason.INTEGRITY_REPEAT_OFFENDER, "integrity")
             await self.executor.fence(fence, time.monotonic())
-        self.kick()
 
     # -- the reconcile loop ----------------------------------------------------------------------------------
     async def _loop(self) -> None:
@@ -234,6 +247,7 @@ class ClusterRuntime:
             try:
                 if await self.reconciler.reconcile_once():  # groups still draining: look again soon
                     asyncio.get_running_loop().call_later(DRAIN_POLL_S, self.kick)
+                await self._recreate_repeat_offenders()  # groups this pass registered
                 self._arm_node_check()  # the grace may have changed with the spec, or a node's run out
                 self.reconciled.set()
                 last_pass_s = time.monotonic() - began
