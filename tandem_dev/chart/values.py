@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.alias_generators import to_camel
 
+from tandem_router.flow.limits import FlowLimits
+
 Quantity = str
 DnsLabel = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)]
 
@@ -63,6 +65,26 @@ class Hpa(Values):
     target_cpu_utilization: int = Field(default=70, ge=1, le=100, description="HPA target CPU utilization (%).")
 
 
+class FlowControl(Values):
+    enabled: bool = Field(
+        default=True,
+        description="Tenant flow control: per-tenant queues in front of the pairs, weighted fair sharing of the "
+        "capacity learned from the decodes (router/README.md, 'Tenant flow control').",
+    )
+    client_id_header: str = Field(
+        default="",
+        pattern=r"^[A-Za-z0-9-]*$",
+        description="Header naming the tenant, set by a trusted proxy in front of the router (clients cannot pick "
+        "their tenant otherwise); empty: the API key when keys are checked, else the peer address.",
+    )
+    limits: FlowLimits | None = Field(
+        default=None,
+        description="Per-tenant weights, priorities and limits (the limits file: 'default' and 'tenants', "
+        "router/README.md), mounted from a ConfigMap and reloaded by the routers without a restart; null: every "
+        "tenant equal, no limits.",
+    )
+
+
 class Router(Values):
     enabled: bool = Field(default=True, description="Deploy the router.")
     replicas: int = Field(default=2, ge=1, description="Router replicas (ignored when the HPA is enabled).")
@@ -91,6 +113,7 @@ class Router(Values):
     service: RouterService = Field(default_factory=RouterService, description="Router Service.")
     pdb: Pdb = Field(default_factory=Pdb, description="Router PodDisruptionBudget.")
     hpa: Hpa = Field(default_factory=Hpa, description="Router HorizontalPodAutoscaler.")
+    flow_control: FlowControl = Field(default_factory=FlowControl, description="Tenant flow control.")
     resources: Resources = Field(
         default_factory=lambda: Resources(requests={"cpu": "1", "memory": "512Mi"}, limits={"memory": "2Gi"}),
         description="Router container resources.",

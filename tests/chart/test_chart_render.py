@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from tandem_dev.chart import generate
 from tandem_dev.chart.dashboard import PANELS
+from tandem_router.flow.limits import FlowLimits, load_limits
 from tests.chart.render import CHART, ROOT, VALUES_FILES, helm, render
 
 
@@ -51,6 +53,9 @@ def test_lint_and_template(values: Path | None) -> None:
         (["router.bogus=1"], "additional properties 'bogus' not allowed"),
         (["router.policy=fastest"], "/router/policy"),
         (["router.service.type=LoadBalancer"], "networkPolicy.routerCidrs: a LoadBalancer router Service"),
+        (["router.flowControl.limits.default.weight=-1"], "/router/flowControl/limits/default/weight"),
+        (["router.flowControl.limits.defaults.weight=1"], "additional properties 'defaults' not allowed"),
+        (["router.flowControl.clientIdHeader=X Tenant"], "/router/flowControl/clientIdHeader"),
     ],
 )
 def test_invalid_values_fail_with_the_key_named(sets: list[str], message: str) -> None:
@@ -79,3 +84,43 @@ def test_optional_components_render() -> None:
     args = router["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--etcd-endpoint=etcd.example:2379" in args
     assert "replicas" not in router["spec"]  # the HPA owns it
+
+
+def _router(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    [router] = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-router")]
+    pod: dict[str, Any] = router["spec"]["template"]["spec"]
+    return pod
+
+
+def test_flow_limits_come_from_a_configmap_the_router_reads(tmp_path: Path) -> None:
+    limits = {"default": {"max_concurrency": 64}, "tenants": {"header:batch": {"weight": 0.5, "priority": -10}}}
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({"router": {"flowControl": {"clientIdHeader": "X-Tenant", "limits": limits}}}))
+    docs = render("-f", str(values))
+    [config_map] = [
+        d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "t-tandem-router-flow-limits"
+    ]
+    mounted = tmp_path / "limits.yaml"
+    mounted.write_text(config_map["data"]["limits.yaml"])
+    assert load_limits(mounted) == FlowLimits.model_validate(limits)  # the file the router parses, as given
+    pod = _router(docs)
+    args = pod["containers"][0]["args"]
+    assert {"--flow-control", "--client-id-header=X-Tenant", "--flow-limits-file=/etc/tandem/flow/limits.yaml"} <= set(
+        args
+    )
+    [mount] = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "flow-limits"]
+    assert mount["mountPath"] == "/etc/tandem/flow"
+    assert "subPath" not in mount
+    assert {"name": "flow-limits", "configMap": {"name": config_map["metadata"]["name"]}} in pod["volumes"]
+    # no checksum annotation: a limits change is reloaded in place, it must not roll the routers
+    assert not any("checksum" in k for k in (pod.get("metadata") or {}).get("annotations") or {})
+
+
+def test_flow_control_defaults_render_no_limits_file() -> None:
+    docs = render()
+    assert not [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-flow-limits")]
+    args = _router(docs)["containers"][0]["args"]
+    assert "--flow-control" in args
+    assert not [a for a in args if a.startswith(("--flow-limits", "--client-id"))]
+    off = _router(render("--set", "router.flowControl.enabled=false"))["containers"][0]["args"]
+    assert "--no-flow-control" in off
