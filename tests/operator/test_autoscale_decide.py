@@ -64,6 +64,12 @@ CASES = [
      (2, Reason.METRICS_MISSING), (2, Reason.METRICS_MISSING)),
     ("groups still starting: hold", obs(itl=90, decode=load(ready=1)),
      (2, Reason.WITHIN_TARGET), (2, Reason.SETTLING)),
+    ("TTFT over target, decodes below KV full but the routers hold requests back: decode",
+     replace(obs(ttft=1500), router_queued={0: 3, 10: 1}), (2, Reason.WITHIN_TARGET), (3, Reason.SCALE_UP)),
+    ("idle latency while the routers hold requests back: nobody shrinks",
+     replace(IDLE, router_queued={0: 4}), (2, Reason.WITHIN_TARGET), (2, Reason.WITHIN_TARGET)),
+    ("one request held per two decode groups is not a queue: both may shrink",
+     replace(IDLE, router_queued={0: 1}), (1, Reason.SCALE_DOWN), (1, Reason.SCALE_DOWN)),
     ("never above max", obs(itl=90, decode=load(groups=4)), (2, Reason.WITHIN_TARGET), (4, Reason.BOUNDS)),
     ("never below min", replace(IDLE, prefill=load(groups=1, kv=0), decode=load(groups=1, kv=0)),
      (1, Reason.WITHIN_TARGET), (1, Reason.WITHIN_TARGET)),
@@ -159,3 +165,9 @@ def test_the_first_interval_after_settling_is_not_evidence() -> None:
     assert (settled.verdicts[D].desired, settled.verdicts[D].reason) == (2, Reason.SETTLING)
     measured = decide(spec(), obs(itl=200), settled.history, now=30.0)
     assert (measured.verdicts[D].desired, measured.verdicts[D].reason) == (4, Reason.SCALE_UP)
+
+
+def test_the_reason_names_what_the_routers_hold_back_by_priority() -> None:
+    seen = replace(obs(ttft=1500), router_queued={0: 3, 10: 1})
+    verdict = decide(spec(), seen, History(), now=100.0).verdicts[D]
+    assert "4 held back in the routers' queues (3 at priority 0, 1 at priority 10)" in verdict.message

@@ -31,10 +31,15 @@ class Exposition:
     def __init__(self) -> None:
         self.router = CollectorRegistry()
         self.itl = Histogram("tandem_router_inter_token_seconds", "", buckets=(0.01, 0.05, 0.1), registry=self.router)
-        Histogram("tandem_router_ttft_seconds", "", buckets=(0.1, 1.0), registry=self.router).observe(0.05)
+        self.ttft = Histogram("tandem_router_ttft_seconds", "", buckets=(0.1, 1.0, 5.0), registry=self.router)
+        self.ttft.observe(0.05)
         self.worker = CollectorRegistry()
-        for name in ("num_queue_reqs", "token_usage", "num_running_reqs", "gen_throughput"):
-            Gauge(f"sglang:{name}", "", registry=self.worker).set(0.2 if name == "token_usage" else 1)
+        self.gauges = {
+            name: Gauge(f"sglang:{name}", "", registry=self.worker)
+            for name in ("num_queue_reqs", "token_usage", "num_running_reqs", "gen_throughput")
+        }
+        for name, gauge in self.gauges.items():
+            gauge.set(0.2 if name == "token_usage" else 1)
 
     async def serve(self, request: web.Request) -> web.Response:
         registry = self.router if request.path == "/router/metrics" else self.worker
@@ -112,3 +117,36 @@ async def test_a_slow_decode_is_scaled_through_the_scale_subresource(exposition:
     assert decided["decode"]["desiredGroups"] == 2
     assert decided["decode"]["reason"] == "ScaleUp"
     assert decided["itlP90Ms"] > 50
+
+
+async def test_requests_held_in_the_routers_queues_scale_the_decodes(exposition: tuple[Exposition, str]) -> None:
+    """Flow control holds requests back in the router while the workers' gauges look calm (none queued, KV 0.2):
+    the held-back demand alone, with TTFT over target, scales decode."""
+    exp, base = exposition
+    exp.gauges["num_queue_reqs"].set(0)
+    spec = cluster({"routerMetrics": [f"{base}/router/metrics"]})
+    state = ClusterState(ClusterRef("sim", "ns", "uid"), spec)
+    for role in Role:
+        state.registered[GroupKey(role, 0)] = Endpoint(role=role, group=f"{role.value}-0", url=base, model="m")
+    kube = FakeKube()
+    for role in Role:
+        kube.objects[f"{POOLS}/sim-{role.value}"] = {"spec": {"replicas": 1}, "status": {"readyReplicas": 1}}
+    held = Gauge("tandem_router_flow_queued_requests", "", ["priority"], registry=exp.router)
+    workers = WorkerMetrics()
+    autoscaler = Autoscaler(state, kube, workers)
+    assert spec.autoscaling is not None
+    try:
+        await autoscaler.tick(spec.autoscaling)  # the baseline
+        calm = await autoscaler.tick(spec.autoscaling)
+        assert calm.verdicts[Role.DECODE].reason is not Reason.SCALE_UP
+        held.labels("0").set(6)
+        held.labels("10").set(2)
+        for _ in range(20):
+            exp.ttft.observe(3.0)  # TTFT p90 ~3 s against 1 s
+        third = await autoscaler.tick(spec.autoscaling)
+    finally:
+        await workers.close()
+    verdict = third.verdicts[Role.DECODE]
+    assert verdict.reason is Reason.SCALE_UP, verdict.message
+    assert "8 held back in the routers' queues (6 at priority 0, 2 at priority 10)" in verdict.message
+    assert ("patch", f"{POOLS}/sim-decode/scale", {"spec": {"replicas": 2}}) in kube.calls

@@ -3,10 +3,13 @@ histogram output)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
 from tandem_operator.autoscale.signals import (
+    FLOW_QUEUED,
     combine,
     interval_buckets,
     parse_router,
@@ -26,6 +29,28 @@ def router_text(ttft: list[float], itl: list[float]) -> str:
     for v in itl:
         i.labels("/v1/completions").observe(v)
     return generate_latest(registry).decode()
+
+
+def queued_text(by_priority: dict[int, float]) -> str:
+    registry = CollectorRegistry()
+    gauge = Gauge(FLOW_QUEUED, "", ["priority"], registry=registry)
+    for priority, n in by_priority.items():
+        gauge.labels(str(priority)).set(n)
+    return router_text([0.05], []) + generate_latest(registry).decode()
+
+
+def test_requests_held_in_the_routers_queues_are_read_by_priority_and_summed() -> None:
+    a = parse_router(queued_text({0: 3, 10: 1}))
+    b = parse_router(queued_text({0: 2, -5: 4}))
+    assert a.queued == {0: 3, 10: 1}
+    assert combine([a, b]).queued == {0: 5, 10: 1, -5: 4}
+    assert parse_router(router_text([0.05], [])).queued == {}  # flow control off: nothing held
+
+
+def test_the_router_exports_the_queue_under_the_name_read() -> None:
+    from tandem_router import flow_control
+
+    assert f'"{FLOW_QUEUED}"' in Path(flow_control.__file__).read_text()
 
 
 def test_quantile_interpolates_like_prometheus() -> None:

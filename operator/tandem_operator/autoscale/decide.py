@@ -6,13 +6,16 @@ Prefill and decode saturate differently, so each role is judged by its own signa
   leaders (``sglang:num_queue_reqs`` per group >= ``QUEUED_PER_GROUP``);
 - **decode** is short when the ITL p90 is over target, or when the TTFT p90 is over target while prefill queues
   nothing and decode is full (``sglang:token_usage`` >= ``KV_FULL`` or requests queue on decode: SGLang's decode
-  admits a transferred request only when it has KV for it, so a full decode delays the first token).
+  admits a transferred request only when it has KV for it, so a full decode delays the first token), or the
+  routers hold requests back (their flow-control queues, ``tandem_router_flow_queued_requests``, >=
+  ``QUEUED_PER_GROUP`` per decode group): the routers admit what the decodes' learned capacity takes, so demand
+  they hold back is demand the decodes cannot run; none of the workers' gauges shows it.
 
 A short role is recommended ``ceil(groups x observed / target)`` groups (at least one more, at most twice as
 many, like the HPA's proportional rule). A role may shrink by one group when its latency is below
 ``scaleDownBelow x target`` (hysteresis: between that and the target nothing moves), it is not queueing (fewer
-than ``QUEUED_PER_GROUP`` waiting per group: a request or two waiting for the next batch is normal) and, for
-decode, its KV usage spread over one group fewer stays under ``KV_SHRINK``.
+than ``QUEUED_PER_GROUP`` waiting per group: a request or two waiting for the next batch is normal), the routers
+hold no such queue back and, for decode, its KV usage spread over one group fewer stays under ``KV_SHRINK``.
 
 Recommendations are stabilised like the Kubernetes HPA's ``behavior`` (``pkg/controller/podautoscaler``,
 ``stabilizeRecommendationWithBehaviors``): a scale-up takes the lowest recommendation of the scale-up window, a
@@ -73,6 +76,7 @@ class Observation:
     itl_p90_ms: float | None
     prefill: RoleLoad
     decode: RoleLoad
+    router_queued: Mapping[int, float] = field(default_factory=dict)  # priority -> requests the routers hold back
 
     def role(self, role: Role) -> RoleLoad:
         return self.prefill if role is Role.PREFILL else self.decode
@@ -123,13 +127,18 @@ def recommend(spec: AutoscalingSpec, obs: Observation, role: Role) -> Verdict:
     # readable() above: none of these is None
     prefill_queue, decode_queue, kv = prefill.queue_reqs or 0.0, decode.queue_reqs or 0.0, decode.token_usage or 0.0
     prefill_queued = prefill_queue / max(1, prefill.groups) >= QUEUED_PER_GROUP
-    decode_full = kv >= KV_FULL or decode_queue / max(1, decode.groups) >= QUEUED_PER_GROUP
+    held = sum(obs.router_queued.values())
+    held_back = held / max(1, decode.groups) >= QUEUED_PER_GROUP
+    decode_full = kv >= KV_FULL or decode_queue / max(1, decode.groups) >= QUEUED_PER_GROUP or held_back
     seen = f"TTFT p90 {ttft:.0f}/{targets.ttft_p90_ms} ms, ITL p90 {itl:.1f}/{targets.itl_p90_ms} ms"
+    if held:
+        by_priority = ", ".join(f"{n:.0f} at priority {p}" for p, n in sorted(obs.router_queued.items()) if n)
+        seen += f", {held:.0f} held back in the routers' queues ({by_priority})"
     if role is Role.PREFILL:
         if ttft > targets.ttft_p90_ms and prefill_queued:
             desired = _grow(n, ttft, targets.ttft_p90_ms)
             return Verdict(n, desired, Reason.SCALE_UP, f"{seen}, {prefill_queue:.0f} prompts queued on prefill")
-        if ttft < spec.scale_down_below * targets.ttft_p90_ms and not prefill_queued and n > 1:
+        if ttft < spec.scale_down_below * targets.ttft_p90_ms and not prefill_queued and not held_back and n > 1:
             return Verdict(n, n - 1, Reason.SCALE_DOWN, f"{seen}, {prefill_queue:.0f} prompts queued on prefill")
         return Verdict(n, n, Reason.WITHIN_TARGET, seen)
     if itl > targets.itl_p90_ms:
@@ -138,7 +147,7 @@ def recommend(spec: AutoscalingSpec, obs: Observation, role: Role) -> Verdict:
         desired = _grow(n, ttft, targets.ttft_p90_ms)
         note = f"KV usage {kv:.2f}, {decode_queue:.0f} queued on decode"
         return Verdict(n, desired, Reason.SCALE_UP, f"{seen}, prefill idle, {note}")
-    quiet = itl < spec.scale_down_below * targets.itl_p90_ms and decode_queue / n < QUEUED_PER_GROUP
+    quiet = itl < spec.scale_down_below * targets.itl_p90_ms and decode_queue / n < QUEUED_PER_GROUP and not held_back
     if quiet and n > 1 and kv * n / (n - 1) < KV_SHRINK:
         return Verdict(n, n - 1, Reason.SCALE_DOWN, f"{seen}, KV usage {kv:.2f}")
     return Verdict(n, n, Reason.WITHIN_TARGET, seen)

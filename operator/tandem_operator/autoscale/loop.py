@@ -97,10 +97,11 @@ class Autoscaler:
             and any(c.get("type") == "Ready" and c.get("status") == "True" for c in pod["status"].get("conditions", []))
         ]
 
-    async def latency(self, spec: AutoscalingSpec) -> tuple[float | None, float | None]:
+    async def routers(self, spec: AutoscalingSpec) -> tuple[float | None, float | None, dict[int, float] | None]:
         """The routers' TTFT and ITL p90 over the interval since the last scrape, each router against its own
-        previous scrape (a router seen for the first time only sets its baseline); None when some router did not
-        answer or none has a previous scrape yet."""
+        previous scrape (a router seen for the first time only sets its baseline), and the requests waiting in
+        their flow-control queues now, by priority; None when some router did not answer (p90s also when none has
+        a previous scrape yet)."""
         urls = await self.router_urls(spec)
         texts = await asyncio.gather(*(self.workers.text(url) for url in urls))
         now = {url: parse_router(text) for url, text in zip(urls, texts, strict=True) if text is not None}
@@ -110,13 +111,16 @@ class Autoscaler:
             if (before := self._routers.get(url)) is not None
         ]
         self._routers = now
-        if len(now) < len(urls) or not deltas:
-            return None, None
+        if len(now) < len(urls):
+            return None, None, None
+        queued = dict(combine(now.values()).queued)
+        if not deltas:
+            return None, None, queued
         total = combine(deltas)
-        return _p90_ms(total.ttft), _p90_ms(total.itl)
+        return _p90_ms(total.ttft), _p90_ms(total.itl), queued
 
     async def observe(self, spec: AutoscalingSpec) -> Observation:
-        ttft, itl = await self.latency(spec)
+        ttft, itl, queued = await self.routers(spec)
         registered = list(self.state.registered.items())
         leader_texts = await asyncio.gather(*(self.workers.text(f"{e.url}/metrics") for _, e in registered))
         gauges: dict[Role, list[WorkerGauges | None]] = {role: [] for role in Role}
@@ -128,6 +132,7 @@ class Autoscaler:
             itl,
             prefill=_role_load(pools[Role.PREFILL], gauges[Role.PREFILL]),
             decode=_role_load(pools[Role.DECODE], gauges[Role.DECODE]),
+            router_queued=queued or {},
         )
 
     async def tick(self, spec: AutoscalingSpec) -> Decision:

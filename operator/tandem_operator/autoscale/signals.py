@@ -6,7 +6,9 @@ replica (what ``histogram_quantile(0.9, sum by (le) (rate(...[interval])))`` giv
 linear interpolation inside a bucket). The workers' gauges are SGLang 0.5.23's
 (``sglang/srt/observability/metrics_collector.py``, ``SchedulerStats`` and ``SchedulerMetricsCollector``):
 ``num_queue_reqs``, ``token_usage`` (the fullest KV pool, 0-1), ``num_running_reqs``, ``gen_throughput``. SGLang
-has no gauge of queued prompt *tokens*; queued requests stand for them.
+has no gauge of queued prompt *tokens*; queued requests stand for them. With tenant flow control (the router's
+default) the routers hold requests the pairs cannot take yet in their own queues
+(``tandem_router_flow_queued_requests{priority}``): demand the workers' gauges do not show, read as well.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 TTFT = "tandem_router_ttft_seconds"
 ITL = "tandem_router_inter_token_seconds"
+FLOW_QUEUED = "tandem_router_flow_queued_requests"
 WORKER_GAUGES = ("sglang:num_queue_reqs", "sglang:token_usage", "sglang:num_running_reqs", "sglang:gen_throughput")
 
 Buckets = Mapping[float, float]  # upper bound ``le`` -> cumulative count
@@ -26,13 +29,15 @@ Buckets = Mapping[float, float]  # upper bound ``le`` -> cumulative count
 
 @dataclass(frozen=True)
 class RouterScrape:
-    """One router's cumulative TTFT and ITL buckets (summed over routes), or several routers' summed.
+    """One router's cumulative TTFT and ITL buckets (summed over routes) and the requests waiting in its flow
+    control queues by priority, or several routers' summed.
 
-    The routers' own in-flight gauge is not read: a router queues nothing itself (it forwards at once), so its
-    in-flight count per worker is the worker's running + queued requests, which the leaders report first-hand."""
+    The routers' in-flight gauge is not read: what they forward is the workers' running + queued requests, which
+    the leaders report first-hand; what they hold back (``queued``) no worker sees."""
 
     ttft: Buckets = field(default_factory=dict)
     itl: Buckets = field(default_factory=dict)
+    queued: Mapping[int, float] = field(default_factory=dict)  # effective priority -> requests waiting now
 
 
 @dataclass(frozen=True)
@@ -53,22 +58,30 @@ def _add(into: dict[float, float], buckets: Buckets) -> None:
 def parse_router(text: str) -> RouterScrape:
     """A router's exposition: its histograms summed over routes."""
     histograms: dict[str, dict[float, float]] = {TTFT: {}, ITL: {}}
+    queued: dict[int, float] = {}
     for family in text_string_to_metric_families(text):
         if family.name in histograms:
             for sample in family.samples:
                 if sample.name == f"{family.name}_bucket":
                     _add(histograms[family.name], {float(sample.labels["le"]): sample.value})
-    return RouterScrape(histograms[TTFT], histograms[ITL])
+        elif family.name == FLOW_QUEUED:
+            for sample in family.samples:
+                priority = int(sample.labels["priority"])
+                queued[priority] = queued.get(priority, 0.0) + sample.value
+    return RouterScrape(histograms[TTFT], histograms[ITL], queued)
 
 
 def combine(scrapes: Iterable[RouterScrape]) -> RouterScrape:
     """Every router replica's scrape (or interval) as one."""
     ttft: dict[float, float] = {}
     itl: dict[float, float] = {}
+    queued: dict[int, float] = {}
     for scrape in scrapes:
         _add(ttft, scrape.ttft)
         _add(itl, scrape.itl)
-    return RouterScrape(ttft, itl)
+        for priority, n in scrape.queued.items():
+            queued[priority] = queued.get(priority, 0.0) + n
+    return RouterScrape(ttft, itl, queued)
 
 
 def parse_worker(text: str) -> WorkerGauges | None:
