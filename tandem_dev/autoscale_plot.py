@@ -15,6 +15,8 @@ class Sample:
     decode: int
     ttft_p90_ms: float | None  # what the autoscaler saw over its last interval
     itl_p90_ms: float | None
+    ttft_exact_ms: float | None = None  # the same interval's exact p90, where known (the bench's model)
+    itl_exact_ms: float | None = None
 
 
 def plot_timeline(
@@ -36,11 +38,15 @@ def plot_timeline(
     groups.step(t, [s.prefill for s in samples], where="post", label="prefill groups")
     groups.step(t, [s.decode for s in samples], where="post", label="decode groups")
     groups.set_ylabel("groups")
-    for ax, values, target, name in (
-        (ttft, [s.ttft_p90_ms for s in samples], ttft_target_ms, "TTFT p90"),
-        (itl, [s.itl_p90_ms for s in samples], itl_target_ms, "ITL p90"),
+    for ax, values, exact, target, name in (
+        (ttft, [s.ttft_p90_ms for s in samples], [s.ttft_exact_ms for s in samples], ttft_target_ms, "TTFT p90"),
+        (itl, [s.itl_p90_ms for s in samples], [s.itl_exact_ms for s in samples], itl_target_ms, "ITL p90"),
     ):
-        ax.plot(t, [float("nan") if v is None else v for v in values], label=name)
+        known = any(v is not None for v in exact)
+        read = f"{name} read from the router's buckets" if known else name
+        ax.plot(t, [float("nan") if v is None else v for v in values], label=read)
+        if known:
+            ax.plot(t, [float("nan") if v is None else v for v in exact], linewidth=0.8, label=f"{name}, exact")
         ax.axhline(target, color="red", linestyle="--", linewidth=0.8, label=f"target {target:g} ms")
         ax.set_ylabel("ms")
     for ax in (load, groups, ttft, itl):

@@ -18,8 +18,14 @@ from tandem_router.pool import Pair, WorkerPool
 from tandem_router.registry_guard import RegistryGuard
 from tandem_router.schema import Route
 
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
-_ITL_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 5)
+# Fine (bounds 1.2-1.5x apart) where SLO targets and the autoscaler's scale-down thresholds (``scaleDownBelow`` x
+# target) sit: TTFT 0.25-10 s, gaps 10-250 ms. ``histogram_quantile`` interpolates inside a bucket, so an interval whose
+# requests all fall in one wide bucket reads near its upper bound: with the former (20, 50] ms gap bucket every
+# ITL p90 read ~47 ms and a 60 ms target's 30 ms scale-down threshold was never crossed (``tandem bench autoscale``).
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.375, 0.5, 0.625, 0.75, 1, 1.25, 1.5,
+                    2, 2.5, 3, 4, 5, 7.5, 10, 30, 60, 300)  # fmt: skip
+_ITL_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075,
+                0.1, 0.125, 0.15, 0.2, 0.25, 0.5, 1, 5)  # fmt: skip
 M = TypeVar("M", bound=MetricWrapperBase)
 
 
@@ -160,7 +166,7 @@ class _PoolCollector(Collector):
         yield up
         yield CounterMetricFamily(
             "tandem_router_mooncake_session_reuses",
-            "Recreated groups registered under a Mooncake session id of their previous incarnation.",
+            "Recreated groups registered under a Mooncake session id an earlier incarnation of theirs held.",
             value=self.pool.mooncake_session_reuses,
         )
         yield CounterMetricFamily(
