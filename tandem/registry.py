@@ -104,12 +104,35 @@ class Endpoint(BaseModel):
         return tuple(sorted(self._ignored))
 
 
-def reused_sessions(earlier: Endpoint, later: Endpoint) -> frozenset[str]:
-    """Session ids of ``later``, a newer incarnation of ``earlier``'s group, that ``earlier`` had too: peers may
-    still hold the dead incarnation's descriptor and connections under them (empty when not a newer epoch)."""
-    if later.epoch <= earlier.epoch:
-        return frozenset()
-    return frozenset(earlier.mooncake_sessions) & frozenset(later.mooncake_sessions)
+class SessionHistory:
+    """Every Mooncake session id each group's incarnations registered, with the newest epoch that held it.
+
+    A recreated group's ids repeat once its window rotation wraps (``desired/pods.py: rotate_window``: after as
+    many recreations as the role's range has windows) at an address an earlier incarnation had (hostNetwork: the
+    same node; pod networking: an IP handed out again). Peers may still hold that incarnation's descriptor and
+    connections under the id, so a reuse is worth a count and a warning however many incarnations ago it was, not
+    only against the previous one. Ids older than the newest ``limit`` per group are forgotten (oldest epoch
+    first): a group spread over many addresses stays bounded.
+    """
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._held: dict[str, dict[str, int]] = {}  # group key -> session id -> newest epoch that held it
+        self._epoch: dict[str, int] = {}  # group key -> newest epoch seen
+
+    def note(self, key: str, endpoint: Endpoint) -> dict[str, int]:
+        """Record ``endpoint``; for a newer incarnation, its ids an earlier one held, with that one's epoch."""
+        newest = self._epoch.get(key)
+        if newest is not None and endpoint.epoch < newest:
+            return {}  # a stale value: recorded ids are newer
+        held = self._held.setdefault(key, {})
+        reused = {} if endpoint.epoch == newest else {s: held[s] for s in endpoint.mooncake_sessions if s in held}
+        self._epoch[key] = endpoint.epoch
+        held.update(dict.fromkeys(endpoint.mooncake_sessions, endpoint.epoch))
+        if len(held) > self.limit:
+            for session, _ in sorted(held.items(), key=lambda item: item[1])[: len(held) - self.limit]:
+                del held[session]
+        return reused
 
 
 def cluster_prefix(namespace: str, cluster: str) -> str:

@@ -62,11 +62,28 @@ def incarnation(epoch: int, *sessions: str) -> Endpoint:
     )
 
 
-def test_reused_sessions_are_those_a_newer_incarnation_shares_with_an_earlier_one() -> None:
-    old = incarnation(1, "10.0.0.1:15100", "10.0.0.1:15101")
-    assert registry.reused_sessions(old, incarnation(2, "10.0.0.1:15102", "10.0.0.1:15103")) == frozenset()
-    assert registry.reused_sessions(old, incarnation(2, "10.0.0.1:15101", "10.0.0.1:15102")) == {"10.0.0.1:15101"}
-    assert registry.reused_sessions(old, incarnation(1, "10.0.0.1:15100")) == frozenset()  # same incarnation
+def test_session_history_finds_ids_any_earlier_incarnation_held() -> None:
+    history = registry.SessionHistory()
+    assert history.note("d0", incarnation(0, "10.0.0.1:15100", "10.0.0.1:15101")) == {}
+    assert history.note("d0", incarnation(1, "10.0.0.1:15102", "10.0.0.1:15103")) == {}  # the next window
+    assert history.note("d0", incarnation(1, "10.0.0.1:15102")) == {}  # the same incarnation put again
+    assert history.note("other", incarnation(0, "10.0.0.1:15100")) == {}  # another group's history
+    # the rotation wrapped: ids of epoch 0, two incarnations back, and of epoch 1
+    assert history.note("d0", incarnation(2, "10.0.0.1:15101", "10.0.0.1:15102", "10.0.0.2:15100")) == {
+        "10.0.0.1:15101": 0,
+        "10.0.0.1:15102": 1,
+    }
+    assert history.note("d0", incarnation(1, "10.0.0.1:15101")) == {}  # a stale value changes nothing
+    assert history.note("d0", incarnation(3, "10.0.0.2:15100")) == {"10.0.0.2:15100": 2}
+
+
+def test_session_history_forgets_the_oldest_ids_past_its_limit() -> None:
+    history = registry.SessionHistory(limit=2)
+    history.note("d0", incarnation(0, "10.0.0.1:15100"))
+    history.note("d0", incarnation(1, "10.0.0.2:15100"))
+    history.note("d0", incarnation(2, "10.0.0.3:15100"))
+    assert history.note("d0", incarnation(3, "10.0.0.1:15100")) == {}  # forgotten: the oldest of three
+    assert history.note("d0", incarnation(4, "10.0.0.3:15100")) == {"10.0.0.3:15100": 2}
 
 
 def test_grpc_target_names_every_etcd_member() -> None:

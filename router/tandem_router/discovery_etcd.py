@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 
-from tandem.registry import Endpoint, FabricMode, Role, reused_sessions
+from tandem.registry import Endpoint, FabricMode, Role, SessionHistory
 from tandem.registry_etcd import EndpointWatcher
 from tandem.registry_signing import EndpointVerifier
 from tandem_router.config import RouterSettings
@@ -70,9 +70,9 @@ class EtcdDiscovery:
         self._keys: dict[str, str] = {}  # registry key -> worker key (held workers included)
         # registry key -> (removed at, the worker as it was): a storm puts back the healthy ones of its window.
         self._gone: dict[str, tuple[float, WorkerState]] = {}
-        # registry key -> latest incarnation seen, kept after a delete: a fence deletes the key before the group's
-        # next incarnation is put, and that one must not reuse the dead one's Mooncake session ids.
-        self._incarnations: dict[str, Endpoint] = {}
+        # every incarnation's Mooncake session ids, kept after a delete: a fence deletes the key before the group's
+        # next incarnation is put, and that one must not reuse a dead one's ids.
+        self._sessions = SessionHistory()
         self._ticker: asyncio.Task[None] | None = None
         self.watcher = EndpointWatcher(
             settings.etcd_endpoints,
@@ -118,16 +118,14 @@ class EtcdDiscovery:
         return state is None or not _healthy(state)
 
     def _note_incarnation(self, key: str, endpoint: Endpoint) -> None:
-        earlier = self._incarnations.get(key)
-        if earlier is not None and (reused := reused_sessions(earlier, endpoint)):
+        if reused := self._sessions.note(key, endpoint):
             self.pool.mooncake_session_reuses += 1
             log.warning(
-                "recreated group reuses Mooncake session ids of its previous incarnation: prefills may fail their "
+                "recreated group reuses Mooncake session ids of an earlier incarnation: prefills may fail their "
                 "first sends to it until the failed-session probe and metadata refresh catch up (operator/README.md)",
-                extra={"key": key, "epoch": endpoint.epoch, "sessions": sorted(reused)},
-            )
-        if earlier is None or endpoint.epoch >= earlier.epoch:
-            self._incarnations[key] = endpoint
+                extra={"key": key, "epoch": endpoint.epoch, "sessions": sorted(reused),
+                       "held_by_epochs": sorted(set(reused.values()))},
+            )  # fmt: skip
 
     def _trusted(self, key: str, endpoint: Endpoint) -> bool:
         if self._verifier is None or self._verifier.verify(key, endpoint):

@@ -119,6 +119,10 @@ async def test_router_counts_a_recreated_group_that_reuses_a_mooncake_session(et
         await _put(writer, incarnation(2, "10.0.0.1:15100", "10.0.0.1:15101", "10.0.0.1:15103"), "reuse")
         await _until(lambda: any(w.spec.epoch == 2 for w in pool.workers.values()))
         assert pool.mooncake_session_reuses == 1
+        # the rotation wrapped: epoch 3 takes epoch 1's window, which epoch 2 did not hold
+        await _put(writer, incarnation(3, "10.0.0.1:15102"), "reuse")
+        await _until(lambda: any(w.spec.epoch == 3 for w in pool.workers.values()))
+        assert pool.mooncake_session_reuses == 2
     finally:
         await discovery.stop()
         await writer.close(revoke=True)
