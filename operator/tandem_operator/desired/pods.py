@@ -154,9 +154,11 @@ def rotate_window(window: tuple[int, int], declared_ports: int, epoch: int) -> t
     """The window of incarnation ``epoch``: ``window`` (the first one) moved by whole windows through the declared
     range ``[window[0], window[0] + declared_ports)``, wrapping around; a range of one window never moves.
 
-    A recreated pod must not come back under a Mooncake session id (``ip:port``) that peers still hold for the
+    A recreated pod should not come back under a Mooncake session id (``ip:port``) that peers still hold for the
     dead one: peers keep its cached segment descriptor (TCP data port, buffers) and pooled connections under that
-    name, and SGLang un-blacklists the name when a probe of the new process succeeds (operator/README.md).
+    name, and SGLang un-blacklists the name when a probe of the new process succeeds (operator/README.md). Moving by
+    epoch keeps consecutive incarnations apart; once the range wraps an id may come back at an old address, which
+    the pods' recovery settings make safe for clients (tests/operator/test_session_rotation_live.py).
     """
     low, high = window
     size = high - low + 1
