@@ -213,20 +213,27 @@ def main(argv: Sequence[str]) -> int:
     if unknown:
         parser.error(f"unknown peer(s): {', '.join(unknown)}; known: {', '.join(PEERS)}")
     missing = 0
+    installed_s: dict[str, float] = {}
     (CACHE / "peers").mkdir(parents=True, exist_ok=True)
     with (CACHE / "peers" / ".lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one installer at a time per cache (worktrees share it)
         for name in args.peers or list(PEERS):
-            missing += not _install_or_check(PEERS[name], install=args.command == "install")
+            missing += not _install_or_check(PEERS[name], args.command == "install", installed_s)
+    if installed_s:  # the cold install times README.md's peers table shows
+        from tandem_dev import records
+
+        saved = records.save("peers-install", {"install_s": installed_s}, ["python", "-m", "tandem_dev.peers", *argv])
+        print(f"peers: install times saved to {saved}", flush=True)
     return 1 if missing else 0
 
 
-def _install_or_check(peer: Peer, install: bool) -> bool:
+def _install_or_check(peer: Peer, install: bool, installed_s: dict[str, float]) -> bool:
     if install and peer.locate() is None:
         started = time.monotonic()
         print(f"peers: installing {peer.name} ({peer.version()}) ...", flush=True)
         peer.install()
-        print(f"peers: {peer.name} installed in {time.monotonic() - started:.0f}s", flush=True)
+        installed_s[peer.name] = round(time.monotonic() - started, 1)
+        print(f"peers: {peer.name} installed in {installed_s[peer.name]:.0f}s", flush=True)
     found = peer.locate()
     print(f"peers: {peer.name} {peer.version()}: {found if found else 'NOT INSTALLED: ' + peer.how}", flush=True)
     return found is not None

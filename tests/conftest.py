@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem_dev import records
 from tandem_dev.procs import ManagedProcess
 from tests.markfilter import deselected_whole
 from tests.netns import HOW, enter_own, interfaces, loopback_only
@@ -27,6 +28,15 @@ def proc_factory(tmp_path: Path) -> Iterator[list[ManagedProcess]]:
     yield procs
     for proc in reversed(procs):
         proc.stop()
+
+
+@pytest.fixture
+def record(request: pytest.FixtureRequest) -> records.Recorder:
+    """``record({...})`` saves the figures a test measures (those it prints with ``-s``, which README tables copy)
+    to ``build/records/<node id>.json`` under the repository, with the run's context (tandem_dev.records)."""
+    config = request.config
+    argv = ["pytest", *config.invocation_params.args]
+    return records.Recorder(request.node.nodeid, argv, config.rootpath / records.RECORDS)
 
 
 def pytest_configure(config: pytest.Config) -> None:

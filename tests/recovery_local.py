@@ -9,7 +9,8 @@ serving again, and how many requests failed meanwhile.
 
 ``python -m tests.recovery_local`` prints the measurement with SGLang's and Mooncake's defaults and with Tandem's
 (inside the loopback-only namespace: ``scripts/in-netns.sh .venv/bin/python -m tests.recovery_local``;
-``--tandem-defaults --runs 6``: Tandem's cases only, 6 runs each). The router runs at its defaults (health checks
+``--tandem-defaults --runs 6``: Tandem's cases only, 6 runs each) and saves it with the run's context to
+``build/records/tests.recovery_local.json`` (tandem_dev.records). The router runs at its defaults (health checks
 every 2 s), as the chart runs it.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import random
 import signal
 import socket
@@ -30,6 +32,7 @@ from pathlib import Path
 import aiohttp
 
 from tandem.registry import Role
+from tandem_dev import records
 from tandem_dev.local_stack import MODEL, RECOVERY_ENV, sim_worker_argv
 from tandem_dev.procs import ManagedProcess, free_port
 
@@ -243,12 +246,16 @@ def main(argv: Sequence[str]) -> None:
     print("| decode back under its old session id, | settings | time to serve again | failed meanwhile "
           "| served / failed in the next 3 s |")  # fmt: skip
     print("|---|---|---|---|---|")
+    runs: list[dict[str, object]] = []
     for case, same, label, env in cases:
         for _ in range(args.runs if env or not args.tandem_defaults else 0):
             with tempfile.TemporaryDirectory() as tmp:
                 r = asyncio.run(restart_decode_under_load(Path(tmp), env, cap_s=180.0, same_data_port=same))
             recovered = f"{r.recovered_s} s" if r.recovered_s is not None else "not within 180 s"
             print(f"| {case} | {label} | {recovered} | {r.failed_while_down} | {r.served_after} / {r.failed_after} |")
+            runs.append({"case": case, "settings": label, **dataclasses.asdict(r)})
+    saved = records.save("tests.recovery_local", {"runs": runs}, ["python", "-m", "tests.recovery_local", *argv])
+    print(f"saved: {saved}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ and signed endpoints, 2 prefill + 2 decode ``tandem sim`` workers with real Moon
 - a decode killed while etcd is frozen: its key cannot be deleted, so the router's own checks take it out of
   routing; measured from the kill to its breaker open.
 
-The figures are printed (``-s``) and copied into router/README.md.
+The figures are printed (``-s``), saved under build/records/ (the ``record`` fixture) and copied into
+router/README.md.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from tandem_dev.chaos_load import LoadSpec, Routers, reference, run_load
 from tandem_dev.chaos_report import StreamResult, Verdict, judge
 from tandem_dev.local_stack import MODEL, LocalStack, deterministic_sim_worker_argv
 from tandem_dev.procs import ManagedProcess
+from tandem_dev.records import Recorder
 from tandem_dev.stack_fixture import running_stack
 from tandem_router.config import RouterSettings
 from tests.routermetrics import RouterMetrics, scrape
@@ -69,10 +71,10 @@ SIMS = deterministic_sim_worker_argv
 
 
 async def _under_load(
-    stack: LocalStack, outage_s: float, fault: Callable[[], Awaitable[Callable[[], None]]]
+    stack: LocalStack, outage_s: float, fault: Callable[[], Awaitable[Callable[[], None]]], record: Recorder
 ) -> Outcome:
     """Streams from before ``fault`` until ``AFTER_S`` after its end; ``fault()`` starts the outage and returns
-    what ends it, called ``outage_s`` later."""
+    what ends it, called ``outage_s`` later. The figures are printed and recorded (build/records/)."""
     routers = Routers([stack.router_url])
     try:
         spec = _spec(BEFORE_S + outage_s + AFTER_S)
@@ -97,6 +99,17 @@ async def _under_load(
         f"\nregistry outage {outage_s:.0f}s: streams {dict(verdicts)}, {during} started during it; back (no worker "
         f"held) {back_s}s after; panics {outcome.metrics.registry_panics:.0f}, released "
         f"{outcome.metrics.registry_released:.0f}, resumed {sum(outcome.metrics.resumed.values())}"
+    )
+    record(
+        {
+            "outage_s": outage_s,
+            "streams": dict(verdicts),
+            "started_during_outage": during,
+            "back_s": back_s,
+            "panics": outcome.metrics.registry_panics,
+            "released": outcome.metrics.registry_released,
+            "resumed": sum(outcome.metrics.resumed.values()),
+        }
     )
     return outcome
 
@@ -141,14 +154,14 @@ def _freeze(procs: list[ManagedProcess]) -> Callable[[], Awaitable[Callable[[], 
     return fault
 
 
-async def test_a_registry_frozen_for_20s_costs_no_stream(tmp_path: Path) -> None:
+async def test_a_registry_frozen_for_20s_costs_no_stream(tmp_path: Path, record: Recorder) -> None:
     with running_stack(tmp_path, router_port=0, worker_argv=SIMS) as stack:
-        outcome = await _under_load(stack, 20.0, _freeze(stack.etcds))
+        outcome = await _under_load(stack, 20.0, _freeze(stack.etcds), record)
     _assert_unharmed(outcome)
     assert outcome.metrics.registry_panics >= 1  # the thaw did expire the lease: the storm happened and was held
 
 
-async def test_a_registry_killed_for_10s_costs_no_stream(tmp_path: Path) -> None:
+async def test_a_registry_killed_for_10s_costs_no_stream(tmp_path: Path, record: Recorder) -> None:
     with running_stack(tmp_path, router_port=0, worker_argv=SIMS, restart_etcd=False) as stack:
         (etcd,) = stack.etcds
 
@@ -160,18 +173,18 @@ async def test_a_registry_killed_for_10s_costs_no_stream(tmp_path: Path) -> None
             await asyncio.to_thread(etcd.stop)
             return restart
 
-        outcome = await _under_load(stack, 10.0, kill)
+        outcome = await _under_load(stack, 10.0, kill, record)
     _assert_unharmed(outcome)
 
 
-async def test_a_three_member_registry_losing_quorum_for_20s_costs_no_stream(tmp_path: Path) -> None:
+async def test_a_three_member_registry_losing_quorum_for_20s_costs_no_stream(tmp_path: Path, record: Recorder) -> None:
     with running_stack(tmp_path, router_port=0, worker_argv=SIMS, etcd_members=3) as stack:
-        outcome = await _under_load(stack, 20.0, _freeze(stack.etcds[:2]))
+        outcome = await _under_load(stack, 20.0, _freeze(stack.etcds[:2]), record)
     _assert_unharmed(outcome)
 
 
 async def test_a_decode_killed_while_the_registry_is_frozen_leaves_routing_through_health_checks(
-    tmp_path: Path,
+    tmp_path: Path, record: Recorder
 ) -> None:
     with running_stack(tmp_path, router_port=0, worker_argv=SIMS, restart=False) as stack:
         (etcd,) = stack.etcds
@@ -189,4 +202,5 @@ async def test_a_decode_killed_while_the_registry_is_frozen_leaves_routing_throu
         finally:
             etcd.signal(signal.SIGCONT)
         print(f"\ndecode killed, registry frozen: out of routing after {took:.2f} s (health interval {HEALTH_S:g} s)")
+        record({"out_of_routing_s": took, "health_interval_s": HEALTH_S})
         assert took <= HEALTH_S + 1.0  # one health interval, plus a probe's own time on a busy machine

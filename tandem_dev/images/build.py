@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from tandem_dev import records
 from tandem_dev.images import oci
 from tandem_dev.images.spec import (
     DEBIAN_LOCK,
@@ -221,11 +222,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--relock", action="store_true", help="rewrite images/tandem/debian.lock from the mirror")
     parser.add_argument("--force", action="store_true", help="rebuild even when the cache has these inputs")
     args = parser.parse_args(argv)
+    spec = ImageSpec()
+    cached = cached_archive(spec).exists() and not (args.relock or args.force)
+    started = time.monotonic()
     try:
-        build(ImageSpec(), do_relock=args.relock, force=args.force)
+        target = build(spec, do_relock=args.relock, force=args.force)
     except BuildError as e:
         print(f"make images: {e}", file=sys.stderr)
         return 2
+    figures = {
+        "seconds": round(time.monotonic() - started, 1),
+        "cached": cached,
+        "archive_bytes": target.stat().st_size,
+    }
+    argv_run = ["python", "-m", "tandem_dev.images.build", *(sys.argv[1:] if argv is None else argv)]
+    log(f"build time saved to {records.save('images-build', figures, argv_run, ROOT / records.RECORDS)}")
     return 0
 
 

@@ -30,6 +30,7 @@ from kubernetes_asyncio import client
 
 from tandem_dev.devcluster.nodefaults import cut_kubelet, not_ready, restore_kubelet, schedulable
 from tandem_dev.devcluster.podrunner import PodRunner
+from tandem_dev.records import Recorder
 from tests.operator.live import (
     SIM_MODEL,
     Live,
@@ -93,7 +94,7 @@ async def _fence_records(api: client.ApiClient, ns: str) -> dict[str, str]:
 
 
 @pytest.mark.timeout(540)
-async def test_a_node_notready_for_60s_under_load_costs_no_recreation(live: Live) -> None:
+async def test_a_node_notready_for_60s_under_load_costs_no_recreation(live: Live, record: Recorder) -> None:
     api, ns = live.api, live.ns
     async with sim_stack(live, GROUPS, prefill=PREFILL, decode=DECODE) as sim:
         reg = sim.reg
@@ -137,6 +138,21 @@ async def test_a_node_notready_for_60s_under_load_costs_no_recreation(live: Live
             f"{status.get('recoveries', 0)}; load {result['ok']} ok, {result['cut_mid_stream']} cut, "
             f"{len(result['failed_before_first_byte'])} failed before a byte"
         )
+        record(
+            {
+                "not_ready_s": ready_at - since,
+                "unrouted_after_s": unrouted_at - since,
+                "routed_again_after_ready_s": back_s,
+                "epochs_before": before,
+                "epochs_after": back,
+                "recoveries": status.get("recoveries", 0),
+                "load": {
+                    "ok": result["ok"],
+                    "cut_mid_stream": result["cut_mid_stream"],
+                    "failed_before_first_byte": len(result["failed_before_first_byte"]),
+                },
+            }
+        )
         assert back == before  # the same incarnations: nothing recreated
         assert {p.metadata.name: p.metadata.uid for p in await pods(api, ns)} == uids  # no pod deleted
         assert await _fence_records(api, ns) == {}
@@ -149,7 +165,7 @@ async def test_a_node_notready_for_60s_under_load_costs_no_recreation(live: Live
 
 @pytest.mark.timeout(480)
 async def test_a_node_notready_past_the_grace_recreates_its_group_also_across_an_operator_restart(
-    live: Live,
+    live: Live, record: Recorder
 ) -> None:
     api, ns = live.api, live.ns
     lifecycle = {"nodeLostGraceSeconds": SHORT_GRACE_S}
@@ -194,6 +210,16 @@ async def test_a_node_notready_past_the_grace_recreates_its_group_also_across_an
                 f"{SHORT_GRACE_S / 2:.0f} s: decode-0's pod deleted {fenced_after_s:.1f} s and the group registered "
                 f"again (epoch {before} -> {after}, on {new.spec.node_name}) {recreated_s:.1f} s after the node's "
                 "Ready condition turned"
+            )
+            record(
+                {
+                    "node_lost_grace_s": SHORT_GRACE_S,
+                    "operator_restarted_after_s": SHORT_GRACE_S / 2,
+                    "pod_deleted_after_s": fenced_after_s,
+                    "registered_again_after_s": recreated_s,
+                    "epoch_before": before,
+                    "epoch_after": after,
+                }
             )
             assert SHORT_GRACE_S - 1 <= fenced_after_s < SHORT_GRACE_S + 10  # counted from the node, not the restart
             assert after == before + 1
