@@ -1,16 +1,20 @@
-"""``tandem bench prefix``: prefix-cache-aware routing on a multi-turn chat workload, three policies in one run.
+"""``tandem bench prefix``: prefix-cache-aware routing on multi-turn chat, three policies interleaved, on workloads
+the router's defaults were not tuned on, several seeds each.
 
 Four simulated prefills and two decodes (real PD protocol, real Mooncake KV transfer, the simulator's radix cache
-and batching, timed by the ``kimi-k2.6-h200`` profile) serve the same deterministic workload three times: through
-Tandem's router with ``--policy cache_aware`` (its default), through SGLang's gateway ``smg`` with
-``--policy cache_aware`` (its defaults otherwise) and through Tandem's router with ``--policy round_robin``. Every
-prefill's radix cache is flushed before each policy's turn.
+and batching, timed by the ``kimi-k2.6-h200`` profile) serve the same deterministic workload through three
+policies: Tandem's router with ``--policy cache_aware`` (its default), SGLang's gateway ``smg`` with
+``--policy cache_aware`` (its defaults otherwise) and Tandem's router with ``--policy round_robin``.
 
-The workload: users, each under one of ``SYSTEM_PROMPTS`` shared system prompts, hold conversations of a few
-turns; every turn resends the whole history (system prompt, earlier questions and answers) plus a new question,
-streams the answer, and the user thinks a while before the next turn. Every ``DOCUMENT_EVERY``-th user pastes a
-long document into its first question (prompts of very different sizes, as in document chat). Users start
-spread over the first seconds. The prefix-cache hit rate is the simulators' own: ``sglang:cached_tokens_total`` over
+Why this design (issue #41 item 6): ``--balance-abs-threshold``'s default was tuned with this bench on one
+workload and seed (tandem_dev.router.prefix_workload.TUNING, SEED), so the reported comparison runs on held-out
+workloads (``HELD_OUT``) and seeds (``HELD_OUT_SEEDS``) instead; the tuning workload runs once more as a labelled
+reference. One round is one workload and seed, the three policies one after another in an order rotated from
+round to round, so that no policy always runs first or last (a change in the shared machine's load falls on every
+policy alike); each policy's run starts its router fresh on prefills whose radix caches were just flushed. The
+tables report per policy the median over seeds with the min-max (tandem_dev.router.prefix_report).
+
+The prefix-cache hit rate is the simulators' own: ``sglang:cached_tokens_total`` over
 ``sglang:prompt_tokens_total`` on the prefills (tokens served from the radix cache over prompt tokens), not the
 router's guess. TTFT is measured by the client, at the first streamed chunk.
 """
@@ -18,93 +22,40 @@ router's guess. TTFT is measured by the client, at the first streamed chunk.
 from __future__ import annotations
 
 import asyncio
-import random
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem_dev import peers
-from tandem_dev.bench import NOT_MEASURED, BenchArgs, Plot, Table
+from tandem_dev.bench import BenchArgs, Table
 from tandem_dev.procs import ManagedProcess, ProcessFailedError, free_port
 from tandem_dev.router.bench_e2e import stream_ttft
+from tandem_dev.router.prefix_report import Outcome, Run, distribution, per_run, summary
+from tandem_dev.router.prefix_workload import (
+    HELD_OUT,
+    HELD_OUT_SEEDS,
+    SEED,
+    TUNING,
+    Conversation,
+    Shape,
+    messages,
+    workload,
+)
 
 HOST = "127.0.0.1"
 MODEL = "tandem/sim-model"
 PREFILLS, DECODES = 4, 2
-SYSTEM_PROMPTS = 2
-SYSTEM_WORDS, QUESTION_WORDS, ANSWER_WORDS = 600, 80, 80
-DOCUMENT_WORDS, DOCUMENT_EVERY = 2000, 6  # every 6th user pastes a long document into its first question
 OUTPUT_TOKENS = 8
 PROFILE = "kimi-k2.6-h200"
 TIME_FACTOR = 4  # simulated GPU time x4 (as ``tandem bench sim-load``): Python's own CPU time on 2 cores stays small
-SEED = 20261201
-PERCENTILES = (0, 10, 25, 50, 75, 90, 95, 99, 100)
-COLUMNS = ("policy", "requests", "errors", "cache hit rate", "prefill tokens computed", "busiest prefill's share",
-           "TTFT p50 ms", "TTFT p99 ms", "p99 vs smg")  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Conversation:
-    start_s: float  # when the user sends the first turn, from the start of the run
-    system: str
-    questions: tuple[str, ...]
-    answers: tuple[str, ...]  # the assistant's turns as the history resends them (fixed: same for every policy)
-    think_s: tuple[float, ...]  # pause after each answer
-
-
-def _words(rng: random.Random, n: int) -> str:
-    return " ".join("".join(rng.choice("bcdfghklmnprstvz") + rng.choice("aeiou") for _ in range(3)) for _ in range(n))
-
-
-def workload(users: int, turns: int, seed: int = SEED) -> list[Conversation]:
-    """The deterministic conversations of one run."""
-    rng = random.Random(seed)
-    systems = [f"system prompt {s}: " + _words(rng, SYSTEM_WORDS) for s in range(SYSTEM_PROMPTS)]
-    return [
-        Conversation(
-            start_s=rng.uniform(0, 3.0),
-            system=systems[u % SYSTEM_PROMPTS],
-            questions=tuple(
-                f"user {u} turn {t}: "
-                + _words(rng, QUESTION_WORDS + (DOCUMENT_WORDS if t == 0 and u % DOCUMENT_EVERY == 0 else 0))
-                for t in range(turns)
-            ),
-            answers=tuple(_words(rng, ANSWER_WORDS) for _ in range(turns)),
-            think_s=tuple(rng.uniform(0.2, 1.0) for _ in range(turns)),
-        )
-        for u in range(users)
-    ]
-
-
-def messages(conv: Conversation, turn: int) -> list[dict[str, str]]:
-    """The chat history a client sends for ``turn`` (0-based) of ``conv``."""
-    out = [{"role": "system", "content": conv.system}]
-    for t in range(turn):
-        out += [{"role": "user", "content": conv.questions[t]}, {"role": "assistant", "content": conv.answers[t]}]
-    return [*out, {"role": "user", "content": conv.questions[turn]}]
-
-
-@dataclass
-class Outcome:
-    ttft_ms: list[float]
-    errors: int = 0
-    prompt_tokens: float = 0.0
-    cached_tokens: float = 0.0
-    computed: list[float] = field(default_factory=list)  # prompt tokens each prefill computed (not cached)
-
-    def pct(self, q: float) -> float:
-        s = sorted(self.ttft_ms)
-        return s[min(len(s) - 1, int(len(s) * q / 100))] if s else float("nan")
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else float("nan")
+QUICK_USERS, QUICK_TURNS, QUICK_SEEDS = 12, 3, 2  # --quick: the first held-out shape only, smaller, 2 seeds
+REFERENCE = f"tuning (reference, seed {SEED})"
 
 
 def chat_body(msgs: list[dict[str, str]], model: str = MODEL) -> dict[str, object]:
@@ -208,108 +159,132 @@ def _policies(prefills: list[tuple[str, int]], decodes: list[str]) -> list[Polic
     ]
 
 
-def _run_policies(
-    workdir: Path, conversations: list[Conversation], allow_missing_peers: bool
-) -> tuple[dict[str, Outcome | None], list[str]]:
-    procs: list[ManagedProcess] = []
-    results: dict[str, Outcome | None] = {}
-    notes: list[str] = []
-    py = sys.executable
-    sim = [py, "-m", "tandem.cli", "sim", "--model-path", MODEL, "--host", HOST, "--sim-profile", PROFILE,
-           "--sim-time-factor", str(TIME_FACTOR), "--enable-metrics"]  # fmt: skip
-    try:
-        prefills: list[tuple[str, int]] = []
+@dataclass(frozen=True)
+class Round:
+    label: str  # the workload's row label
+    shape: Shape
+    seed: int
+    rotation: int  # the policies' order: the list rotated left by this many
+
+
+def rounds(quick: bool) -> list[Round]:
+    """Seed after seed, every held-out shape for each; the rotation steps with the seed and the shape, so over
+    3 seeds each policy runs first, middle and last once on every shape. The tuning reference comes last."""
+    shapes, seeds = (HELD_OUT[:1], HELD_OUT_SEEDS[:QUICK_SEEDS]) if quick else (HELD_OUT, HELD_OUT_SEEDS)
+    out = [Round(s.name, s, seed, i + k) for i, seed in enumerate(seeds) for k, s in enumerate(shapes)]
+    return out if quick else [*out, Round(REFERENCE, TUNING, SEED, 0)]
+
+
+def sizes(shape: Shape, quick: bool) -> tuple[int, int]:
+    """Users and turns of one run."""
+    return (QUICK_USERS, QUICK_TURNS) if quick else (shape.users, shape.turns)
+
+
+class _Fleet:
+    """The simulated prefills and decodes, started once for every round."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.procs: list[ManagedProcess] = []
+        self.prefills: list[tuple[str, int]] = []
+        self.decodes: list[str] = []
+        sim = [sys.executable, "-m", "tandem.cli", "sim", "--model-path", MODEL, "--host", HOST, "--sim-profile",
+               PROFILE, "--sim-time-factor", str(TIME_FACTOR), "--enable-metrics"]  # fmt: skip
         for n in range(PREFILLS):
             port, bootstrap = free_port(), free_port()
             argv = [*sim, "--port", str(port), "--disaggregation-mode", "prefill",
                     "--disaggregation-bootstrap-port", str(bootstrap)]  # fmt: skip
-            procs.append(ManagedProcess(f"sim-prefill-{n}", argv, workdir / f"sim-prefill-{n}.log").start())
-            prefills.append((f"http://{HOST}:{port}", bootstrap))
-        decodes = []
+            self.procs.append(ManagedProcess(f"sim-prefill-{n}", argv, workdir / f"sim-prefill-{n}.log").start())
+            self.prefills.append((f"http://{HOST}:{port}", bootstrap))
         for n in range(DECODES):
             port = free_port()
             argv = [*sim, "--port", str(port), "--disaggregation-mode", "decode"]
-            procs.append(ManagedProcess(f"sim-decode-{n}", argv, workdir / f"sim-decode-{n}.log").start())
-            decodes.append(f"http://{HOST}:{port}")
-        for proc, url in zip(procs, [u for u, _ in prefills] + decodes, strict=True):
+            self.procs.append(ManagedProcess(f"sim-decode-{n}", argv, workdir / f"sim-decode-{n}.log").start())
+            self.decodes.append(f"http://{HOST}:{port}")
+        for proc, url in zip(self.procs, [u for u, _ in self.prefills] + self.decodes, strict=True):
             proc.wait_http(f"{url}/health", timeout=120)
-        for policy in _policies(prefills, decodes):
-            port = free_port()
-            try:
-                router = ManagedProcess(policy.name.split()[0], policy.argv(port), workdir / f"{port}.log").start()
-            except peers.PeerMissingError as err:
-                if not allow_missing_peers:
-                    raise
-                results[policy.name] = None
-                notes.append(f"{policy.name} not measured: {str(err).splitlines()[0]}")
-                continue
-            try:
-                router.wait_http(f"http://{HOST}:{port}{policy.ready_path}", timeout=60)
-                with asyncio.Runner() as runner:
-                    results[policy.name] = runner.run(
-                        _measured(f"http://{HOST}:{port}", [u for u, _ in prefills], conversations)
-                    )
-            except ProcessFailedError as err:
-                if not allow_missing_peers or not policy.name.startswith("smg"):
-                    raise
-                results[policy.name] = None
-                notes.append(f"{policy.name} not measured: {str(err).splitlines()[0]}")
-            finally:
-                router.stop()
-    finally:
-        for proc in reversed(procs):
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
             proc.stop()
-    return results, notes
+
+
+def _run_one(
+    fleet: _Fleet, policy: Policy, conversations: list[Conversation], workdir: Path, allow_missing_peers: bool
+) -> Outcome | str:
+    """One policy's run on a fresh router; the reason it was not measured, where a peer is allowed to miss."""
+    port = free_port()
+    try:
+        router = ManagedProcess(policy.name.split()[0], policy.argv(port), workdir / f"{port}.log").start()
+    except peers.PeerMissingError as err:
+        if not allow_missing_peers:
+            raise
+        return str(err).splitlines()[0]
+    try:
+        router.wait_http(f"http://{HOST}:{port}{policy.ready_path}", timeout=60)
+        with asyncio.Runner() as runner:
+            return runner.run(_measured(f"http://{HOST}:{port}", [u for u, _ in fleet.prefills], conversations))
+    except ProcessFailedError as err:
+        if not allow_missing_peers or not policy.name.startswith("smg"):
+            raise
+        return str(err).splitlines()[0]
+    finally:
+        router.stop()
+
+
+def _run_rounds(
+    workdir: Path, plan: Sequence[Round], quick: bool, allow_missing_peers: bool
+) -> tuple[list[Run], list[str]]:
+    runs: list[Run] = []
+    missing: dict[str, str] = {}  # policy -> why it is not measured (not tried again)
+    fleet = _Fleet(workdir)
+    try:
+        policies = _policies(fleet.prefills, fleet.decodes)
+        for rnd in plan:
+            conversations = workload(*sizes(rnd.shape, quick), seed=rnd.seed, shape=rnd.shape)
+            k = rnd.rotation % len(policies)
+            for order, policy in enumerate([*policies[k:], *policies[:k]], start=1):
+                started = time.monotonic()
+                got = missing.get(policy.name) or _run_one(fleet, policy, conversations, workdir, allow_missing_peers)
+                if isinstance(got, str):
+                    missing[policy.name] = got
+                runs.append(Run(rnd.label, rnd.seed, order, policy.name, got if isinstance(got, Outcome) else None))
+                print(f"# prefix: {rnd.label} seed {rnd.seed} #{order} {policy.name}: "
+                      f"{time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)  # fmt: skip
+    finally:
+        fleet.stop()
+    return runs, [f"{name} not measured: {why}" for name, why in missing.items()]
 
 
 def run(args: BenchArgs) -> list[Table]:
-    users, turns = (12, 3) if args.quick else (40, 5)
     if not args.allow_missing_peers:
         peers.require("smg")  # fail before starting anything
-    conversations = workload(users, turns)
+    plan = rounds(args.quick)
     with tempfile.TemporaryDirectory(prefix="tandem-bench-prefix-") as tmp:
-        results, notes = _run_policies(Path(tmp), conversations, args.allow_missing_peers)
-    return [summary(results, users, turns, notes), distribution(results)]
-
-
-def summary(results: dict[str, Outcome | None], users: int, turns: int, notes: list[str]) -> Table:
-    smg = next((r for name, r in results.items() if name.startswith("smg")), None)
-    table = Table(
-        f"prefix-cache-aware routing: {users} users x {turns} turns of multi-turn chat ({SYSTEM_PROMPTS} shared "
-        f"system prompts), {PREFILLS} prefills + {DECODES} decodes, sim profile {PROFILE} x{TIME_FACTOR} slower",
-        COLUMNS,
+        runs, notes = _run_rounds(Path(tmp), plan, args.quick, args.allow_missing_peers)
+    held_out = [r for r in runs if r.workload != REFERENCE]
+    seeds = sorted({r.seed for r in held_out})
+    title = (
+        f"prefix-cache-aware routing on held-out multi-turn chat workloads: median (min-max) over seeds "
+        f"{', '.join(map(str, seeds))}, policies interleaved, {PREFILLS} prefills + {DECODES} decodes, sim profile "
+        f"{PROFILE} x{TIME_FACTOR} slower"
     )
-    for name, r in results.items():
-        if r is None:
-            table.rows.append([name, *[NOT_MEASURED] * (len(table.columns) - 1)])
-            continue
-        table.rows.append([
-            name, len(r.ttft_ms), r.errors, f"{r.hit_rate:.1%}", int(r.prompt_tokens - r.cached_tokens),
-            f"{max(r.computed) / max(sum(r.computed), 1):.0%}", r.pct(50), r.pct(99),
-            f"{r.pct(99) / smg.pct(99):.2f}x" if smg else NOT_MEASURED,
-        ])  # fmt: skip
-    table.notes += notes
-    table.notes.append(
+    shapes = {rnd.label: rnd.shape for rnd in plan}
+    notes += [
+        f"{label}: {users} users x {turns} turns, {shape.describe()}"
+        for label, shape in shapes.items()
+        for users, turns in [sizes(shape, args.quick)]
+    ]
+    notes += [
+        f"--balance-abs-threshold's default (4096) was tuned on the tuning workload with seed {SEED}; the held-out "
+        "workloads and seeds were not used to tune any default"
+        + ("" if args.quick else f"; '{REFERENCE}' is that tuned-on run, for reference"),
+        "one round = one workload and seed: the policies one after another in an order rotated per round "
+        "('order in round' in the per-run table), each on a fresh router and prefills whose radix caches were "
+        "just flushed",
+        "p99 vs smg: computed per seed (the same conversations), then the median (min-max) of those ratios",
         "cache hit rate: the prefills' own sglang:cached_tokens_total / sglang:prompt_tokens_total over the run; "
-        "Tandem's integrity checks (default on) add their canary and shadow requests to it"
-    )
-    table.notes.append(
+        "Tandem's integrity checks (default on) add their canary and shadow requests to it",
         f"busiest prefill's share: of the prompt tokens computed, the share of the prefill that computed most "
-        f"(1/{PREFILLS} is an even spread)"
-    )
-    table.notes.append(
-        f"each turn resends the history: {SYSTEM_WORDS}-word system prompt + {QUESTION_WORDS}-word questions and "
-        f"{ANSWER_WORDS}-word answers, every {DOCUMENT_EVERY}th user's first question with a {DOCUMENT_WORDS}-word "
-        f"document; {OUTPUT_TOKENS} output tokens; seed {SEED}; all processes share this machine"
-    )
-    return table
-
-
-def distribution(results: dict[str, Outcome | None]) -> Table:
-    measured = {name: r for name, r in results.items() if r is not None}
-    return Table(
-        "TTFT distribution per policy (ms at each percentile: the CDF with its axes swapped)",
-        ["percentile", *measured],
-        rows=[[q, *(r.pct(q) for r in measured.values())] for q in PERCENTILES],
-        plot=Plot("line", "percentile", list(measured), "TTFT ms", log_y=True),
-    )
+        f"(1/{PREFILLS} is an even spread); {OUTPUT_TOKENS} output tokens; all processes share this machine",
+    ]
+    return [summary(title, runs, notes), distribution(held_out, "held-out workloads"), per_run(runs)]

@@ -19,13 +19,8 @@ import pytest
 
 from tandem_dev.procs import ManagedProcess, free_port
 from tandem_dev.router.bench_e2e import stream_ttft
-from tandem_dev.router.bench_prefix import (
-    Conversation,
-    chat_body,
-    messages,
-    prefill_counters,
-    workload,
-)
+from tandem_dev.router.bench_prefix import chat_body, prefill_counters
+from tandem_dev.router.prefix_workload import Conversation, messages, workload
 from tandem_dev.sim.testing import HOST, SimWorker, start_decode, start_prefill
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
