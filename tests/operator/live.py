@@ -141,10 +141,19 @@ async def sim_stack(live: Live, groups: Sequence[str], **spec: Any) -> AsyncIter
 
 
 async def start_load(
-    base_url: str, model: str, streams: int, seconds: float, max_tokens: int = 16
+    base_url: str, model: str, streams: int, seconds: float, max_tokens: int = 16, gaps: bool = False
 ) -> asyncio.subprocess.Process:
-    """Streaming load through the router in its own process (tests/operator/load_client.py)."""
-    argv = [str(LOAD_CLIENT), base_url, model, str(streams), str(seconds), str(max_tokens)]
+    """Streaming load through the router in its own process (tests/operator/load_client.py; ``gaps``: report every
+    client-side token gap too)."""
+    argv = [
+        str(LOAD_CLIENT),
+        base_url,
+        model,
+        str(streams),
+        str(seconds),
+        str(max_tokens),
+        *(["--gaps"] if gaps else []),
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     return await asyncio.create_subprocess_exec(sys.executable, *argv, stdout=asyncio.subprocess.PIPE, env=env)
 
