@@ -4,9 +4,10 @@ The decider never sees the requests' p90. Each router counts every TTFT into ``t
 every gap between two relayed chunks into ``tandem_router_inter_token_seconds`` (bounds: ``tandem_router.metrics``,
 imported here, not copied); the operator differences two scrapes one interval apart and takes
 ``signals.quantile(0.9, ...)``, which interpolates linearly inside the bucket holding rank 0.9 x count as
-Prometheus's ``histogram_quantile`` does (``tandem_operator.autoscale.loop.Autoscaler.latency``). With a few dozen
-requests an interval and buckets 2.5x wide around the bench's targets (TTFT 1 -> 2.5 s, ITL 50 -> 100 ms), that
-estimate is both noisy and biased: a bucket's observations all read as if spread evenly across it. The bench feeds
+Prometheus's ``histogram_quantile`` does (``tandem_operator.autoscale.loop.Autoscaler.routers``). With a few dozen
+requests an interval that estimate is noisy, and biased by the buckets' width: a bucket's observations all read as
+if spread evenly across it (the routers' bounds are 1.2-1.5x apart around targets; when they were 2.5x apart the
+decider never scaled decode down). The bench feeds
 the decider this estimate and scores every policy on ``exact_p90_ms`` of the same requests, as a client sees them.
 """
 
@@ -17,10 +18,10 @@ from bisect import bisect_left
 from collections.abc import Sequence
 
 from tandem_operator.autoscale.signals import quantile
-from tandem_router.metrics import _ITL_BUCKETS, _LATENCY_BUCKETS
+from tandem_router.metrics import ITL_BUCKETS, LATENCY_BUCKETS
 
-TTFT_BOUNDS: tuple[float, ...] = tuple(float(b) for b in _LATENCY_BUCKETS)
-ITL_BOUNDS: tuple[float, ...] = tuple(float(b) for b in _ITL_BUCKETS)
+TTFT_BOUNDS: tuple[float, ...] = tuple(float(b) for b in LATENCY_BUCKETS)
+ITL_BOUNDS: tuple[float, ...] = tuple(float(b) for b in ITL_BUCKETS)
 
 # (value in seconds, how many observations of it): a decode step's token gaps come as one entry per step size.
 Observed = Sequence[tuple[float, float]]

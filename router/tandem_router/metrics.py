@@ -22,9 +22,9 @@ from tandem_router.schema import Route
 # target) sit: TTFT 0.25-10 s, gaps 10-250 ms. ``histogram_quantile`` interpolates inside a bucket, so an interval whose
 # requests all fall in one wide bucket reads near its upper bound: with the former (20, 50] ms gap bucket every
 # ITL p90 read ~47 ms and a 60 ms target's 30 ms scale-down threshold was never crossed (``tandem bench autoscale``).
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.375, 0.5, 0.625, 0.75, 1, 1.25, 1.5,
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.375, 0.5, 0.625, 0.75, 1, 1.25, 1.5,
                     2, 2.5, 3, 4, 5, 7.5, 10, 30, 60, 300)  # fmt: skip
-_ITL_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075,
+ITL_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075,
                 0.1, 0.125, 0.15, 0.2, 0.25, 0.5, 1, 5)  # fmt: skip
 M = TypeVar("M", bound=MetricWrapperBase)
 
@@ -56,21 +56,21 @@ class RouterMetrics:
             "tandem_router_ttft_seconds",
             "Time to first byte relayed to the client.",
             ["route"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.itl = Histogram(
             "tandem_router_inter_token_seconds",
             "Time between two relayed stream chunks.",
             ["route"],
-            buckets=_ITL_BUCKETS,
+            buckets=ITL_BUCKETS,
             registry=r,
         )
         self.e2e = Histogram(
             "tandem_router_e2e_seconds",
             "Request arrival to last byte.",
             ["route"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.retries = Counter(
@@ -103,7 +103,7 @@ class RouterMetrics:
         self.resume_gap = Histogram(
             "tandem_router_resume_gap_seconds",
             "The pause a resumed stream's client saw: the break to the fresh pair's first chunk.",
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.pairs = Counter(

@@ -23,11 +23,11 @@ pytestmark = pytest.mark.timeout(120)
 def test_the_buckets_are_the_routers_and_bin_as_prometheus_client_does() -> None:
     values = [0.0005, 0.3, 1.0, 1.7, 2.5, 7.0, 400.0]  # bounds themselves included: ``le`` is inclusive
     registry = CollectorRegistry()
-    h = Histogram("tandem_router_ttft_seconds", "", ["route"], buckets=metrics._LATENCY_BUCKETS, registry=registry)
+    h = Histogram("tandem_router_ttft_seconds", "", ["route"], buckets=metrics.LATENCY_BUCKETS, registry=registry)
     for v in values:
         h.labels("/v1/completions").observe(v)
-    assert tuple(float(b) for b in metrics._LATENCY_BUCKETS) == TTFT_BOUNDS
-    assert tuple(float(b) for b in metrics._ITL_BUCKETS) == ITL_BOUNDS
+    assert tuple(float(b) for b in metrics.LATENCY_BUCKETS) == TTFT_BOUNDS
+    assert tuple(float(b) for b in metrics.ITL_BUCKETS) == ITL_BOUNDS
     assert cumulative([(v, 1.0) for v in values], TTFT_BOUNDS) == parse_router(generate_latest(registry).decode()).ttft
 
 
