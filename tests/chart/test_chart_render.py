@@ -124,3 +124,12 @@ def test_flow_control_defaults_render_no_limits_file() -> None:
     assert not [a for a in args if a.startswith(("--flow-limits", "--client-id"))]
     off = _router(render("--set", "router.flowControl.enabled=false"))["containers"][0]["args"]
     assert "--no-flow-control" in off
+
+
+def test_a_release_without_flow_control_values_upgrades_to_the_defaults() -> None:
+    """`helm upgrade --reuse-values` from a release before router.flowControl existed brings no such key (caught by
+    tests/chart/test_chart_upgrade_release_k8s.py: a nil pointer); the router gets the defaults."""
+    docs = render("--set", "router.flowControl=null")
+    args = _router(docs)["containers"][0]["args"]
+    assert "--flow-control" in args
+    assert not [a for a in args if a.startswith(("--flow-limits", "--client-id"))]
