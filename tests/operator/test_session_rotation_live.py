@@ -1,9 +1,10 @@
 """A decode leader deleted 24 times under load comes back each time and serves again, on the real control plane
 with the operator's own Mooncake windows (issue #18, issue #41 item 2).
 
-Each pod has its own network namespace (tandem_dev/devcluster/podnet.py), and kwok hands a recreated pod the IP its
-predecessor freed, so each new incarnation comes back at the old address. ``mooncakePorts: 16`` gives decode-0's
-one-rank tcp pods 8 windows of 2 ports, as many as the shipped recipe's (rdma, 8 ranks, 64 ports): consecutive
+Each pod has its own network namespace (tandem_dev/devcluster/podnet.py); decode runs on a node of the test's own
+whose pod IPs kwok draws from that node's pool alone, so each new incarnation comes back at the old address.
+``mooncakePorts: 16`` gives decode-0's one-rank tcp pods 8 windows of 2 ports, as many as the shipped recipe's
+(rdma, 8 ranks, 64 ports): consecutive
 incarnations never share a session id, and from the 9th recreation on every incarnation takes the ids of the one 8
 epochs back at the same address. The test proves that reuse safe for clients, at the pods' recovery defaults
 (metadata refresh 2 s, failed-session probe 1-4 s): no stream fails or is cut, each reuse is counted by the router,
@@ -22,6 +23,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -29,9 +31,10 @@ from kubernetes_asyncio import client
 
 from tandem.registry import Endpoint
 from tandem_dev.devcluster.cluster import DevCluster
+from tandem_dev.devcluster.nodes import fake_node
 from tandem_dev.procs import ManagedProcess, free_port
 from tests.operator.live import GROUP, SIM_SPEC, VERSION, Registry, create_pdcluster, operator_process, run_tool
-from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
+from tests.tandem_dev.devcluster.devcluster_fixtures import create, eventually
 
 pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(1200)]  # 24 rounds, ~15 s each
 LOAD = Path(__file__).with_name("load_client.py")
@@ -39,11 +42,29 @@ MODEL = "kimi-k2.6-sim"
 ROUNDS, STREAMS = 24, 16
 WINDOWS = 8  # mooncakePorts 16 / 2 ports (one tcp rank): the recipe's count (64 ports / 8 rdma ranks)
 LEADER = "sim-decode-0-0"
+HOSTNAME = "kubernetes.io/hostname"
 
 
-def _manifest() -> dict[str, object]:
+ROTATION_CIDR = (
+    "127.10.255.1/28"  # kwok counts up from this address; the cluster's pool (from 127.10.0.1) never gets here
+)
+
+
+def _own_node(cluster: DevCluster) -> dict[str, Any]:
+    """A GPU node of this test's own, with a pod CIDR: kwok then draws its pods' IPs from a pool of that node alone
+    (``PodController.ipPool(node.Spec.PodCIDR)`` in kwok 0.7.0's pod_controller.go), so a recreated leader gets the
+    one IP its predecessor freed back, as a hostNetwork pod keeps its node's. Without it every pod shares the
+    cluster's pool, whose freed IPs kwok hands out in Go map order (``ipPool.Get``): on a dev cluster other tests
+    have used, a recreated pod rarely gets its old IP, and the window wrap would go unseen."""
+    index = cluster.config.nodes + 100  # past the cluster's own nodes: its own name and InternalIP
+    node = fake_node(cluster.config, index)
+    node["spec"] = {"podCIDR": ROTATION_CIDR}
+    return node
+
+
+def _manifest(node: str) -> dict[str, object]:
     spec = copy.deepcopy(SIM_SPEC)
-    spec["decode"] = {**spec["decode"], "nodesPerGroup": 1, "tpSize": 1}
+    spec["decode"] = {**spec["decode"], "nodesPerGroup": 1, "tpSize": 1, "nodeSelector": {HOSTNAME: node}}
     spec["decode"]["ports"] = {"http": 30001, "bootstrap": 8999, "distInit": 5001, "mooncakeRpc": 15100,
                                "mooncakePorts": 16}  # fmt: skip
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "PDCluster", "metadata": {"name": "sim"}, "spec": spec}
@@ -76,8 +97,26 @@ async def test_a_decode_leader_recreated_24_times_at_its_old_address_serves_agai
 ) -> None:
     ns = k8s_namespace
     proc_factory.append(operator_process(k8s_cluster, ns, etcd_endpoint, tmp_path, "op-rotation").start())
-    await create_pdcluster(k8s_api, ns, _manifest())
     core = client.CoreV1Api(k8s_api)
+    node = _own_node(k8s_cluster)
+    await create(k8s_api, "", node)
+    try:
+        await _rotate(k8s_cluster, k8s_api, ns, etcd_endpoint, tmp_path, proc_factory, node["metadata"]["name"])
+    finally:
+        await core.delete_node(node["metadata"]["name"])
+
+
+async def _rotate(
+    k8s_cluster: DevCluster,
+    k8s_api: client.ApiClient,
+    ns: str,
+    etcd_endpoint: str,
+    tmp_path: Path,
+    proc_factory: list[ManagedProcess],
+    node: str,
+) -> None:
+    core = client.CoreV1Api(k8s_api)
+    await create_pdcluster(k8s_api, ns, _manifest(node))
     async with Registry(etcd_endpoint) as reg:
 
         async def decode0(after: int) -> Endpoint | None:
@@ -142,7 +181,8 @@ async def test_a_decode_leader_recreated_24_times_at_its_old_address_serves_agai
               f"{max(fresh):.2f} s, reused ids p50 {statistics.median(again):.2f} s max {max(again):.2f} s; "
               f"prefill-0 failed sends {failed_sends:.0f}; load: {outcome['ok']} ok, {outcome['cut_mid_stream']} cut "
               f"mid-stream, {len(outcome['failed_before_first_byte'])} failed before their first byte")  # fmt: skip
-        assert reused_rounds >= ROUNDS - WINDOWS - 4  # the wrap happened (kwok gives the old IP back nearly always)
+        assert same_ip == ROUNDS  # the node's own pool: the predecessor's freed IP is the only one to hand out
+        assert reused_rounds >= ROUNDS - WINDOWS - 1  # the wrap happened: epochs 8 windows apart share their ids
         assert await _metric(router_url, "tandem_router_mooncake_session_reuses_total") == reused_rounds
         assert max(t for t, _ in recoveries) < 60
         assert outcome["failed_before_first_byte"] == []
