@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -25,6 +26,7 @@ FLOW_QUEUED = "tandem_router_flow_queued_requests"
 WORKER_GAUGES = ("sglang:num_queue_reqs", "sglang:token_usage", "sglang:num_running_reqs", "sglang:gen_throughput")
 
 Buckets = Mapping[float, float]  # upper bound ``le`` -> cumulative count
+K = TypeVar("K", float, int)
 
 
 @dataclass(frozen=True)
@@ -50,9 +52,10 @@ class WorkerGauges:
     gen_throughput: float
 
 
-def _add(into: dict[float, float], buckets: Buckets) -> None:
-    for le, count in buckets.items():
-        into[le] = into.get(le, 0.0) + count
+def _add(into: dict[K, float], counts: Mapping[K, float]) -> None:
+    """Sum ``counts`` into ``into`` key by key (bucket bounds, or priorities)."""
+    for key, count in counts.items():
+        into[key] = into.get(key, 0.0) + count
 
 
 def parse_router(text: str) -> RouterScrape:
@@ -66,8 +69,7 @@ def parse_router(text: str) -> RouterScrape:
                     _add(histograms[family.name], {float(sample.labels["le"]): sample.value})
         elif family.name == FLOW_QUEUED:
             for sample in family.samples:
-                priority = int(sample.labels["priority"])
-                queued[priority] = queued.get(priority, 0.0) + sample.value
+                _add(queued, {int(sample.labels["priority"]): sample.value})
     return RouterScrape(histograms[TTFT], histograms[ITL], queued)
 
 
@@ -79,8 +81,7 @@ def combine(scrapes: Iterable[RouterScrape]) -> RouterScrape:
     for scrape in scrapes:
         _add(ttft, scrape.ttft)
         _add(itl, scrape.itl)
-        for priority, n in scrape.queued.items():
-            queued[priority] = queued.get(priority, 0.0) + n
+        _add(queued, scrape.queued)
     return RouterScrape(ttft, itl, queued)
 
 
