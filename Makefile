@@ -18,7 +18,7 @@ up: bootstrap
 ## peers: install the pinned benchmark/conformance peers (smg, the sglang wheel, a venv with SGLang's real argument
 ## parser and torch) into ~/.cache/tandem/, outside the network namespace where PyPI is reachable; a rerun only checks.
 peers: bootstrap
-	$(PY) -m tandem_dev.peers install
+	$(PY) -m tandem_dev.peers_install install
 
 ## k8s-binaries: build the test control plane (kube-apiserver, controller-manager, scheduler, etcd, kwok) and
 ## unpack helm/kubectl when missing; cached in ~/.cache/tandem/k8s/<version>/bin, so a rerun only checks.

@@ -7,11 +7,7 @@ Layout: ``<folder>/results.json`` and ``<folder>/<section>-<n>.png``. The defaul
 
 from __future__ import annotations
 
-import os
-import platform
 import re
-import subprocess
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,32 +15,8 @@ from typing import Any
 
 import orjson
 
-from tandem_dev import peers
 from tandem_dev.bench import Plot, Table
-
-
-def _git(*args: str) -> str:
-    try:
-        done = subprocess.run(["git", *args], capture_output=True, text=True, check=False, timeout=10)
-    except OSError:
-        return ""
-    return done.stdout.strip() if done.returncode == 0 else ""
-
-
-def context(argv: Sequence[str]) -> dict[str, Any]:
-    """What a reader needs to compare two runs: code, machine, peers, arguments."""
-    return {
-        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "argv": list(argv),
-        "git": {"commit": _git("rev-parse", "HEAD") or "unknown", "dirty": bool(_git("status", "--porcelain"))},
-        "machine": {
-            "cores": os.cpu_count(),
-            "load_average_at_start": list(os.getloadavg()),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-        },
-        "peers": peers.versions(),
-    }
+from tandem_dev.records import context
 
 
 def table_doc(table: Table) -> dict[str, Any]:

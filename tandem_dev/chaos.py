@@ -23,70 +23,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import re
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
-
-import aiohttp
 
 from tandem.registry import Role
 from tandem_dev import bench_results
 from tandem_dev.chaos_faults import KINDS, ChaosTarget, LocalCluster, Router
-from tandem_dev.chaos_load import LoadSpec, Routers, reference, run_load
 from tandem_dev.chaos_plots import plot_recovery, plot_timeline
 from tandem_dev.chaos_report import ChaosReport, faults_table, summary_table, violations
+from tandem_dev.chaos_run import ChaosArgs, measure, say
 from tandem_dev.local_stack import MODEL, LocalStack, deterministic_sim_worker_argv
 from tandem_dev.procs import ManagedProcess, free_port
 
 SETTING = "local stack: 3-member etcd, 2 prefill + 2 decode simulated workers, 2 routers"
 SETTINGS = ("local", "dev-cluster")
 DEV_CLUSTER_KINDS = (*KINDS, "operator")  # the operator leader killed: only where an operator runs
-
-
-@dataclass(frozen=True)
-class ChaosArgs:
-    streams: int = 100_000
-    concurrency: int = 16
-    duration_s: float = 60.0
-    seed: int = 0
-    faults: int = 5
-    kinds: tuple[str, ...] = KINDS
-    max_tokens: int = 100
-    inter_token_ms: float = 10.0
-    prompts: int = 16
-    hang_s: float = 30.0
-    cap_s: float = 60.0
-    setting: str = "local"
-
-    def knobs(self) -> dict[str, object]:
-        return {
-            "setting": self.setting, "streams": self.streams, "concurrency": self.concurrency,
-            "duration_s": self.duration_s, "seed": self.seed, "faults": self.faults, "kinds": ",".join(self.kinds),
-            "max_tokens": self.max_tokens,
-            "sim_inter_token_ms": self.inter_token_ms, "prompts": self.prompts, "hang_s": self.hang_s,
-        }  # fmt: skip
-
-
-def _say(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def plan(args: ChaosArgs) -> list[tuple[float, str]]:
-    """When (seconds into the load) and what to inject: kinds in a seeded order, every kind before a repeat,
-    spread over the first 75% of the run so each fault has load on both sides."""
-    rng = random.Random(args.seed)
-    kinds: list[str] = []
-    while len(kinds) < args.faults:
-        batch = list(args.kinds)
-        rng.shuffle(batch)
-        kinds += batch
-    times = sorted(rng.uniform(0.1, 0.75) * args.duration_s for _ in range(args.faults))
-    return list(zip(times, kinds[: args.faults], strict=True))
 
 
 async def run_chaos(args: ChaosArgs, workdir: Path) -> ChaosReport:
@@ -97,7 +52,7 @@ async def run_chaos(args: ChaosArgs, workdir: Path) -> ChaosReport:
         return [*argv, "--sim-inter-token-ms", str(args.inter_token_ms)]
 
     # restart_etcd=False: the etcd fault starts its member again itself, after ChaosTarget.etcd_down_s.
-    stack = LocalStack(workdir, router_port=0, etcd_members=3, worker_argv=worker_argv, say=_say, restart_etcd=False)
+    stack = LocalStack(workdir, router_port=0, etcd_members=3, worker_argv=worker_argv, say=say, restart_etcd=False)
     second: ManagedProcess | None = None
     stop = asyncio.Event()
     supervisor: asyncio.Task[None] | None = None
@@ -124,55 +79,6 @@ async def run_chaos(args: ChaosArgs, workdir: Path) -> ChaosReport:
         if second is not None:
             second.stop()
         await stack.stop()
-
-
-async def measure(
-    args: ChaosArgs,
-    setting: str,
-    model: str,
-    routers: list[Router],
-    target: Callable[[aiohttp.ClientSession], ChaosTarget],
-) -> ChaosReport:
-    """Take the reference answers, then run the load (``model``'s chat completions) through ``routers`` while
-    ``target`` injects the planned faults one after the other; judge it all. ``target`` gets the run's pooled HTTP
-    session."""
-    spec = LoadSpec(model, args.prompts, args.max_tokens, args.concurrency, args.streams, args.duration_s,
-                    args.hang_s, args.seed)  # fmt: skip
-    report = ChaosReport(setting, args.knobs())
-    clients = Routers([r.url for r in routers])
-    rng = random.Random(args.seed ^ 0xC4A05)
-    try:
-        async with aiohttp.ClientSession() as http:
-            faults = target(http)
-            _say(f"taking the {args.prompts} reference answers ...")
-            sem = asyncio.Semaphore(args.concurrency)
-
-            async def ref(prompt: int) -> str:
-                async with sem:
-                    return await reference(clients, spec, prompt)
-
-            answers = await asyncio.gather(*(ref(i) for i in range(args.prompts)))
-            report.references = dict(enumerate(answers))
-            _say(f"load: {args.concurrency} streams at a time for {args.duration_s:g} s; faults: {plan(args)}")
-            t0 = time.monotonic()
-            stop_load = asyncio.Event()
-            load = asyncio.create_task(run_load(clients, spec, t0, stop_load))
-            for at, kind in plan(args):
-                await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
-                if load.done():
-                    break
-                victim = rng.choice(await faults.victims_now(kind))
-                _say(f"fault: {kind} {victim}")
-                record = await faults.inject(kind, victim, t0)
-                report.faults.append(record)
-                _say(f"  fenced {record.fenced} s, recovered {record.recovered} s ({record.note})")
-            report.results = await load
-            report.seconds = time.monotonic() - t0
-            await faults.scrape_all()
-            report.router_counters = faults.counters()
-    finally:
-        await clients.close()
-    return report
 
 
 def save(report: ChaosReport, folder: Path, argv: Sequence[str]) -> Path:
@@ -250,15 +156,15 @@ def main(argv: Sequence[str]) -> int:
     if args.setting == "dev-cluster":
         from tandem_dev import chaos_devcluster
 
-        _say(f"{chaos_devcluster.SETTING}; process logs in {workdir}")
+        say(f"{chaos_devcluster.SETTING}; process logs in {workdir}")
         report = asyncio.run(chaos_devcluster.run_devcluster_chaos(args, workdir))
     else:
-        _say(f"{SETTING}; process logs in {workdir}")
+        say(f"{SETTING}; process logs in {workdir}")
         report = asyncio.run(run_chaos(args, workdir))
     print(summary_table(report).render())
     print(faults_table(report).render())
     saved = save(report, folder, argv)
-    _say(f"saved: {saved}, {folder / 'timeline.png'}, {folder / 'recovery.png'}")
+    say(f"saved: {saved}, {folder / 'timeline.png'}, {folder / 'recovery.png'}")
     broken = violations(report)
     for line in broken:
         print(f"chaos: invariant broken: {line}", file=sys.stderr)

@@ -40,9 +40,9 @@ from tandem import registry
 from tandem.registry import Role
 from tandem.registry_etcd import client as etcd_client
 from tandem.registry_etcd import close_client
-from tandem_dev.chaos import ChaosArgs, _say, measure
 from tandem_dev.chaos_faults import ChaosTarget, Injector, Router
 from tandem_dev.chaos_report import ChaosReport, FaultRecord
+from tandem_dev.chaos_run import ChaosArgs, measure, say
 from tandem_dev.devcluster.cluster import DevCluster
 from tandem_dev.devcluster.config import DevClusterConfig
 from tandem_dev.devcluster.operator_proc import lease_holder, operator_process
@@ -238,9 +238,9 @@ async def _serve_and_measure(
     async def registered() -> bool:
         return sorted(await workers.endpoints()) == groups
 
-    _say(f"waiting for {', '.join(groups)} to be registered by the operator ...")
+    say(f"waiting for {', '.join(groups)} to be registered by the operator ...")
     await _until(registered, "every group registered", 300)
-    _say(f"Lease held by {await workers.leader()}; starting 2 routers ...")
+    say(f"Lease held by {await workers.leader()}; starting 2 routers ...")
     routers = []
     for i in range(2):
         port = free_port()
@@ -260,7 +260,7 @@ async def _serve_and_measure(
 async def run_devcluster_chaos(args: ChaosArgs, workdir: Path) -> ChaosReport:
     """Start the dev cluster (in this loopback-only network namespace), apply the CRDs, run, stop it all."""
     cluster = DevCluster(workdir / "k8s", DevClusterConfig(nodes=4))
-    _say("starting the dev cluster ...")
+    say("starting the dev cluster ...")
     try:
         await asyncio.to_thread(cluster.start)
         await _kubectl(cluster, "apply", "--server-side", "-f", str(CRDS))

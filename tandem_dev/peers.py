@@ -3,8 +3,9 @@
 Each peer lives in a cache under ``~/.cache/tandem/`` (``$TANDEM_CACHE``) keyed by its pins, so a changed pin
 installs a new copy and an unchanged one is reused by every worktree and fresh clone. Installing needs a package
 registry, which the loopback-only network namespace of the tests and benches cannot reach, so ``make peers``
-(``python -m tandem_dev.peers install``, run by ``make test`` and ``make bench`` outside the namespace) installs them,
-and code inside the namespace only *looks them up* (``require``), failing with the peer's name and that command.
+(``python -m tandem_dev.peers_install install``, run by ``make test`` and ``make bench`` outside the namespace)
+installs them, and code inside the namespace only *looks them up* (``require``), failing with the peer's name and
+that command.
 
 - ``smg``: SGLang's Rust PD router (PyPI ``smg``), in a venv with every transitive version pinned.
 - ``sglang-wheel``: the ``sglang`` wheel itself (hash-checked), read by ``scripts/gen_sglang_flags.py``.
@@ -16,14 +17,11 @@ and code inside the namespace only *looks them up* (``require``), failing with t
 
 from __future__ import annotations
 
-import argparse
-import fcntl
 import hashlib
 import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -202,42 +200,3 @@ def require(name: str) -> Path:
 def versions() -> dict[str, str]:
     """Every peer's pinned version and whether it is installed here (for benchmark result files)."""
     return {name: f"{p.version()}{'' if p.locate() else ' (not installed)'}" for name, p in PEERS.items()}
-
-
-def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tandem_dev.peers", description=__doc__)
-    parser.add_argument("command", choices=["install", "status"])
-    parser.add_argument("peers", nargs="*", help=f"default: all ({', '.join(PEERS)})")
-    args = parser.parse_args(argv)
-    unknown = [p for p in args.peers if p not in PEERS]
-    if unknown:
-        parser.error(f"unknown peer(s): {', '.join(unknown)}; known: {', '.join(PEERS)}")
-    missing = 0
-    installed_s: dict[str, float] = {}
-    (CACHE / "peers").mkdir(parents=True, exist_ok=True)
-    with (CACHE / "peers" / ".lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one installer at a time per cache (worktrees share it)
-        for name in args.peers or list(PEERS):
-            missing += not _install_or_check(PEERS[name], args.command == "install", installed_s)
-    if installed_s:  # the cold install times README.md's peers table shows
-        from tandem_dev import records
-
-        saved = records.save("peers-install", {"install_s": installed_s}, ["python", "-m", "tandem_dev.peers", *argv])
-        print(f"peers: install times saved to {saved}", flush=True)
-    return 1 if missing else 0
-
-
-def _install_or_check(peer: Peer, install: bool, installed_s: dict[str, float]) -> bool:
-    if install and peer.locate() is None:
-        started = time.monotonic()
-        print(f"peers: installing {peer.name} ({peer.version()}) ...", flush=True)
-        peer.install()
-        installed_s[peer.name] = round(time.monotonic() - started, 1)
-        print(f"peers: {peer.name} installed in {installed_s[peer.name]:.0f}s", flush=True)
-    found = peer.locate()
-    print(f"peers: {peer.name} {peer.version()}: {found if found else 'NOT INSTALLED: ' + peer.how}", flush=True)
-    return found is not None
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

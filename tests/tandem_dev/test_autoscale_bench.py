@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from tandem.registry import Role
-from tandem_dev import autoscale_bench, autoscale_hpa, autoscale_model, bench
+from tandem_dev import autoscale_bench, autoscale_hpa, autoscale_model, bench_run
 from tandem_dev.autoscale_histogram import ITL_BOUNDS, TTFT_BOUNDS, cumulative, estimate_p90_ms, exact_p90_ms
 from tandem_operator.autoscale.signals import parse_router
 from tandem_router import metrics
@@ -132,7 +132,7 @@ def test_policies_side_by_side() -> None:
 
 def test_the_section_saves_its_tables_and_the_timeline_png(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    assert bench.main(["autoscale", "--quick", "--results-dir", str(out)]) == 0
+    assert bench_run.main(["autoscale", "--quick", "--results-dir", str(out)]) == 0
     tables = json.loads((out / "results.json").read_text())["sections"]["autoscale"]["tables"]
     names = [autoscale_bench.AUTOSCALING, autoscale_bench.FIXED, autoscale_bench.HPA]
     assert [row[0] for row in tables[0]["rows"]] == names

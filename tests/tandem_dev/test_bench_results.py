@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem_dev import bench, peers
+from tandem_dev import bench, bench_run, peers
 from tandem_dev.bench import BenchArgs
 
 SECTIONS = """
@@ -33,7 +33,7 @@ def fake_section(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.usefixtures("fake_section")
 def test_missing_peer_fails_the_section_naming_the_peer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert bench.main(["fake", "--results-dir", str(tmp_path / "out")]) == 1
+    assert bench_run.main(["fake", "--results-dir", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert "section fake FAILED: peer smg (1.13.0) is not installed here: run `make peers`" in err
     assert "--allow-missing-peers" in err
@@ -44,7 +44,7 @@ def test_missing_peer_fails_the_section_naming_the_peer(tmp_path: Path, capsys: 
 @pytest.mark.usefixtures("fake_section")
 def test_results_folder_has_tables_plots_and_context(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    assert bench.main(["fake", "--allow-missing-peers", "--results-dir", str(out)]) == 0
+    assert bench_run.main(["fake", "--allow-missing-peers", "--results-dir", str(out)]) == 0
     doc = json.loads((out / "results.json").read_text())
     assert len(doc["git"]["commit"]) == 40
     assert doc["machine"]["cores"] >= 1

@@ -13,7 +13,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tandem_dev.chaos import DEV_CLUSTER_KINDS, ChaosArgs, parse_args, plan, run_chaos, save
+from tandem_dev.chaos import DEV_CLUSTER_KINDS, parse_args, run_chaos, save
 from tandem_dev.chaos_report import (
     ChaosReport,
     FaultRecord,
@@ -24,6 +24,7 @@ from tandem_dev.chaos_report import (
     timeline,
     violations,
 )
+from tandem_dev.chaos_run import ChaosArgs, plan
 
 REF = "the sea is wide"
 
