@@ -41,8 +41,9 @@ images-relock: bootstrap
 	$(PY) -m tandem_dev.images.build --relock
 
 ## test: install everything, then lint, type-check and run every test (inside a loopback-only netns). Two
-## pytest-xdist workers, each in a loopback-only netns of its own (tests/conftest.py): one runs the k8s tests (one
-## dev cluster), the other the rest, a module at a time; the serial suite left ~60 % of the 2 cores idle.
+## pytest-xdist workers, each in a loopback-only netns of its own (tests/conftest.py): one starts on the k8s tests (one
+## dev cluster), the other on the timer-bound own_cluster k8s tests (a dev cluster of its own); then both take the rest,
+## a module at a time (tests/xdist_groups.py); the serial suite left ~60 % of the 2 cores idle.
 ## TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 test: setup lint typecheck

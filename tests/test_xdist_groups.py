@@ -1,5 +1,6 @@
 """``make test``'s two workers (``tests/xdist_groups.py``): every test runs, a module's tests on one worker, every
-``k8s`` test on one worker; node ids that name two tests stop the run instead of silently running one of them."""
+``k8s`` test on one worker and the ``own_cluster`` ones on the other; node ids that name two tests stop the run
+instead of silently running one of them."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ pytestmark = pytest.mark.procs  # starts two pytest-xdist worker processes
 
 REPO = Path(__file__).resolve().parents[1]
 INNER = ("-p", "tests.xdist_groups", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup",
-         "--no-loadscope-reorder", "-o", "markers=k8s: x")  # fmt: skip
+         "--no-loadscope-reorder", "-o", "markers=k8s: x\nown_cluster: y")  # fmt: skip
 
 RECORDER = """
 import json, os, pytest
@@ -24,8 +25,8 @@ def record(request):
 """
 
 
-def _module(k8s: bool, n: int) -> str:
-    mark = "@pytest.mark.k8s\n" if k8s else ""
+def _module(k8s: bool, n: int, own_cluster: bool = False) -> str:
+    mark = ("@pytest.mark.k8s\n" if k8s else "") + ("@pytest.mark.own_cluster\n" if own_cluster else "")
     return "import pytest\n" + "".join(f"{mark}def test_{i}(): pass\n" for i in range(n))
 
 
@@ -58,3 +59,26 @@ def test_node_ids_that_name_two_tests_stop_the_run(pytester: pytest.Pytester, mo
     result = pytester.runpytest_subprocess(*INNER)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*node ids name more than one test*test_a.py::test_0*"])
+
+
+def test_own_cluster_k8s_tests_run_together_on_the_other_worker_than_the_k8s_ones(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("RUNS", str(tmp_path / "runs.jsonl"))
+    pytester.makeconftest(RECORDER)
+    pytester.makepyfile(  # the k8s modules sort last: both k8s units must still be handed out first
+        test_a=_module(False, 4), test_b=_module(False, 4),
+        test_k1=_module(True, 3), test_k2=_module(True, 2, own_cluster=True), test_k3=_module(True, 2),
+        test_k4=_module(True, 1, own_cluster=True),
+    )  # fmt: skip
+    result = pytester.runpytest_subprocess(*INNER)
+    assert result.ret == 0, result.stdout.str()
+    runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert len({nodeid for nodeid, _ in runs}) == len(runs) == 16
+    k8s = {worker for nodeid, worker in runs if nodeid.startswith(("test_k1", "test_k3"))}
+    own = {worker for nodeid, worker in runs if nodeid.startswith(("test_k2", "test_k4"))}
+    assert len(k8s) == len(own) == 1, runs
+    assert k8s != own, runs
+    first = {worker: nodeid for nodeid, worker in reversed(runs)}  # each worker's first test
+    assert sorted(first.values()) == ["test_k1.py::test_0", "test_k2.py::test_0"], runs

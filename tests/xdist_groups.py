@@ -1,6 +1,9 @@
 """pytest-xdist work units for ``make test`` (``-n 2 --dist loadgroup``): a module's tests go to one worker
 together (its module fixtures start once), and every ``k8s`` test goes to one worker (the dev cluster, a session
-fixture, starts once).
+fixture, starts once), except the ``own_cluster`` ones: tests bound by timers (a 300 s scale-down window, 24 pod
+recreations) rather than CPU, which go together to the other worker and its own dev cluster. Both k8s units are
+handed out first, one to each worker; the module units then fill in behind them. With a single k8s unit the other
+worker ran out of work ~15 min before the k8s one finished (CI of f6a57b3).
 
 pytest-xdist 3.8's own ``xdist_group`` marker does not group under pytest 9.2: it renames ``item._nodeid``, which
 pytest 9 no longer reads, so every test became a unit of its own. Here each worker writes every test's group to a
@@ -31,8 +34,13 @@ def _module(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+K8S, K8S_OWN_CLUSTER = "k8s", "k8s-own-cluster"
+
+
 def group_of(item: pytest.Item) -> str:
-    return "k8s" if item.get_closest_marker("k8s") is not None else _module(item.nodeid)
+    if item.get_closest_marker("k8s") is None:
+        return _module(item.nodeid)
+    return K8S_OWN_CLUSTER if item.get_closest_marker("own_cluster") is not None else K8S
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -57,10 +65,13 @@ def pytest_configure_node(node: Any) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Worker: every collected test's group, written once the order is final (atomically: the controller reads)."""
+    """Worker: the k8s tests first (their units are the longest: handed out first, one to each worker), then every
+    collected test's group, written once the order is final (atomically: the controller reads)."""
     folder = getattr(config, "workerinput", {}).get(GROUPS_DIR)
     if folder is None:
         return
+    first = {K8S_OWN_CLUSTER: 0, K8S: 1}
+    items.sort(key=lambda item: first.get(group_of(item), 2))  # stable: the order within a group stays
     path = Path(folder) / f"{config.workerinput['workerid']}.json"  # type: ignore[attr-defined]
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({item.nodeid: group_of(item) for item in items}))

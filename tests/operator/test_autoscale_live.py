@@ -35,7 +35,7 @@ from tests.operator.live import (
 )
 from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
-pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.k8s, pytest.mark.own_cluster, pytest.mark.netns, pytest.mark.timeout(420)]
 ONE_NODE = {"nodesPerGroup": 1, "gpusPerNode": 1, "tpSize": 1, "epSize": 1, "moeA2ABackend": "none"}
 TTFT_MS, ITL_MS = 3000, 150
 BASE, STEP = 2, 6  # streams: the base load, and what the step adds

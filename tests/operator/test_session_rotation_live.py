@@ -36,7 +36,13 @@ from tandem_dev.procs import ManagedProcess, free_port
 from tests.operator.live import GROUP, SIM_SPEC, VERSION, Registry, create_pdcluster, operator_process, run_tool
 from tests.tandem_dev.devcluster.devcluster_fixtures import create, eventually
 
-pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(1200)]  # 24 rounds, ~15 s each
+pytestmark = [
+    pytest.mark.k8s,
+    pytest.mark.own_cluster,
+    pytest.mark.netns,
+    pytest.mark.slow,
+    pytest.mark.timeout(1200),  # 24 rounds, ~15 s each
+]
 LOAD = Path(__file__).with_name("load_client.py")
 MODEL = "kimi-k2.6-sim"
 ROUNDS, STREAMS = 24, 16
