@@ -20,6 +20,7 @@ from typing import Any
 from tandem.registry import Endpoint
 from tandem_operator.api.common import API_VERSION
 from tandem_operator.desired.naming import group_name, mooncake_cluster_id
+from tandem_operator.desired.seeding import died_loading_from_peer
 from tandem_operator.drain import DrainVerdict, drain_verdict
 from tandem_operator.fencing import Fence, stale_mooncake_keys
 from tandem_operator.k8s.apply import object_path
@@ -62,12 +63,17 @@ class Executor:
 
     # -- fencing -----------------------------------------------------------------------------------------------
     async def fence(self, decision: Fence, received: float, extra: Collection[Pod] = ()) -> None:
-        """Delete the group's registry key first, then record the fence and remove stale Mooncake metadata."""
+        """Delete the group's registry key first, then record the fence (and whether it died loading its weights from
+        a peer) and remove stale Mooncake metadata."""
         state = self.state
+        was_registered = decision.group in state.registered
         state.fenced[decision.group] = FenceRecord(decision.epoch, decision.reason.value, received)
         await self.unregister(decision.group)
         fenced_s, fenced_at = time.monotonic() - received, time.time()
-        self._background_task(self._record_fence(decision))
+        peer_failed = died_loading_from_peer([*state.members(decision.group), *extra], was_registered)
+        if peer_failed:
+            state.peer_load_failed[decision.group] = decision.epoch
+        self._background_task(self._record_fence(decision, peer_failed))
         stale = await self.clean([*state.members(decision.group), *extra])
         timing = FenceTiming(
             decision.group, decision.reason.value, fenced_s, time.monotonic() - received, stale, received
@@ -112,13 +118,14 @@ class Executor:
             self.state.adopted.pop(group, None)
             await self.registrar.fence(self._ns, self.state.ref.name, group)
 
-    async def _record_fence(self, decision: Fence) -> None:
-        """Persist the fence on the group's Service, so a restarted operator still recreates the group."""
+    async def _record_fence(self, decision: Fence, peer_load_failed: bool = False) -> None:
+        """Persist the fence on the group's Service, so a restarted operator still recreates the group (from the
+        node's copy after a failed peer load)."""
         name = group_name(self.state.ref.name, decision.group.role, decision.group.index)
         try:
             await self.kube.merge_patch(
                 f"/api/v1/namespaces/{self._ns}/services/{name}",
-                fence_annotation(decision.epoch, decision.reason.value),
+                fence_annotation(decision.epoch, decision.reason.value, peer_load_failed),
             )
         except Exception as err:
             log.warning("fence not recorded on the Service", extra={"service": name, "error": repr(err)})

@@ -78,6 +78,17 @@ def quarantined(reports: Iterable[IntegrityReport]) -> dict[Pair, PairState]:
     return {pair: PairState(tuple(sorted(reasons[pair])), tuple(sorted(routers[pair]))) for pair in sorted(reasons)}
 
 
+def suspect_workers(reports: Iterable[IntegrityReport]) -> frozenset[str]:
+    """Every worker URL some live router holds in quarantine (either side of a pair, a worker all of whose pairs are
+    out, a repeat offender): none of them seeds another group's weights (``spec.peerLoading``)."""
+    urls: set[str] = set()
+    for report in reports:
+        urls.update(u for entry in report.quarantined for u in (entry.prefill, entry.decode))
+        urls.update(report.quarantined_workers)
+        urls.update(offender.worker for offender in report.repeat_offenders)
+    return frozenset(urls)
+
+
 def _workers(reports: Iterable[IntegrityReport]) -> list[str]:
     return sorted({worker for report in reports for worker in report.quarantined_workers})
 

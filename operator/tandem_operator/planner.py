@@ -24,6 +24,9 @@ keeps it off cordoned nodes). Its pods go only through the operator's drain: the
 (``maxUnavailable: 0``) refuses the eviction until then, and the eviction of a pod being deleted goes through. A
 scale-down takes groups on cordoned nodes first.
 
+**Peer loading** (``spec.peerLoading``): a group created whole pulls its weights from a seed ``steps`` picks
+(``desired.seeding.choose_seed``) among ``seed_pool``, unless its previous incarnation died loading from a peer.
+
 ``plan`` says *what*; ``steps`` turns each action into everything the executor needs, so the executor makes no
 choice of its own: the registry entry to drop first, the epoch stamped on the Service before the pods go (a
 restarted operator then recreates with a higher one), the pods still alive to delete and their grace, the
@@ -32,12 +35,15 @@ manifests (Service + missing ranks, epoch stamped) to apply, and the Event to re
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from tandem_operator.desired.naming import group_name
 from tandem_operator.desired.pods import RoleContext, group_extras, group_pod, group_service
+from tandem_operator.desired.seeding import Seed, can_seed, choose_seed, weight_source
 from tandem_operator.observe import GroupKey, GroupState, GroupView, Pod, pod_facts
 from tandem_operator.reasons import Reason
 from tandem_operator.recovery import stamp_epoch
@@ -188,15 +194,56 @@ Step = DeletePods | CreatePods
 
 
 @dataclass(frozen=True)
+class SeedPool:
+    """The role's groups a created group may load its weights from, and the loads in flight per seed."""
+
+    candidates: tuple[Seed, ...]
+    loading: Mapping[str, int]  # by ``Seed.ref``
+    limit: int  # spec.peerLoading.maxLoadsPerSeed
+
+
+def seed_pool(
+    ctx: RoleContext, views: Mapping[int, GroupView], pods: Mapping[str, Pod], serving: frozenset[int]
+) -> SeedPool | None:
+    """None without ``spec.peerLoading``. Candidates: groups in ``serving`` (registered, and neither draining,
+    retiring, fenced, quarantined nor on a cordoned node: the caller knows) that are Ready with the role's current
+    template (the same revision, flags and layout, the seed flag included; a held outdated group is not one) and
+    read their weights themselves, by index. Loads in flight: groups not Ready yet whose pods pull from a seed."""
+    peer = ctx.spec.peer_loading
+    if not peer.enabled:
+        return None
+    port = ctx.spec.role(ctx.role).ports.http
+    candidates: list[Seed] = []
+    loading: Counter[str] = Counter()
+    for index, view in sorted(views.items()):
+        members = [pods[n] for n in view.pods if n in pods]
+        if view.state in (GroupState.STARTING, GroupState.INCOMPLETE):
+            seeds = {s.seed for s in (weight_source(p) for p in members) if s is not None and s.peer}
+            loading.update(seeds)
+            continue
+        if index not in serving or view.state is not GroupState.READY or view.template_hash != ctx.template_hash:
+            continue
+        leader = next((f for f in (pod_facts(p) for p in members) if f is not None and f.rank == 0), None)
+        if leader is None or not leader.ip or not can_seed(members):
+            continue
+        name = group_name(ctx.cluster.name, ctx.role, index)
+        candidates.append(Seed(index, name, leader.epoch, leader.ip, port))
+    return SeedPool(tuple(candidates), dict(loading), peer.max_loads_per_seed)
+
+
+@dataclass(frozen=True)
 class Observed:
     """What ``steps`` reads besides the actions: pods by name, the epochs recorded on Services and pods, and the
-    PDCluster's generation (stamped on new pods: ``upgrade.py``)."""
+    PDCluster's generation (stamped on new pods: ``upgrade.py``); with peer loading, the role's seeds and the epoch
+    of each group's last incarnation that died loading from a peer."""
 
     pods: Mapping[str, Pod]
     service_epochs: Mapping[GroupKey, int]
     pod_epochs: Mapping[GroupKey, int]
     fenced: frozenset[GroupKey]
     generation: int = 0
+    seeds: SeedPool | None = None
+    peer_load_failed: Mapping[GroupKey, int] = field(default_factory=dict)
 
 
 _DELETE_EVENTS = {
@@ -211,6 +258,8 @@ _REMOVED = (DeleteReason.SCALE_DOWN, DeleteReason.NODE_CORDONED)  # the index go
 def steps(ctx: RoleContext, actions: list[Action], views: Mapping[int, GroupView], seen: Observed) -> list[Step]:
     """The executor's steps for ``plan``'s actions, in order."""
     svc_epochs = dict(seen.service_epochs)  # a delete's new epoch is what a later create in this pass uses
+    loading = Counter(seen.seeds.loading if seen.seeds is not None else {})  # and a create's seed the next one's
+    deleting = {a.index for a in actions if isinstance(a, DeleteGroup)}
     result: list[Step] = []
     for action in actions:
         key = GroupKey(ctx.role, action.index)
@@ -218,8 +267,20 @@ def steps(ctx: RoleContext, actions: list[Action], views: Mapping[int, GroupView
         if isinstance(action, DeleteGroup):
             result.append(_delete_step(ctx, key, action.reason, view, seen, svc_epochs))
         else:
-            result.append(_create_step(ctx, key, view, seen, svc_epochs))
+            seed = None
+            if view is None and seen.seeds is not None and not _failed_from_peer(key, seen, svc_epochs.get(key, 0)):
+                candidates = [c for c in seen.seeds.candidates if c.index not in deleting]
+                seed = choose_seed(candidates, loading, seen.seeds.limit)
+            if seed is not None:
+                loading[seed.ref] += 1
+            result.append(_create_step(ctx, key, view, seen, svc_epochs, seed))
     return result
+
+
+def _failed_from_peer(key: GroupKey, seen: Observed, epoch: int) -> bool:
+    """The incarnation before ``epoch`` died loading from a peer: this one reads the node's copy."""
+    failed = seen.peer_load_failed.get(key)
+    return failed is not None and failed >= epoch - 1
 
 
 def _delete_step(
@@ -264,7 +325,12 @@ def _delete_step(
 
 
 def _create_step(
-    ctx: RoleContext, key: GroupKey, view: GroupView | None, seen: Observed, svc_epochs: Mapping[GroupKey, int]
+    ctx: RoleContext,
+    key: GroupKey,
+    view: GroupView | None,
+    seen: Observed,
+    svc_epochs: Mapping[GroupKey, int],
+    seed: Seed | None = None,
 ) -> CreatePods:
     existing = set()
     for name in view.pods if view is not None else ():
@@ -274,7 +340,9 @@ def _create_step(
     epoch = seen.pod_epochs[key] if existing else svc_epochs.get(key, 0)
     nodes = ctx.spec.role(ctx.role).nodes_per_group
     pods = [
-        stamp_generation(stamp_epoch(group_pod(ctx, key.index, rank, epoch), epoch), seen.generation, ctx.template_hash)
+        stamp_generation(
+            stamp_epoch(group_pod(ctx, key.index, rank, epoch, seed), epoch), seen.generation, ctx.template_hash
+        )
         for rank in range(nodes)
         if rank not in existing
     ]

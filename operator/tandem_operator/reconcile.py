@@ -29,13 +29,13 @@ from tandem_operator.desired.pools import pool_manifest
 from tandem_operator.executor import Executor, bounded
 from tandem_operator.fencing import Fence, FenceReason, NodeVerdicts, death_reason, groups_on_nodes
 from tandem_operator.integrity import CONDITION_TYPE as INTEGRITY_CONDITION
-from tandem_operator.integrity import integrity_condition
+from tandem_operator.integrity import integrity_condition, suspect_workers
 from tandem_operator.k8s.apply import INITIAL_SIZE_MANAGER, object_path
 from tandem_operator.k8s.kube import ConflictError, Kube
 from tandem_operator.k8s.nodes import NodeDomains
 from tandem_operator.observe import GroupKey, GroupState, GroupView, group_views, slim_pod
 from tandem_operator.outdated import OutdatedPods
-from tandem_operator.planner import CreatePods, DeletePods, DeleteReason, Observed, plan, steps
+from tandem_operator.planner import CreatePods, DeletePods, DeleteReason, Observed, plan, seed_pool, steps
 from tandem_operator.recovery import (
     FenceRecord,
     apply_fences,
@@ -43,6 +43,7 @@ from tandem_operator.recovery import (
     resumed_fences,
     service_epochs,
     service_fences,
+    service_peer_load_failures,
     stuck_groups,
 )
 from tandem_operator.registrar import Registrar
@@ -138,6 +139,9 @@ class Reconciler:
         upgrades: dict[Role, RoleUpgrade] = {}
         changes: dict[Role, list[str]] = {}
         pairable = await self._pairable(observed)
+        peer_failed = service_peer_load_failures(services)
+        for key, epoch in state.peer_load_failed.items():  # recorded before its Service patch lands
+            peer_failed[key] = max(epoch, peer_failed.get(key, epoch))
         fabric = spec.fabric
         domains = await self.node_domains.resolve(fabric.domain_label, leader_nodes(pods)) if fabric else {}
         for role in Role:
@@ -153,7 +157,9 @@ class Reconciler:
             )
             planned = hold(views, upgrade, ctx.template_hash)  # a held group reads as current
             actions = plan(replicas, planned, ctx.template_hash, surge, retiring, (ctx.revision, pairable), moving)
-            seen = Observed(state.pods, svc_epochs, pod_epochs, frozenset(state.fenced), state.generation)
+            seeds = seed_pool(ctx, views, state.pods, self._serving(role, moving))
+            fenced_keys = frozenset(state.fenced)
+            seen = Observed(state.pods, svc_epochs, pod_epochs, fenced_keys, state.generation, seeds, peer_failed)
             role_steps = steps(ctx, actions, planned, seen)
             self._resume_abandoned_drains(role, {s.group for s in role_steps if isinstance(s, DeletePods)})
             for step in role_steps:
@@ -229,6 +235,18 @@ class Reconciler:
         await self._fence(role, views, stuck, pod_epochs, nodes.lost)
         state.retiring -= {k for k in state.retiring if k.role is role and k.index not in views}
         return apply_fences(role, views, {k: r.epoch for k, r in state.fenced.items()}, pod_epochs)
+
+    def _serving(self, role: Role, cordoned: frozenset[int]) -> frozenset[int]:
+        """The role's groups that may seed another's weights: registered, and neither retiring (draining), fenced,
+        on a cordoned node nor held in quarantine by a live router."""
+        state = self.state
+        suspect = suspect_workers(state.integrity_reports.values()) if state.integrity_reports else frozenset()
+        out = {*state.retiring, *state.draining, *state.fenced}
+        return frozenset(
+            key.index
+            for key, endpoint in state.registered.items()
+            if key.role is role and key not in out and key.index not in cordoned and endpoint.url not in suspect
+        )
 
     def _resume_abandoned_drains(self, role: Role, deleting: set[GroupKey]) -> None:
         """A group drained for a deletion the plan no longer wants (scaled back up) serves again: it is no longer

@@ -17,7 +17,13 @@ from datetime import datetime
 from typing import Any
 
 from tandem.registry import Role
-from tandem_operator.desired.naming import ANNOTATION_EPOCH, ANNOTATION_FENCED, LABEL_GROUP, LABEL_ROLE
+from tandem_operator.desired.naming import (
+    ANNOTATION_EPOCH,
+    ANNOTATION_FENCED,
+    ANNOTATION_PEER_LOAD_FAILED,
+    LABEL_GROUP,
+    LABEL_ROLE,
+)
 from tandem_operator.observe import GroupKey, GroupState, GroupView, Pod, created_at, pod_facts, started
 
 
@@ -56,9 +62,19 @@ def service_epochs(services: Iterable[Mapping[str, Any]]) -> dict[GroupKey, int]
     return {key: int(value) for key, value in raw.items() if value.isdigit()}
 
 
-def fence_annotation(epoch: int, reason: str) -> dict[str, Any]:
-    """The merge patch that records a fence on the group's Service."""
-    return {"metadata": {"annotations": {ANNOTATION_FENCED: f"{epoch}/{reason}"}}}
+def fence_annotation(epoch: int, reason: str, peer_load_failed: bool = False) -> dict[str, Any]:
+    """The merge patch that records a fence on the group's Service (and, when the incarnation died loading its
+    weights from a peer, that its successor loads from the node: ``desired.seeding``)."""
+    annotations = {ANNOTATION_FENCED: f"{epoch}/{reason}"}
+    if peer_load_failed:
+        annotations[ANNOTATION_PEER_LOAD_FAILED] = str(epoch)
+    return {"metadata": {"annotations": annotations}}
+
+
+def service_peer_load_failures(services: Iterable[Mapping[str, Any]]) -> dict[GroupKey, int]:
+    """The epoch of each group's last incarnation that died loading from a peer, as recorded on its Service."""
+    raw = _service_annotations(services, ANNOTATION_PEER_LOAD_FAILED)
+    return {key: int(value) for key, value in raw.items() if value.isdigit()}
 
 
 def service_fences(services: Iterable[Mapping[str, Any]]) -> dict[GroupKey, tuple[int, str]]:

@@ -41,6 +41,8 @@ class ClusterState:
     fenced: dict[GroupKey, FenceRecord] = field(default_factory=dict)
     retiring: set[GroupKey] = field(default_factory=set)  # being deleted on purpose (scale-down, rollout)
     draining: dict[GroupKey, float] = field(default_factory=dict)  # retiring, pods not deleted yet -> since (monotonic)
+    # the epoch of each group's last incarnation that died loading its weights from a peer (also on its Service)
+    peer_load_failed: dict[GroupKey, int] = field(default_factory=dict)
     recoveries: int = 0
     last_recovery_s: float | None = None
     fence_timings: list[FenceTiming] = field(default_factory=list)

@@ -138,10 +138,9 @@ class Loader:
                 w.transfer.register(int(w.data.ctypes.data), len(w.data))
 
     async def _publish_all(self) -> None:
-        if self.cfg.nnodes > 1 and self.cfg.dist_init_addr:
-            host = split_addr(self.cfg.dist_init_addr)[0]
-        else:
-            host = "127.0.0.1"
+        # SGLang 0.5.23 (``_register_to_engine_info_bootstrap``) asks only whether --dist-init-addr is set, on one
+        # node too: the bootstrap then is at its host (it listens on --host), else at 127.0.0.1.
+        host = split_addr(self.cfg.dist_init_addr)[0] if self.cfg.dist_init_addr else "127.0.0.1"
         port = self.settings.engine_info_bootstrap_port
         await asyncio.gather(
             *(

@@ -48,6 +48,7 @@ from tandem_operator.api.recipe import (
     HiCacheSpec,
     HostKvCacheSpec,
     JitCacheSpec,
+    PeerLoadingSpec,
     SpeculativeSpec,
     WeightCacheSpec,
     host_cache_rules,
@@ -87,6 +88,11 @@ MANAGED_FLAGS = (
     "--hicache-size",
     "--speculative-algorithm",
     "--speculative-draft-model-path",
+    "--load-format",
+    "--remote-instance-weight-loader-backend",
+    "--remote-instance-weight-loader-seed-instance-ip",
+    "--remote-instance-weight-loader-seed-instance-service-port",
+    "--remote-instance-weight-loader-start-seed-via-transfer-engine",
 )
 _MANAGED_CEL = "[" + ", ".join(f"'{flag}'" for flag in MANAGED_FLAGS) + "]"
 
@@ -162,6 +168,20 @@ class ModelSpec(CrdModel):
             message="model.weightCache and model.pvc both mount at mountPath: use one",
             check=lambda s: s.weight_cache is None or s.pvc is None,
             field_path=".weightCache",
+        ),
+        Rule(
+            cel="!has(self.weightCache) || !has(self.weightCache.nodeLabel) || !self.weightCache.prefetch || "
+            "(has(self.revision) && self.revision.matches('^[0-9a-f]{40}$'))",
+            message="model.revision must pin a commit (40 hex digits) when weightCache.nodeLabel stages the weights "
+            "on the labelled nodes from the hub (weightCache.prefetch): a branch or no revision lets nodes hold "
+            "different snapshots",
+            check=lambda s: (
+                s.weight_cache is None
+                or s.weight_cache.node_label is None
+                or not s.weight_cache.prefetch
+                or (s.revision is not None and re.fullmatch(r"[0-9a-f]{40}", s.revision) is not None)
+            ),
+            field_path=".revision",
         ),
         Rule(
             cel="!has(self.weightCache) || self.path.startsWith(self.mountPath + '/')",
@@ -432,7 +452,9 @@ STORE_CEL = {"prefill": "self.prefill.hicache.enabled", "decode": "self.decode.k
 
 
 def _size_cel(role: str) -> str:
-    return ports_needed_cel(f"self.{role}.gpusPerNode", "self.transfer.protocol", STORE_CEL[role])
+    return ports_needed_cel(
+        f"self.{role}.gpusPerNode", "self.transfer.protocol", STORE_CEL[role], "self.peerLoading.enabled"
+    )
 
 
 def _all_ports_cel(role: str) -> str:
@@ -466,6 +488,11 @@ class PDClusterSpec(CrdModel):
     lifecycle: LifecycleSpec = Field(default_factory=LifecycleSpec)
     jit_cache: JitCacheSpec = Field(default_factory=JitCacheSpec)
     scheduling: GangSchedulingSpec = Field(default_factory=GangSchedulingSpec)
+    peer_loading: PeerLoadingSpec = Field(
+        default_factory=PeerLoadingSpec,
+        description="Groups created whole load their weights from a serving peer over Mooncake (SGLang's "
+        "remote-instance loader) when one is free, else from the node's copy.",
+    )
     page_size: int | None = Field(
         default=None,
         ge=1,
@@ -528,7 +555,8 @@ class PDClusterSpec(CrdModel):
                 Rule(
                     cel=f"self.{role}.ports.mooncakePorts >= {_size_cel(role)}",
                     message=f"{role}.ports.mooncakePorts must hold one pod's window: gpusPerNode x (2 with tcp, "
-                    "else 1) ports, one Mooncake engine per GPU rank (two with a Mooncake Store over tcp)",
+                    "else 1) ports, one Mooncake engine per GPU rank (two with a Mooncake Store over tcp, one more "
+                    "with peerLoading.enabled)",
                     check=_range_holds_a_window(Role(role)),
                     field_path=f".{role}.ports.mooncakePorts",
                 ),
@@ -586,7 +614,9 @@ class PDClusterSpec(CrdModel):
         """The role's ``[MC_MIN_RPC_PORT, MC_MAX_RPC_PORT]`` at epoch 0 (one pod window): every rank of a pod gets its
         ports."""
         spec = self.role(role)
-        needed = ports_needed(spec.gpus_per_node, self.transfer.protocol, self.has_store(role))
+        needed = ports_needed(
+            spec.gpus_per_node, self.transfer.protocol, self.has_store(role), self.peer_loading.enabled
+        )
         return range(spec.ports.mooncake_rpc, spec.ports.mooncake_rpc + needed)
 
     def effective_page_size(self) -> int | None:

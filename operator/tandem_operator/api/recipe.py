@@ -7,6 +7,8 @@
 * ``JitCacheSpec``: a host directory for SGLang's JIT caches (``SGLANG_CACHE_DIR``: DeepGEMM, Triton, FlashInfer,
   Inductor; ``sglang/srt/environ.py`` ``third_party_cache_defaults``), so a recreated group does not recompile.
 * ``WeightCacheSpec``: a node-local copy of the weights (hostPath), filled by a prefetch init container.
+* ``PeerLoadingSpec``: a recreated or added group pulls its weights from a serving group of its role over Mooncake
+  (SGLang's remote-instance loader, ``transfer_engine`` backend) instead of reading the node's copy.
 * ``GangSchedulingSpec``: a scheduler name and a PodGroup per group (Volcano, scheduler-plugins coscheduling) or
   Kueue's pod-group labels, so a group's pods are placed all together or not at all.
 """
@@ -17,6 +19,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from tandem_operator.api.fabric import QualifiedLabelKey
 from tandem_operator.api.rules import CrdModel, Rule
 
 
@@ -121,7 +124,15 @@ class WeightCacheSpec(CrdModel):
     )
     prefetch: bool = Field(
         default=True,
-        description="An init container downloads repo into model.path (under mountPath) unless it is there already.",
+        description="An init container downloads repo (at model.revision) into model.path (under mountPath) unless "
+        "a completion marker of that repo and revision is there: an interrupted download is resumed, never loaded.",
+    )
+    node_label: QualifiedLabelKey | None = Field(
+        default=None,
+        description="A node label marking the nodes that hold the weight disk: worker pods then run only on such "
+        "nodes (required node affinity), hostPath must exist there (type Directory: nothing is created on a root "
+        "disk), and model.revision must pin a commit (every node stages the same snapshot). Unset: any node, "
+        "hostPath created when missing (DirectoryOrCreate).",
     )
 
 
@@ -133,4 +144,31 @@ class GangSchedulingSpec(CrdModel):
         default="none",
         description="volcano / scheduler-plugins: a PodGroup (minMember = nodesPerGroup) per group; kueue: the "
         "pod-group labels and annotation on each pod.",
+    )
+
+
+class PeerLoadingSpec(CrdModel):
+    """Peer weight loading (issue #35): SGLang 0.5.23's remote-instance loader over Mooncake's transfer engine.
+
+    Every pod is started with ``--remote-instance-weight-loader-start-seed-via-transfer-engine`` (a group that read
+    its weights from the node publishes them). A group the operator creates whole (recreated after a death, added by
+    a scale-out or a rollout) then loads with ``--load-format remote_instance`` from a seed the operator picks: a
+    registered Ready group of the same role and template (same revision and layout) that loaded from the node
+    itself (SGLang: a peer-loaded instance publishes nothing), not draining, quarantined or fenced, with fewer
+    than ``maxLoadsPerSeed`` groups loading from it. With none, or when the group's previous incarnation died
+    while loading from a peer (its seed died mid-load: SGLang fails the load and exits), it reads the node's copy.
+    The choice of seed is per incarnation and rolls nothing. Each rank then runs a second Mooncake engine (its
+    weights'), which takes its ports from the pod's window: ``ports.mooncakePorts`` must hold them."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Start every pod as a seed and load created groups from a peer when one is free (changing it "
+        "rolls the pods: flags and Mooncake windows change).",
+    )
+    max_loads_per_seed: int = Field(
+        default=2,
+        ge=1,
+        le=64,
+        description="Groups that may load from one seed at once (they share its NICs); a further group loads from "
+        "another seed or from the node's copy.",
     )

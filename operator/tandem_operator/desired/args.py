@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from tandem.registry import Role
 from tandem_operator.api.pdcluster import DecodeSpec, PDClusterSpec, PrefillSpec, TransferProtocol
+from tandem_operator.desired.seeding import SEED_FLAG, Seed, peer_flags
 
 LAUNCH = ("python3", "-m", "sglang.launch_server")
 
@@ -23,6 +24,7 @@ class Placement:
     node_rank: int
     leader_address: str  # the group leader's stable DNS name (headless Service)
     epoch: int = 0  # the group's incarnation: a prefill's bootstrap port moves with it
+    seed: Seed | None = None  # the serving group this incarnation pulls its weights from (spec.peerLoading)
 
 
 def sglang_args(spec: PDClusterSpec, placement: Placement) -> list[str]:
@@ -80,6 +82,12 @@ def sglang_args(spec: PDClusterSpec, placement: Placement) -> list[str]:
             "--node-rank",
             str(placement.node_rank),
         ]
+    elif spec.peer_loading.enabled:
+        # A seed's ranks publish their weights to the engine-info bootstrap server, which listens on --host (the pod
+        # IP), at 127.0.0.1 on one node unless --dist-init-addr names the head (SGLang 0.5.23
+        # remote_instance_weight_transporter.py: _register_to_engine_info_bootstrap): with the group's own address
+        # the PUT reaches it, else a one-node seed publishes nothing and every pull from it fails.
+        args += ["--dist-init-addr", f"{placement.leader_address}:{role.ports.dist_init}"]
 
     args += ["--disaggregation-mode", placement.role.value, "--disaggregation-transfer-backend", "mooncake"]
     if spec.transfer.protocol is TransferProtocol.RDMA and spec.transfer.ib_devices:
@@ -105,6 +113,10 @@ def sglang_args(spec: PDClusterSpec, placement: Placement) -> list[str]:
             "--hicache-storage-backend",
             role.kv_offload.storage_backend,
         ]
+    if spec.peer_loading.enabled:  # every server publishes the weights it read itself (desired/seeding.py)
+        args.append(SEED_FLAG)
+        if placement.seed is not None:
+            args += peer_flags(placement.seed)
     return args + list(role.extra_args)
 
 

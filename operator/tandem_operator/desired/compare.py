@@ -16,6 +16,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from tandem_operator.desired.seeding import PEER_FLAGS
+
 # Compared one by one (they say why a pod changed); every other field of the container or the pod as a whole.
 _DETAILED = ("image", "args", "env")
 
@@ -62,7 +64,8 @@ def field_digests(pod: Mapping[str, Any]) -> dict[str, str]:
 
 def _flags(args: list[str]) -> dict[str, str]:
     """``--flag value`` and ``--flag=value`` by flag (a bare flag has the value ""; repeats are joined); the words
-    before the first flag by position."""
+    before the first flag by position. An incarnation's peer-loading flags (``seeding.PEER_FLAGS``: which seed it
+    pulled from) are no difference of rendering and are left out."""
     flags: dict[str, str] = {}
     key: str | None = None
     for position, arg in enumerate(args):
@@ -75,7 +78,7 @@ def _flags(args: list[str]) -> dict[str, str]:
             key = None
         else:
             flags[f"[{position}]"] = arg
-    return flags
+    return {name: value for name, value in flags.items() if name not in PEER_FLAGS}
 
 
 def _mapping_changes(what: str, old: Mapping[str, str], new: Mapping[str, str]) -> list[str]:

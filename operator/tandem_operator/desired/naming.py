@@ -28,6 +28,12 @@ ANNOTATION_EPOCH = f"{GROUP}/epoch"
 ANNOTATION_GENERATION = f"{GROUP}/generation"
 ANNOTATION_DESIRED_HASH = f"{GROUP}/desired-template-hash"
 ANNOTATION_FENCED = f"{GROUP}/fenced"  # on a group's Service: "<epoch>/<reason>" of the last fenced incarnation
+# Where an incarnation's weights come from (spec.peerLoading): "node", or "peer" with the seed in
+# ANNOTATION_WEIGHT_SEED ("<seed group>/<seed epoch>"); chosen per incarnation, so neither is hashed.
+ANNOTATION_WEIGHT_SOURCE = f"{GROUP}/weight-source"
+ANNOTATION_WEIGHT_SEED = f"{GROUP}/weight-seed"
+# On a group's Service: the epoch of an incarnation that died loading from a peer (its successor reads the node's).
+ANNOTATION_PEER_LOAD_FAILED = f"{GROUP}/peer-load-failed"
 COMMON_LABELS = {"app.kubernetes.io/name": "tandem-worker", "app.kubernetes.io/managed-by": FIELD_MANAGER}
 
 
@@ -117,7 +123,9 @@ def _model(wire: dict[str, Any]) -> dict[str, Any]:
 
 # What a pod carries that is no input of what it runs: the revision hash itself, and per-incarnation stamps.
 _UNHASHED_LABELS = frozenset({LABEL_TEMPLATE_HASH})
-_UNHASHED_ANNOTATIONS = frozenset({ANNOTATION_EPOCH, ANNOTATION_GENERATION, ANNOTATION_DESIRED_HASH})
+_UNHASHED_ANNOTATIONS = frozenset(
+    {ANNOTATION_EPOCH, ANNOTATION_GENERATION, ANNOTATION_DESIRED_HASH, ANNOTATION_WEIGHT_SOURCE, ANNOTATION_WEIGHT_SEED}
+)
 
 
 _PREFERRED = "preferredDuringSchedulingIgnoredDuringExecution"

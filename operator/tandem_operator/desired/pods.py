@@ -49,6 +49,7 @@ from tandem_operator.desired.security import (
     with_min_requests,
     worker_security_context,
 )
+from tandem_operator.desired.seeding import Seed, weight_annotations
 
 GPU_RESOURCE = "nvidia.com/gpu"
 CONTAINER = "sglang"
@@ -145,7 +146,10 @@ def mooncake_port_range(ctx: RoleContext) -> tuple[int, int]:
     role = ctx.spec.role(ctx.role)
     rpc = role.ports.mooncake_rpc
     needed = ports_needed(
-        role.tp_size // role.nodes_per_group, ctx.spec.transfer.protocol, ctx.spec.has_store(ctx.role)
+        role.tp_size // role.nodes_per_group,
+        ctx.spec.transfer.protocol,
+        ctx.spec.has_store(ctx.role),
+        ctx.spec.peer_loading.enabled,
     )
     return rpc, rpc + needed - 1
 
@@ -276,9 +280,10 @@ def _affinity(ctx: RoleContext, group: int, rank: int) -> dict[str, Any]:
     return {**affinity, **cached_weights_affinity(ctx.spec)}  # prefer nodes that hold the weights
 
 
-def group_pod(ctx: RoleContext, group: int, rank: int, epoch: int = 0) -> dict[str, Any]:
+def group_pod(ctx: RoleContext, group: int, rank: int, epoch: int = 0, seed: Seed | None = None) -> dict[str, Any]:
     """Pod ``rank`` of the group's incarnation ``epoch`` (its Mooncake port window and a prefill's bootstrap port
-    depend on the epoch)."""
+    depend on the epoch), loading its weights from ``seed`` with ``spec.peerLoading`` (else from the node's copy;
+    the revision is rendered without one: the seed is the incarnation's, not the template's)."""
     spec, role = ctx.spec, ctx.spec.role(ctx.role)
     drain_s = spec.lifecycle.drain_timeout_seconds
     labels = {
@@ -290,8 +295,11 @@ def group_pod(ctx: RoleContext, group: int, rank: int, epoch: int = 0) -> dict[s
     metadata = _metadata(ctx, pod_name(ctx.cluster.name, ctx.role, group, rank), labels)
     if ctx.role is Role.PREFILL and rank == 0:
         metadata["annotations"] = {ANNOTATION_BOOTSTRAP_PORT: str(role.ports.bootstrap_at(epoch))}
+    if spec.peer_loading.enabled:
+        metadata["annotations"] = {**metadata.get("annotations", {}), **weight_annotations(seed)}
     volumes, mounts = _volumes(ctx)
-    placement = Placement(role=ctx.role, node_rank=rank, leader_address=leader_address(ctx, group), epoch=epoch)
+    address = leader_address(ctx, group)
+    placement = Placement(role=ctx.role, node_rank=rank, leader_address=address, epoch=epoch, seed=seed)
     env = _env(ctx, epoch)
     resources = _resources(ctx)
     container = {

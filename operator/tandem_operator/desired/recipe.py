@@ -105,17 +105,32 @@ def cache_volumes(spec: PDClusterSpec) -> tuple[list[dict[str, Any]], list[dict[
         mounts.append({"name": "jit-cache", "mountPath": JIT_CACHE_DIR})
     cache = spec.model.weight_cache
     if cache is not None:
-        volumes.append({"name": "weights", "hostPath": {"path": cache.host_path, "type": "DirectoryOrCreate"}})
+        # On the weight disk's nodes the directory must exist (a missing mount fails the pod instead of filling the
+        # root disk); elsewhere it is created as before.
+        kind = "Directory" if cache.node_label is not None else "DirectoryOrCreate"
+        volumes.append({"name": "weights", "hostPath": {"path": cache.host_path, "type": kind}})
         mounts.append({"name": "weights", "mountPath": spec.model.mount_path})
     return volumes, mounts
 
 
+PREFETCH_MARKER = ".tandem-complete"
+# The marker names the repo and revision and is written (atomically) only after snapshot_download returned: a copy an
+# interrupted download left behind (config.json comes early) is resumed, not loaded; another revision is fetched.
 _PREFETCH = """
 import os, sys
 from huggingface_hub import snapshot_download
-repo, target = sys.argv[1], sys.argv[2]
-if not os.path.exists(os.path.join(target, "config.json")):
-    snapshot_download(repo, local_dir=target, revision=sys.argv[3] or None)
+repo, target, revision = sys.argv[1], sys.argv[2], sys.argv[3]
+marker, want = os.path.join(target, sys.argv[4]), repo + "@" + (revision or "default")
+try:
+    with open(marker) as f:
+        done = f.read().strip() == want
+except OSError:
+    done = False
+if not done:
+    snapshot_download(repo, local_dir=target, revision=revision or None)
+    with open(marker + ".tmp", "w") as f:
+        f.write(want + "\\n")
+    os.replace(marker + ".tmp", marker)
 """
 
 
@@ -127,7 +142,8 @@ def prefetch_containers(
     cache = spec.model.weight_cache
     if cache is None or not cache.prefetch:
         return []
-    command = ["python3", "-c", _PREFETCH.strip(), cache.repo, spec.model.path, spec.model.revision or ""]
+    revision = spec.model.revision or ""
+    command = ["python3", "-c", _PREFETCH.strip(), cache.repo, spec.model.path, revision, PREFETCH_MARKER]
     return [
         {
             "name": "prefetch-weights",
@@ -146,14 +162,21 @@ CACHED_NODE_WEIGHT = 100  # the only preferred node-affinity term of a worker: t
 
 
 def cached_weights_affinity(spec: PDClusterSpec) -> dict[str, Any]:
-    """A preferred node affinity for nodes labelled ``model.cachedNodeLabel`` (they hold the weights already); empty
-    without the label. Preferred terms only score the nodes every required rule allows, so it never overrides
-    placement (one pod per node, ``topologyKey``, ``fabric``, ``nodeSelector``)."""
+    """A required node affinity for nodes labelled ``weightCache.nodeLabel`` (they hold the weight disk), and a
+    preferred one for nodes labelled ``model.cachedNodeLabel`` (they hold the weights already); empty without them.
+    Preferred terms only score the nodes every required rule allows, so the preference never overrides placement
+    (one pod per node, ``topologyKey``, ``fabric``, ``nodeSelector``)."""
+    affinity: dict[str, Any] = {}
+    cache = spec.model.weight_cache
+    if cache is not None and cache.node_label is not None:  # only nodes with the weight disk (weightCache.nodeLabel)
+        disk = {"matchExpressions": [{"key": cache.node_label, "operator": "Exists"}]}
+        affinity["requiredDuringSchedulingIgnoredDuringExecution"] = {"nodeSelectorTerms": [disk]}
     label = spec.model.cached_node_label
-    if label is None:
-        return {}
-    term = {"weight": CACHED_NODE_WEIGHT, "preference": {"matchExpressions": [{"key": label, "operator": "Exists"}]}}
-    return {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [term]}}
+    if label is not None:
+        cached = {"matchExpressions": [{"key": label, "operator": "Exists"}]}
+        term = {"weight": CACHED_NODE_WEIGHT, "preference": cached}
+        affinity["preferredDuringSchedulingIgnoredDuringExecution"] = [term]
+    return {"nodeAffinity": affinity} if affinity else {}
 
 
 def gang_pod_fields(spec: PDClusterSpec, role: Role, group_name: str) -> dict[str, Any]:
