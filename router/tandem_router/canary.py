@@ -27,10 +27,10 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
-from tandem_router.integrity.consensus import judge
+from tandem_router.integrity.consensus import consensus, judge
 from tandem_router.integrity.divergence import Answer, Kind, compare
 from tandem_router.integrity.monitor import IntegrityMonitor, PairKey
 from tandem_router.integrity.probe_budget import ProbeBudget, ProbeKind
@@ -43,6 +43,7 @@ log = logging.getLogger("tandem.router.canary")
 
 MAX_BURST = 64  # concurrent canaries through one pair
 PEER_CONFIRM_S = 5.0  # a pair another router quarantined is confirmed here at most this often
+SELF_CONSISTENCY = 3  # answers of a lone pair whose majority is its known answer (``known_answer``)
 
 CANARY_PROMPTS: tuple[str, ...] = (
     "Canary: list the planets of the solar system in order from the sun.",
@@ -65,12 +66,13 @@ class CanaryConfig:
 @dataclass(frozen=True)
 class ProbeScope:
     """Who probes what: this router's id, the ids of the cluster's routers (this one included or not), the pairs to
-    probe before the rotation, and the pairs other routers quarantined (confirmed here with bursts)."""
+    probe before the rotation, and the pairs other routers quarantined: a mapping gives each pair the peers' shared
+    entries (``integrity_members``: adopted here at once); pairs without one are confirmed here with bursts."""
 
     me: str
     members: Callable[[], Collection[str]]
     probe_first: Callable[[PairKey], bool]
-    peer_quarantined: Callable[[], Collection[PairKey]] = frozenset
+    peer_quarantined: Callable[[], Mapping[PairKey, Collection[str]] | Collection[PairKey]] = frozenset
 
 
 class CanaryProber:
@@ -140,6 +142,9 @@ class CanaryProber:
         first = self._first(list(pairs.values()))
         round_no = round_number(self.wall_clock(), self.cfg.interval_s)
         plan = plan_round(pairs, round_no, self.cfg.sample, first, self.scope.members(), self.scope.me)
+        if len(plan) == 1 and prompt not in self.references:
+            await self.known_answer(pairs[plan[0]], prompt)
+            return
         plan = plan[: self.budget.grant(ProbeKind.CANARY, len(plan))]
         if not plan or (len(plan) < 2 and prompt not in self.references):
             return  # one answer is no consensus; nothing to compare against
@@ -174,6 +179,35 @@ class CanaryProber:
             why = f"canary answer differs from the pool's ({verdict.verdicts[key].reason}): {by_pair[key].text[:80]!r}"
             self.monitor.canary_result(key, False, why)
 
+    async def known_answer(self, pair: Pair, prompt: str) -> None:
+        """A prompt without a reference through a lone pair (a 1 x 1 cluster, or this router's share of a round):
+        ``SELF_CONSISTENCY`` answers of the pair itself, and their consensus becomes the reference (the pair's own
+        known answer, judged against in later rounds). A clean pair answers a canary the same each time up to
+        numerics (``consensus`` groups NUMERICAL answers as it groups pairs); an answer DIFFERENT from the
+        majority of the pair's own fails it. No majority: nothing decided, no reference. Sent only when the budget
+        grants all of them."""
+        if self.budget.affordable() < SELF_CONSISTENCY:
+            self.budget.metrics.denied.labels(ProbeKind.CANARY.value).inc(SELF_CONSISTENCY)
+            return
+        granted = self.budget.grant(ProbeKind.CANARY, SELF_CONSISTENCY)
+        got = await asyncio.gather(*(self.timed_probe(ProbeKind.CANARY, pair, prompt) for _ in range(granted)))
+        answers = [a for a in got if a is not None]
+        near_tie = self.monitor.cfg.near_tie_nats
+        reference = consensus(answers, near_tie) if len(answers) == SELF_CONSISTENCY else None
+        if reference is None:
+            log.warning("lone-pair canary without a majority answer", extra={"answered": len(answers)})
+            return
+        self.references[prompt] = reference
+        if pair.key in self.monitor.quarantined_keys():
+            return
+        verdicts = [compare(reference, a, near_tie) for a in answers]
+        bad = next((v for v in verdicts if not v.agrees), None)
+        if bad is None:
+            numerical = next((v.token for v in verdicts if v.kind is Kind.NUMERICAL), None)
+            self.monitor.canary_result(pair.key, True, numerical_at=numerical)
+        else:
+            self.monitor.canary_result(pair.key, False, f"canary answers of the pair disagree ({bad.reason})")
+
     async def probation_bursts(self) -> None:
         """A burst at the pool's live concurrency through each pair on probation that mirroring left idle."""
         due = set(self.monitor.idle_probations(self.cfg.probation_idle_s))
@@ -181,12 +215,16 @@ class CanaryProber:
         await asyncio.gather(*(self.burst(pair, self.concurrency(pair.key), ProbeKind.BURST) for pair in pairs))
 
     def confirm_peer_quarantines(self) -> None:
-        """Each pair another router quarantined that this one still serves goes under suspicion here (its
+        """Quarantines other routers share (they rest on their comparisons) are adopted at once. Each other pair
+        another router quarantined that this one still serves goes under suspicion here (its
         deterministic answers are compared: the races need live prompts that fill KV pages, which canaries do not)
         and gets a canary burst (a broken data path), at most once per ``PEER_CONFIRM_S`` a pair
-        (``integrity_members``: each router judges only what it saw itself)."""
+        (``integrity_members``: detector findings alone are judged by each router on what it saw itself)."""
         now = time.monotonic()
-        quarantined, peers = self.monitor.quarantined_keys(), set(self.scope.peer_quarantined())
+        reported = self.scope.peer_quarantined()
+        if isinstance(reported, Mapping):
+            self.monitor.adopt(reported)
+        quarantined, peers = self.monitor.quarantined_keys(), set(reported)
         self._peer_confirmed = {k: at for k, at in self._peer_confirmed.items() if k in peers}
         due = [k for k in peers - quarantined if now - self._peer_confirmed.get(k, -PEER_CONFIRM_S) >= PEER_CONFIRM_S]
         if not due:

@@ -81,7 +81,7 @@ def build_hooks(
     budget = ProbeBudget(budget_share, capacity, ProbeMetrics(monitor.metrics.registry))
     return IntegrityHooks(
         monitor,
-        ShadowSampler(monitor, transport, pool, shadow_rate),
+        ShadowSampler(monitor, transport, pool, shadow_rate, budget=budget),
         CanaryProber(
             monitor,
             transport,

@@ -6,20 +6,26 @@ drops out when the lease expires. The prober hashes each pair over these ids (``
 router is always one of them, also before its own report is written or while etcd is away (then the last set
 seen stays: each router keeps probing the share it had, and none goes unprobed).
 
-The same reports name the pairs the other routers quarantined (``peer_quarantined``): each router judges only
-what it saw itself (a leak is found only by the router that also carried the leaked prompt), so a pair another
-router took out is confirmed here with a canary burst at live concurrency, and quarantined here only if that burst
-fails here too. A router never quarantines on another's word, so a client that fools one router fools no other.
+The same reports name the pairs the other routers quarantined (``peer_quarantined``: pair -> the peers' shared
+entries for it). A quarantine that rests on a comparison the other router made (a canary, shadow or probation
+mismatch: reported with ``integrity_publisher.SHARED_PREFIX``) is *shared*: this router adopts it at once
+(``IntegrityMonitor.adopt``), as no client can make a comparison look like corruption. One that rests on detector
+findings alone (text a client steers) is confirmed here with a canary burst at live concurrency and by comparing
+the pair's deterministic answers, and quarantined here only if that fails here too: a client that fools one
+router's detectors fools no other.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from tandem.integrity_watch import IntegrityWatcher
 from tandem.registry import EtcdTLS, IntegrityReport
+from tandem_router.integrity_publisher import SHARED_PREFIX
+
+PairKey = tuple[str, str]
 
 
 def router_id() -> str:
@@ -33,23 +39,27 @@ class RouterMembers:
     ) -> None:
         self.me = me
         self._ids: frozenset[str] = frozenset({me})
-        self._peer_quarantined: frozenset[tuple[str, str]] = frozenset()
+        self._peer_quarantined: Mapping[PairKey, frozenset[str]] = {}
         self._watcher = IntegrityWatcher(endpoints, namespace, cluster, self._changed, tls=tls)
 
     async def _changed(self, reports: dict[str, IntegrityReport]) -> None:
         self._ids = frozenset({r.router for r in reports.values()} | {self.me})
-        self._peer_quarantined = frozenset(
-            (f"prefill:{q.prefill}", f"decode:{q.decode}")
-            for r in reports.values()
-            if r.router != self.me
-            for q in r.quarantined
-        )
+        peers: dict[PairKey, set[str]] = {}
+        for r in reports.values():
+            if r.router == self.me:
+                continue
+            for q in r.quarantined:
+                entries = peers.setdefault((f"prefill:{q.prefill}", f"decode:{q.decode}"), set())
+                if q.reason.startswith(SHARED_PREFIX):
+                    entries.add(f"{r.router}: {q.reason.removeprefix(SHARED_PREFIX)}")
+        self._peer_quarantined = {pair: frozenset(entries) for pair, entries in peers.items()}
 
     def ids(self) -> frozenset[str]:
         return self._ids
 
-    def peer_quarantined(self) -> frozenset[tuple[str, str]]:
-        """Pairs (pool keys) other routers of the cluster have in quarantine now."""
+    def peer_quarantined(self) -> Mapping[PairKey, frozenset[str]]:
+        """Pairs (pool keys) other routers of the cluster have in quarantine now, each with the entries ("router:
+        reason") of the routers that share it (empty: quarantined on detector findings, confirmed here first)."""
         return self._peer_quarantined
 
     def start(self) -> None:

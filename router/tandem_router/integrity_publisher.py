@@ -4,6 +4,11 @@ One key per router instance (``tandem.registry.integrity_key``) under the router
 stops reporting after ``ttl`` seconds. The report is rewritten when it changes; the lease is kept by a
 ``tandem.leased_writer.LeasedWriter``, which also puts the last report back under a new lease when etcd lost the old
 one (frozen or partitioned for longer than the TTL). A router that stops revokes its lease: the report goes at once.
+
+A *shared* quarantine (one that rests on a comparison this router made, ``QuarantineView.shared``) is reported with
+its reason prefixed by ``SHARED_PREFIX``: the cluster's other routers adopt those (``integrity_members``). The
+report's schema (``tandem.registry.IntegrityReport``) has no field for it, and a reason is free text the operator
+shows as it is, so the mark travels in the reason: older readers see a longer reason, nothing else.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from tandem_router.integrity.monitor import IntegrityMonitor
 
 log = logging.getLogger("tandem.router.integrity")
 
+SHARED_PREFIX = "confirmed: "  # a reported reason that starts so: other routers adopt the quarantine
+
 
 def _url(worker_key: str) -> str:
     return worker_key.split(":", 1)[1]  # pool keys are "<role>:<url>"
@@ -34,7 +41,7 @@ def report_of(monitor: IntegrityMonitor, router: str, now: float) -> IntegrityRe
             QuarantinedPair(
                 prefill=_url(q.prefill),
                 decode=_url(q.decode),
-                reason=q.reason,
+                reason=f"{SHARED_PREFIX}{q.reason}" if q.shared else q.reason,
                 since_s=round(max(0.0, now - q.since), 1),
             )
             for q in monitor.quarantined()

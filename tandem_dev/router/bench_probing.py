@@ -14,7 +14,9 @@ streaming, ``/generate``, answers of 24-48 tokens, clients spread over the route
   true capacity), so the measure does not rest on the router's own accounting, and works with a router that does
   not export those metrics yet (they read as 0 there). Target: 0 clean pairs quarantined (``GET /integrity``).
 * **phase B (a decode garbles)**: the last decode switched to the offload race at runtime; the time until every
-  router has every pair of that decode out of traffic. Target: within ``OUT_WITHIN_S``.
+  router has every pair of that decode out of traffic. Target: within ``OUT_WITHIN_S``. Also when the decode
+  garbled its first answer (the race needs concurrent requests on it, which a lightly loaded decode of a large
+  fleet rarely has), and the time to quarantine counted from then.
 
 The load stays modest (``clients``): the 2-core machine runs etcd, the fleet, every router and the clients, and a
 saturated machine would measure itself. Every process is started here and stopped by process group.
@@ -60,7 +62,7 @@ SCRAPED = (PROBES, PROBE_SECONDS, BUDGET, CAPACITY)  # one /metrics scrape a rou
 COLUMNS = (
     "size", "routers", "clients", "client req/s", "probes/s (routers)", "probes/s (workers saw)",
     "probing % of capacity (routers)", "probing % of capacity (workers saw)", "budget %", "time to quarantine s",
-    "clean pairs quarantined", "garbled answers",
+    "first garbled answer s", "quarantine after it s", "clean pairs quarantined", "garbled answers",
 )  # fmt: skip
 PLOTTED = ("probing % of capacity (routers)", "probing % of capacity (workers saw)")  # budget %: may be text
 
@@ -204,6 +206,7 @@ async def _quarantined(sess: aiohttp.ClientSession, cluster: Cluster) -> list[di
 class Outcome:
     clean_quarantined: set[tuple[str, str]] = field(default_factory=set)
     out_after: float | None = None
+    switched_at: float = 0.0  # monotonic (the fleet's clock is this machine's)
 
 
 def _note_clean(outcome: Outcome, docs: list[dict[str, Any]], bad: str | None) -> None:
@@ -217,7 +220,7 @@ async def _watch_garbling(sess: aiohttp.ClientSession, cluster: Cluster, outcome
     pairs = {(p, bad) for p in cluster.prefills}
     async with sess.post(f"{bad}/tandem/sim/faults", json={"offload_race": True}) as resp:
         resp.raise_for_status()
-    t0 = time.monotonic()
+    t0 = outcome.switched_at = time.monotonic()
     while time.monotonic() - t0 < seconds:
         docs = await _quarantined(sess, cluster)
         _note_clean(outcome, docs, bad)
@@ -261,13 +264,20 @@ async def measure(cluster: Cluster, size: str, clean_s: float, watch_s: float) -
     dt = after.at - before.at
     budgets = [b / c * 100 for b, c in zip(after.budgets, after.capacities, strict=True) if c > 0]
     quarantine: object = round(outcome.out_after, 2) if outcome.out_after is not None else f"not within {watch_s:.0f}s"
+    first_at = final.fleet.get("first_garbled_at")
+    first: object = round(float(first_at) - outcome.switched_at, 2) if first_at is not None else "none"
+    since_first: object = (
+        round(outcome.out_after - (float(first_at) - outcome.switched_at), 2)
+        if first_at is not None and outcome.out_after is not None
+        else "-"
+    )
     print(f"#   {size}: {load.ok} answers, {load.errors} errors", flush=True)
     return [
         size, len(cluster.routers), clients, requests_a / dt,
         (after.probes - before.probes) / dt, _diff(after, before, "canary_requests") / dt,
         (after.probe_seconds - before.probe_seconds) / dt / true_capacity * 100,
         _diff(after, before, "canary_seconds") / dt / true_capacity * 100,
-        sum(budgets) / len(budgets) if budgets else "not exported", quarantine,
+        sum(budgets) / len(budgets) if budgets else "not exported", quarantine, first, since_first,
         len(outcome.clean_quarantined), int(float(final.fleet.get("garbled", 0.0)) - garbled_before),
     ]  # fmt: skip
 
@@ -291,7 +301,7 @@ def run(args: BenchArgs) -> list[Table]:
                 rows.append(asyncio.run(measure(cluster, size, clean_s, watch_s)))
             except (ProcessFailedError, RuntimeError) as err:  # a size the routers cannot take is a result too
                 print(f"#   {size}: not measured: {str(err).splitlines()[0]}", flush=True)
-                rows.append([size, ROUTERS, clients_for(decodes), *[f"not measured: {_reason(err)}"] * 9])
+                rows.append([size, ROUTERS, clients_for(decodes), *[f"not measured: {_reason(err)}"] * 11])
             finally:
                 for proc in reversed(procs):
                     with contextlib.suppress(Exception):
@@ -309,7 +319,10 @@ def run(args: BenchArgs) -> list[Table]:
                 "the fleet's true capacity (decodes x max running); workers "
                 "saw: decode requests with canary-* ids over decodes x max running; 'not exported': a router "
                 "without the budget gauges",
-                "a 1 x 1 cluster has one pair: no canary consensus and no other pair to re-run a suspect on",
+                "a 1 x 1 cluster's lone pair is compared with itself: canaries against its own known answer, "
+                "temperature-0 shadows and confirmations re-run on the same pair",
+                "first garbled answer: when the decode garbled an answer first after the switch (the race needs "
+                "concurrent requests on it); quarantine after it: the time to quarantine counted from then",
             ],
             plot=Plot("bar", "size", PLOTTED, "% of capacity"),
         )

@@ -40,7 +40,8 @@ exactly its token budget), race 2 (host copies poisoned at finish), several thie
 
 ``GET /_stats`` on any port: the decodes' requests and request-seconds by class (``canary``: the router's
 ``canary-*`` request ids; ``integrity``: other requests asking for logprobs, i.e. shadows and probation mirrors;
-``client``: the rest), and the garbled answers, for benchmarks that check the router's own counters.
+``client``: the rest), and the garbled answers (``first_garbled_at``: when the first answer garbled since the race
+was last switched on ended, on this machine's monotonic clock), for benchmarks that check the router's own counters.
 """
 
 from __future__ import annotations
@@ -217,6 +218,8 @@ async def _serve(request: web.Request) -> web.StreamResponse:
         fleet.count(f"{kind}_requests")
         fleet.count(f"{kind}_seconds", time.monotonic() - started)
         fleet.count("garbled", req.thief is not None)
+        if req.thief is not None:
+            fleet.stats.setdefault("first_garbled_at", time.monotonic())
 
 
 async def _answer(
@@ -266,6 +269,8 @@ async def _faults(request: web.Request) -> web.Response:
     if w.role is not Role.DECODE or not isinstance(doc, dict) or not isinstance(doc.get("offload_race"), bool):
         return _error(400, 'a decode takes {"offload_race": true|false}')
     w.race = doc["offload_race"]
+    if w.race:
+        request.app[_FLEET].stats.pop("first_garbled_at", None)
     log.warning("offload race switched", extra={"decode": w.group, "on": w.race})
     return web.json_response({"ok": True, "offload_race": w.race})
 

@@ -21,7 +21,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -143,6 +143,7 @@ class IntegrityMonitor:
         self._suspicious_until: dict[PairKey, float] = {}
         self._failed_at: dict[PairKey, float] = {}  # pair -> when a request through it last failed
         self._peer_quarantined_until: dict[PairKey, float] = {}  # pairs another router quarantined (``suspect``)
+        self._adopted: set[tuple[PairKey, str]] = set()  # (pair, peer's entry) adopted, while the peer reports it
         self._known_pairs: list[PairKey] = []
         self._epochs: dict[str, int] = {}
 
@@ -264,6 +265,31 @@ class IntegrityMonitor:
         if not self.book.is_quarantined(pair):
             until = self.clock() + self.cfg.suspicion_s
             self._suspicious_until[pair] = self._peer_quarantined_until[pair] = until
+
+    def adopt(self, shared: Mapping[PairKey, Collection[str]]) -> list[PairKey]:
+        """The shared quarantines of the cluster's other routers (pair -> the peers' entries for it, each naming the
+        router and its reason): each entry not seen before quarantines its pair here at once (``book.adopt``). They
+        rest on comparisons the other router made (canary, shadow or probation mismatches), which no client can
+        make look like corruption; detector findings alone are never shared. An entry is adopted once while its
+        router reports it, so a pair released here on probation is not taken out again by the same report; a new
+        quarantine there (after a failed probation, say) is a new entry. Pairs this router cannot form wait.
+        Returns the pairs quarantined."""
+        now, known = self.clock(), set(self._known_pairs)
+        current = {(pair, entry) for pair, entries in shared.items() for entry in entries}
+        self._adopted &= current
+        newly = []
+        for pair, entry in sorted(current - self._adopted):
+            if pair not in known:
+                continue
+            self._adopted.add((pair, entry))
+            reason = f"quarantined by another router: {entry}"
+            for p in self.book.adopt(pair, reason, now, self._known_pairs):
+                newly.append(p)
+                self.metrics.quarantines.inc()
+                log.error("pair quarantined", extra={"prefill": p[0], "decode": p[1], "reason": reason})
+        if newly:
+            self._update_gauge()
+        return newly
 
     def _pairs_of(self, worker: str) -> frozenset[PairKey]:
         return frozenset(p for p in self._known_pairs if worker in p)

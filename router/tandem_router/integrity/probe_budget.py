@@ -106,6 +106,12 @@ class ProbeBudget:
         self.metrics.probes.labels(kind.value).inc(granted)
         return granted
 
+    def affordable(self) -> int:
+        """How many probes ``grant`` would grant now (nothing reserved): for probes that are worth sending only
+        together."""
+        self._refill()
+        return max(0, math.floor(self._tokens / self.expected_s + 1e-9))
+
     def settle(self, kind: ProbeKind, reserved_s: float, took_s: float) -> None:
         """A granted probe, for which ``reserved_s`` was reserved (``expected_s`` when it was granted), is over
         after ``took_s``: the bucket pays the difference, and the estimate of a probe's duration moves towards it."""

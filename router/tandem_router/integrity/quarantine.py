@@ -21,6 +21,10 @@ Life of a pair: SERVING -> QUARANTINED -> PROBATION -> SERVING (released), or PR
   and the next probation starts after twice the wait (exponential backoff). Garbling that only shows under
   load (the offload races) cannot pass a quiet probe this way.
 - A released pair is watched for ``watch_s``: one failure sends it straight back.
+- A quarantine is *shared* (``QuarantineView.shared``: the other routers of the cluster adopt it, ``adopt``) when
+  it rests on a comparison the router made: a canary, shadow or probation mismatch of the pair, or of a pair that
+  shares a worker with it within ``window_s`` (a worker conviction anchored on one). Detector findings alone
+  (text a client steers) never make a shared quarantine, and an adopted one is not shared again.
 - A worker all of whose pairs were quarantined ``report_after`` times on confirmed evidence (re-quarantines after
   a failed probation included; text findings alone never count) keeps failing across cycles: it is reported as a
   repeat offender (the operator recreates its group).
@@ -78,6 +82,7 @@ class PairRecord:
     released_at: float | None = None
     last_failure_at: float | None = None
     last_confirmed_at: float | None = None  # last failure backed by a canary or shadow comparison
+    shared: bool = False  # the current quarantine rests on a comparison: other routers may adopt it
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,7 @@ class QuarantineView:
     probation: bool
     clean_comparisons: int
     quarantines: int
+    shared: bool = False  # rests on a comparison this router made: the cluster's other routers adopt it
 
 
 @dataclass(frozen=True)
@@ -139,7 +145,10 @@ class IntegrityBook:
         if not detector_only:
             record.last_confirmed_at = now
         if record.probation_since is not None:
-            self._quarantine(record, f"failed on probation: {reason}", now, confirmed=not detector_only)
+            anchored = not detector_only or any(self.worker_confirmed_failing(w, now) for w in pair)
+            self._quarantine(
+                record, f"failed on probation: {reason}", now, confirmed=not detector_only, shared=anchored
+            )
             return FailureOutcome((pair,))
         if record.quarantined_at is not None:
             return FailureOutcome()
@@ -161,7 +170,10 @@ class IntegrityBook:
         if detector_only and not self._within_share(newly, known_pairs):
             return FailureOutcome(held_by_share_cap=True)
         for p in newly:
-            self._quarantine(self._record(p), reason if p in tipped else why, now, confirmed=not detector_only)
+            anchored = not detector_only or any(self.worker_confirmed_failing(w, now) for w in p)
+            self._quarantine(
+                self._record(p), reason if p in tipped else why, now, confirmed=not detector_only, shared=anchored
+            )
         return FailureOutcome(tuple(newly))
 
     def _spread(self, pair: Pair, known_pairs: list[Pair], reason: str, now: float) -> tuple[list[Pair], str]:
@@ -196,9 +208,28 @@ class IntegrityBook:
             return 0.0
         return sum(self.is_quarantined(p) for p in known_pairs) / len(known_pairs)
 
-    def _quarantine(self, record: PairRecord, reason: str, now: float, *, confirmed: bool) -> None:
+    def adopt(self, pair: Pair, reason: str, now: float, known_pairs: list[Pair]) -> tuple[Pair, ...]:
+        """Quarantine ``pair`` because another router of the cluster quarantined it on a comparison (a shared
+        quarantine). Not shared again, and not counted towards repeat offenders (the other router reports those).
+        It is a confirmed failure of its workers here too (``worker_confirmed_failing``, ``_spread``): their other
+        pairs go under suspicion, and a worker whose failures (its own here, or adopted) now span ``worker_spread``
+        partners is convicted: its pairs are quarantined, shared (the conviction rests on comparisons). Returns the
+        pairs quarantined (none when all were out already)."""
+        record = self._record(pair)
+        record.last_failure_at = record.last_confirmed_at = now
+        newly: list[Pair] = []
+        if record.quarantined_at is None:
+            self._quarantine(record, reason, now, confirmed=False, shared=False)
+            newly.append(pair)
+        spread, why = self._spread(pair, known_pairs, reason, now)
+        for p in spread:
+            self._quarantine(self._record(p), why, now, confirmed=False, shared=True)
+        return (*newly, *spread)
+
+    def _quarantine(self, record: PairRecord, reason: str, now: float, *, confirmed: bool, shared: bool) -> None:
         wait = min(self.policy.probe_initial_s * 2**record.total_quarantines, self.policy.probe_max_s)
         record.quarantined_at = now
+        record.shared = shared
         record.probation_since = None
         record.reason = reason
         record.next_probe_at = now + wait
@@ -228,7 +259,7 @@ class IntegrityBook:
         if not clean:
             record.total_failures += 1
             record.last_failure_at = record.last_confirmed_at = now
-            self._quarantine(record, f"failed on probation: {reason}", now, confirmed=True)
+            self._quarantine(record, f"failed on probation: {reason}", now, confirmed=True, shared=True)
             return Transition.QUARANTINED
         record.clean_comparisons += 1
         if record.clean_comparisons < self.policy.comparisons_to_release:
@@ -274,6 +305,7 @@ class IntegrityBook:
                 rec.probation_since is not None,
                 rec.clean_comparisons,
                 rec.total_quarantines,
+                rec.shared,
             )
             for (p, d), rec in sorted(self._pairs.items())
             if rec.quarantined_at is not None
