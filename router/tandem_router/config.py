@@ -182,6 +182,14 @@ class RouterSettings(BaseSettings):
         description="Requests admitted beyond the learned capacity, as a share of it: a short queue on the workers "
         "so that prefills overlap decoding (only tenants below their fair share use it).",
     )
+    flow_share_linger_s: float = Field(
+        default=0.5,
+        ge=0,
+        le=60,
+        description="Seconds a tenant that went idle keeps its share (checked every 0.5 s): a tenant between two "
+        "requests, or whose client stalled a moment, does not hand its share to a flood that would hold it for a "
+        "whole request (0: at once).",
+    )
     flow_worker_priority: bool = Field(
         default=False,
         description="Send each request's effective priority to the workers as SGLang's `priority` field (turn on "
@@ -294,6 +302,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--flow-limits-file", help="per-tenant weights, priorities and limits (YAML/JSON, reloaded)")
     p.add_argument("--flow-reserve-share", type=float, help="capacity held for tenants below their share (0.25)")
     p.add_argument("--flow-headroom-share", type=float, help="admitted beyond the learned capacity, share of it (0.5)")
+    p.add_argument("--flow-share-linger-s", type=float, help="seconds an idle tenant keeps its share (0.5)")
     p.add_argument(
         "--flow-worker-priority",
         action=argparse.BooleanOptionalAction,

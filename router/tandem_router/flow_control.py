@@ -46,7 +46,9 @@ class FlowControl:
         if self.path is not None:
             self._stamp = _stamp(self.path)
             limits = load_limits(self.path)  # main checked it: a one-line error naming the setting
-        self.core = FairQueue(limits, settings.flow_reserve_share, settings.flow_headroom_share)
+        self.core = FairQueue(
+            limits, settings.flow_reserve_share, settings.flow_headroom_share, settings.flow_share_linger_s
+        )
         self.learner = CapacityLearner()
         self._waiting: dict[Pending, asyncio.Future[None]] = {}
         self.counts = _TenantCounts(settings.flow_metrics_tenants)
@@ -66,7 +68,7 @@ class FlowControl:
         return verdict
 
     def leave(self, p: Pending) -> None:
-        self._wake(self.core.release(p))
+        self._wake(self.core.release(p, time.monotonic()))
 
     async def _wait(self, p: Pending) -> Reply | None:
         future = asyncio.get_running_loop().create_future()
@@ -119,9 +121,10 @@ class FlowControl:
     def tick(self, now: float) -> None:
         decodes = self.pool.of_role(Role.DECODE)
         for w in decodes:
-            self.learner.observe(w.spec.key, w.load)
+            self.learner.sample(w.spec.key, w.load)
         self.learner.forget_except(w.spec.key for w in decodes)
         available = [w.spec.key for w in self.pool.available(Role.DECODE, now)]
+        self._wake(self.core.expire(now))
         self._wake(self.core.set_capacity(self.learner.capacity(available)))
         self.reload()
 

@@ -7,6 +7,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import orjson
@@ -95,6 +96,17 @@ async def test_capacity_is_learned_from_the_pool_decodes(tmp_path: Path) -> None
     flow.tick(0.0)
     assert flow.core.capacity == 16
     assert _metric(registry, "tandem_router_flow_capacity_requests 16.0")
+
+
+async def test_a_tenant_that_left_keeps_its_share_until_a_tick_after_the_linger(tmp_path: Path) -> None:
+    flow, _ = _flow(tmp_path, flow_share_linger_s=0.5)
+    slot = await flow.enter("quiet", None, 1)
+    assert isinstance(slot, Pending)
+    flow.leave(slot)
+    assert "quiet" in flow.core._busy  # idle, still counted
+    flow.tick(time.monotonic() + 0.6)
+    assert not flow.core._busy
+    assert flow.core._busy_weight == 0
 
 
 async def test_the_limits_file_is_reloaded_and_a_bad_one_refused(tmp_path: Path) -> None:

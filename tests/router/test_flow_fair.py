@@ -89,6 +89,48 @@ def test_an_idle_tenant_banks_no_credit() -> None:
     assert q.tenants["b"].served >= 600  # starts at the busy tenants' counter, not at 0
 
 
+def test_a_tenant_let_in_from_its_queue_keeps_its_share() -> None:
+    """A quiet tenant's request that queues behind a flood's queue and is let in from nothing in flight used to
+    count the tenant busy twice: the busy weight grew with every such request, every share shrank towards 0, and the
+    quiet tenant, seen above its share, waited for the flood's slots (bench: 299 of 443 quiet requests queued)."""
+    q = FairQueue(reserve_share=0.25, headroom_share=0.5)
+    q.set_capacity(16)  # headroom 8, reserve 4
+    flood = [admitted(q.offer("flood", None, 1, 0)) for _ in range(80)]
+    for _ in range(50):
+        quiet = admitted(q.offer("quiet", None, 1, 0))
+        assert not quiet.admitted  # 24 in flight: it waits, first in line
+        assert q.release(next(p for p in flood if p.admitted and not p.done)) == [quiet]
+        q.release(quiet)
+    assert q._busy_weight == 1  # the flood alone
+    assert q.share(q.tenants["quiet"]) == 12  # (16 + 8) / 2 once it is busy
+    while q.in_flight > 12:  # the flood, above its share, drains to C - R
+        q.release(next(p for p in flood if p.admitted and not p.done))
+    again = [admitted(q.offer("quiet", None, 1, 0)) for _ in range(4)]
+    assert all(p.admitted for p in again)  # below its share: let in at once, ahead of the flood's queue
+
+
+def test_an_idle_tenant_keeps_its_share_a_moment() -> None:
+    """Between two of a quiet tenant's requests (or while its client stalls) the flood stays at C - R: it does
+    not take the quiet tenant's slots and hold them for a whole request. After ``linger_s`` the share goes back."""
+    q = FairQueue(reserve_share=0.25, headroom_share=0.25, linger_s=0.5)
+    q.set_capacity(16)  # reserve 4, headroom 4
+    quiet = admitted(q.offer("quiet", None, 1, 0))
+    flood = [admitted(q.offer("flood", None, 1, 0)) for _ in range(80)]
+    assert q.in_flight == 12  # the flood, above its share (20 / 2), stops at C - R
+    assert len(q.release(quiet, now=10.0)) == 1  # its slot: the flood back to C - R, no further
+    assert q.in_flight == 12
+    assert q.share(q.tenants["flood"]) == 10  # quiet idle now, but counted for 0.5 s more
+    assert q.expire(10.4) == []
+    back = admitted(q.offer("quiet", None, 1, 10.45))
+    assert back.admitted  # below its share: at once
+    assert q.release(back, now=10.5) == []
+    woken = q.expire(11.0)  # its share lapsed: the flood, alone, goes to C + H
+    assert len(woken) == 8
+    assert q.in_flight == 20
+    assert q._busy_weight == 1
+    assert sum(p.admitted for p in flood) == 20
+
+
 @pytest.mark.parametrize(
     ("entry", "reason", "retry_after"),
     [
@@ -158,6 +200,35 @@ def test_capacity_is_learned_from_saturated_decodes() -> None:
     assert learner.capacity(["d1"]) == 10  # a decode out of routing takes its share out
     learner.forget_except(["d2"])
     assert learner.capacity(["d1", "d2"]) is None
+
+
+def test_a_saturated_sample_above_the_capacity_raises_it_at_once() -> None:
+    """Scrapes that fall between two requests (a slot freed, its successor not in it yet) move the capacity down;
+    the next full one puts it back, rather than a third of the way back (which left it at 9-13 of 16 on a busy
+    machine, and a lone tenant held below what the decodes run)."""
+    learner = CapacityLearner()
+    learner.observe("d1", WorkerLoad(running=8, queued=3))
+    for _ in range(3):
+        learner.observe("d1", WorkerLoad(running=5, queued=1))
+        learner.observe("d1", WorkerLoad(running=8, queued=2))
+        assert learner.estimates["d1"] == 8
+
+
+def test_a_scrape_of_a_decode_below_its_capacity_is_not_saturation() -> None:
+    """A decode held below its capacity by flow control counts a request queued while it takes its reservation, and
+    a simulated decode keeps its KV cache 99.7 % full after its clients left; taken as saturation, such scrapes
+    lowered the capacity, and flow control held the decodes lower still (9-13 of 16 learned)."""
+    learner = CapacityLearner()
+    learner.sample("d1", WorkerLoad(running=8, queued=3))
+    for _ in range(10):
+        learner.sample("d1", WorkerLoad(running=5, queued=1))  # 6 of 8: a request on its way into a free slot
+    assert learner.estimates["d1"] == 8
+    learner.sample("d1", WorkerLoad(running=6, queued=3))  # 9 held, 6 run: it runs fewer now (longer requests)
+    assert learner.estimates["d1"] == pytest.approx(8 - 0.3 * 2)
+    learner.sample("d1", WorkerLoad(running=0, kv_usage=0.997))  # idle, its KV held by nothing of ours
+    assert learner.estimates["d1"] == pytest.approx(7.4)
+    learner.sample("d1", WorkerLoad(running=4, queued=1, kv_usage=0.97))  # requests wait on a full KV cache
+    assert learner.estimates["d1"] == pytest.approx(7.4 - 0.3 * 3.4)
 
 
 def test_tenant_entries_merge_over_the_default() -> None:

@@ -34,8 +34,8 @@ def test_quiet_tenants_keep_their_ttft_under_a_flood(tmp_path: Path) -> None:
             assert alone.errors == flooded.errors == 0
             p50[name, "alone"], p50[name, "flooded"] = pct(alone.ttft_ms, 0.5), pct(flooded.ttft_ms, 0.5)
     print(p50)
-    # Flooded / alone p50 measures 2.3-3.2x (a quiet request still shares the decode steps with the flood's; `tandem
-    # bench tenants` in router/README.md: 29 / 9.0 ms), the alone p50 of 6-9 ms being the noisy side; without flow
-    # control it is 30-60x. Issue 36's 1.5x target (on p99) is not met yet.
+    # Flooded / alone p50 measures 1.8-3.1x (a quiet request shares the machine's 2 cores with the flood's work;
+    # `tandem bench tenants` in router/README.md: 65 / 37 ms at load average 4.6-8.5, 29 / 9.0 ms at 2.5-4.6), the
+    # alone p50 being the noisy side; without flow control it is 18-60x. Issue 36's target is on p99 (1.5x): 1.5-2.5x.
     assert p50[ON, "flooded"] < 4 * p50[ON, "alone"]
     assert p50[ON, "flooded"] * 3 < p50[OFF, "flooded"]

@@ -2,10 +2,16 @@
 ``num_running_reqs``, ``num_queue_reqs``, ``token_usage``, scraped by the health checker), not configured.
 
 A decode that queues requests (``queued > 0``) or has its KV cache nearly full (``kv_usage >= kv_saturation``)
-runs all it can: each such sample moves its capacity towards what it runs then (a moving average: one sample may
-fall between two requests). Otherwise it ran at least what it runs now. (Running as the simulator counts it: from
-the KV reservation, the PD transfer included; SGLang's decode keeps its transfer queue apart, so there the learned
-capacity is lower by what is in transfer, and the headroom of ``fair`` covers part of it.)
+runs all it can: each such sample below its capacity moves the capacity down towards what it runs then (a moving
+average: one sample may fall between two requests, a slot just freed and its successor not in it yet). A sample
+above the capacity, saturated or not, raises it at once: the decode ran that many at once. ``sample`` (the
+adapter's entry) also drops the scrapes of a decode whose running and queued requests stay below its capacity,
+unless requests wait on a full KV cache (a queue there is a request on its way into a free slot; a full cache with
+nothing waiting holds nothing of ours). Before both, a busy machine learned 9-13 for 2 decodes of
+8 slots: flow control held the decodes below their capacity, so their transient queues lowered it further, and a
+lone tenant was held below what the cluster runs. (Running as the simulator counts it: from the KV reservation,
+the PD transfer included; SGLang's decode keeps its transfer queue apart, so there the learned capacity is lower
+by what is in transfer, and the headroom of ``fair`` covers part of it.)
 
 The cluster's capacity is the sum over the decodes that may take traffic; while one of them has never been seen
 saturated it is unknown (None), and flow control admits everything, as without it (a new decode is learned at its
@@ -35,10 +41,26 @@ class CapacityLearner:
         self._seen[decode] = load
         held = load.running
         known = self.estimates.get(decode)
-        if load.queued > 0 or load.kv_usage >= self.kv_saturation:
+        if known is not None and held > known:
+            self.estimates[decode] = held  # it ran that many at once: saturated or not, it holds at least those
+        elif load.queued > 0 or load.kv_usage >= self.kv_saturation:
             self.estimates[decode] = max(1.0, held if known is None else known + SMOOTHING * (held - known))
-        elif known is not None and held > known:
-            self.estimates[decode] = held
+
+    def sample(self, decode: str, load: WorkerLoad) -> None:
+        """A scrape of ``decode``'s gauges (``observe``), unless it holds fewer requests (running + queued) than its
+        capacity without requests waiting on a full KV cache: then a queue is a request on its way into a free slot
+        (the simulator counts it queued while it takes its KV reservation), and a full KV cache with nothing waiting
+        holds no request of ours (measured: a simulated decode left at 99.7 % after its clients went away, running
+        and queueing nothing). Taken as saturation, such scrapes lowered the capacity while flow control held the
+        decodes below it, which held them lower still: 9-13 learned for 2 decodes of 8 slots."""
+        known = self.estimates.get(decode)
+        if (
+            known is not None
+            and load.running + load.queued < known
+            and not (load.queued > 0 and load.kv_usage >= self.kv_saturation)
+        ):
+            return
+        self.observe(decode, load)
 
     def capacity(self, available: Iterable[str]) -> int | None:
         """Requests the ``available`` decodes run at once; None while one of them is unknown."""
