@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from tandem_router.canary import CanaryConfig, ProbeScope
 from tandem_router.config import DiscoveryMode, RouterSettings
 from tandem_router.discovery import Discovery, make_discovery
+from tandem_router.dispatch import ProxyRequest
 from tandem_router.flow.requests import asked_priority, estimated_tokens
 from tandem_router.flow_control import FlowControl
 from tandem_router.health import HealthChecker
@@ -36,7 +37,7 @@ from tandem_router.openapi import document
 from tandem_router.policy.breaker import BreakerConfig
 from tandem_router.policy.retry import RetryConfig
 from tandem_router.pool import PairGate, WorkerPool
-from tandem_router.proxy import Proxy, ProxyRequest
+from tandem_router.proxy import Proxy
 from tandem_router.resume import ResumeConfig
 from tandem_router.schema import (
     REQUEST_MODELS,
@@ -274,7 +275,7 @@ async def _cleanup(s: RouterState) -> None:
     if s.members is not None:
         await s.members.stop()
     await s.discovery.stop()
-    await s.proxy.drain_background()
+    await s.proxy.dispatch.drain_background()
     await s.transport.close()
 
 

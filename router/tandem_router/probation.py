@@ -43,10 +43,10 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from tandem.registry import Role
+from tandem_router.dispatch import ProxyRequest
 from tandem_router.integrity.divergence import Answer, compare
 from tandem_router.integrity.monitor import IntegrityMonitor, PairKey
 from tandem_router.pool import Pair, WorkerPool
-from tandem_router.proxy import ProxyRequest
 from tandem_router.shadow import deterministic, rerun
 from tandem_router.transport import Transport
 

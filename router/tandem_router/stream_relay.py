@@ -16,44 +16,35 @@ import contextlib
 import functools
 import logging
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from tandem_router.dispatch import Dispatch, Opened, ProxyRequest
 from tandem_router.integrity.textextract import StreamTexts
 from tandem_router.openai.responses import StreamConformer, conformed
-from tandem_router.pool import Lease, Pair
-from tandem_router.resume import Refusal, StreamLedger
+from tandem_router.pool import Pair
+from tandem_router.resume import Refusal, ResumeConfig, StreamLedger
 from tandem_router.schema import Route, stream_error_event
 from tandem_router.server import ResponseStream, ServerRequest
-from tandem_router.transport import WorkerError, WorkerResponse
-
-if TYPE_CHECKING:
-    from tandem_router.proxy import Proxy, ProxyRequest
+from tandem_router.transport import WorkerError
 
 log = logging.getLogger("tandem.router.proxy")
 
 
-@dataclass(frozen=True)
-class Opened:
-    """A pair that answered: its lease (held until the relay settles it), the decode's response and first chunk."""
-
-    lease: Lease
-    resp: WorkerResponse
-    first: bytes
-
-    @property
-    def pair(self) -> Pair:
-        return self.lease.pair
-
-
 class StreamRelay:
-    def __init__(self, proxy: Proxy, req: ProxyRequest, http: ServerRequest, ledger: StreamLedger | Refusal) -> None:
-        self.proxy = proxy
+    def __init__(
+        self,
+        dispatch: Dispatch,
+        resume_cfg: ResumeConfig,
+        req: ProxyRequest,
+        http: ServerRequest,
+        ledger: StreamLedger | Refusal,
+    ) -> None:
+        self.dispatch = dispatch
+        self.resume_cfg = resume_cfg
         self.req = req
         self.http = http
         self.ledger = ledger if isinstance(ledger, StreamLedger) else None
         self.refusal: Refusal | None = ledger if isinstance(ledger, Refusal) else None  # why a break is final
-        self.texts = StreamTexts(req.route.value) if proxy.observer is not None else None
+        self.texts = StreamTexts(req.route.value) if dispatch.observer is not None else None
         if self.texts is not None and self.ledger is not None:
             self.ledger.on_event = self.texts.add  # the ledger parses every event: the texts come with it
         self.shaped = StreamConformer(req.route) if req.route is not Route.GENERATE else None
@@ -71,10 +62,10 @@ class StreamRelay:
         return raw if self.shaped is None else self.shaped.feed(raw)
 
     async def run(self, opened: Opened) -> ResponseStream:
-        proxy, req = self.proxy, self.req
+        dispatch, req = self.dispatch, self.req
         pair, resp, first = opened.pair, opened.resp, opened.first
         route = req.route.value
-        metrics = proxy.metrics
+        metrics = dispatch.metrics
         out = self.http.stream(
             (("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"), ("X-Request-Id", req.request_id))
         )
@@ -111,7 +102,7 @@ class StreamRelay:
                 if error is None:
                     ok = True
                     if self.texts is not None:
-                        proxy.report_texts(pair, req, self.texts.texts())
+                        dispatch.report_texts(pair, req, self.texts.texts())
                     if self.shaped is not None:
                         with contextlib.suppress(ConnectionResetError):
                             await out.write(self.shaped.flush())
@@ -121,7 +112,7 @@ class StreamRelay:
                     "decode stream broke after the first byte",
                     extra={"request_id": req.request_id, "decode": pair.decode.url, "error": repr(error)},
                 )
-                proxy.settle(opened, ok=False, client_gone=False)
+                dispatch.settle(opened, ok=False, client_gone=False)
                 settled = True
                 resumed = await self._resume(pair, time.monotonic())
                 if resumed is None:
@@ -144,32 +135,32 @@ class StreamRelay:
             return out
         finally:
             if not settled:  # a client that left (also: its request cancelled) says nothing about the pair
-                proxy.settle(opened, ok=ok, client_gone=client_gone or out.client_gone)
+                dispatch.settle(opened, ok=ok, client_gone=client_gone or out.client_gone)
             metrics.route_e2e(route).observe(time.monotonic() - req.started)
 
     async def _resume(self, failed: Pair, broke_at: float) -> Opened | None:
         """A fresh pair's continuation of the stream (its response and first chunk), or None: give up."""
-        proxy, req, ledger = self.proxy, self.req, self.ledger
+        dispatch, req, ledger = self.dispatch, self.req, self.ledger
         self.refusal = self.refusal if ledger is None else ledger.refusal
         if ledger is None or self.refusal is not None:
             return None
         self.failed_workers.add(failed.decode.key)
         reason = "decode_stream_broken"
-        deadline = broke_at + proxy.resume_cfg.deadline_s
-        while self.attempts < proxy.resume_cfg.max_attempts and time.monotonic() < deadline:
+        deadline = broke_at + self.resume_cfg.deadline_s
+        while self.attempts < self.resume_cfg.max_attempts and time.monotonic() < deadline:
             now = time.monotonic()
             # Never a failed worker, and only the broken pair's revision: the relayed tokens came from that model.
-            other_revision = {p.key for p in proxy.pool.all_pairs() if p.prefill.revision != failed.prefill.revision}
-            exclude = proxy.pool.pairs_with(self.failed_workers) | other_revision
-            pair = proxy.pool.choose_pair(req.prefix, now, exclude)
+            other_revision = {p.key for p in dispatch.pool.all_pairs() if p.prefill.revision != failed.prefill.revision}
+            exclude = dispatch.pool.pairs_with(self.failed_workers) | other_revision
+            pair = dispatch.pool.choose_pair(req.prefix, now, exclude)
             if pair is None:
                 return None
             self.attempts += 1
             ledger.next_segment()
-            opened = await proxy.open_pair(pair, req, ledger.continuation())
+            opened = await dispatch.open_pair(pair, req, ledger.continuation())
             if isinstance(opened, Opened):
-                proxy.metrics.resumed.labels(req.route.value, reason).inc()
-                proxy.metrics.resume_gap.observe(time.monotonic() - broke_at)
+                dispatch.metrics.resumed.labels(req.route.value, reason).inc()
+                dispatch.metrics.resume_gap.observe(time.monotonic() - broke_at)
                 log.info(
                     "resumed the stream on a fresh pair",
                     extra={
@@ -188,7 +179,7 @@ class StreamRelay:
                     "continuation_refused", f"a fresh pair refused the continuation ({opened.status})"
                 )
                 return None
-            proxy.metrics.pair_failure(pair, opened.reason)
+            dispatch.metrics.pair_failure(pair, opened.reason)
             self.failed_workers.add(pair.prefill.key if opened.reason.startswith("prefill") else pair.decode.key)
             failed, reason = pair, opened.reason
         return None
@@ -197,10 +188,10 @@ class StreamRelay:
         """Why the broken stream was not resumed (the error event says it; the metric counts it)."""
         if self.refusal is not None:
             code, why = self.refusal.code, self.refusal.why
-        elif self.attempts >= self.proxy.resume_cfg.max_attempts:
+        elif self.attempts >= self.resume_cfg.max_attempts:
             code, why = "attempts", f"{self.attempts} fresh pair(s) tried, none continued it"
         else:
             code, why = "no_pair", "no fresh pair of its revision was available in time"
-        self.proxy.metrics.resume_refused.labels(self.req.route.value, code).inc()
+        self.dispatch.metrics.resume_refused.labels(self.req.route.value, code).inc()
         log.warning("stream not resumed", extra={"request_id": self.req.request_id, "reason": code, "why": why})
         return why

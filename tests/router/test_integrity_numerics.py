@@ -14,13 +14,13 @@ from tandem.registry import Role
 from tandem_router.app import integrity_config
 from tandem_router.canary import CanaryProber
 from tandem_router.config import load
+from tandem_router.dispatch import ProxyRequest
 from tandem_router.integrity.divergence import NEAR_TIE_NATS, Answer
 from tandem_router.integrity.monitor import IntegrityConfig, IntegrityMonitor
 from tandem_router.integrity.probe_budget import ProbeKind
 from tandem_router.integrity.quarantine import QuarantinePolicy
 from tandem_router.pool import Pair, WorkerPool, WorkerSpec
 from tandem_router.probation import ProbationMirror
-from tandem_router.proxy import ProxyRequest
 from tandem_router.schema import Route
 from tandem_router.shadow import ShadowSampler
 from tandem_router.transport import Request, Transport

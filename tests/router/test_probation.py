@@ -10,11 +10,11 @@ import orjson
 from prometheus_client import CollectorRegistry
 
 from tandem.registry import Role
+from tandem_router.dispatch import ProxyRequest
 from tandem_router.integrity.monitor import IntegrityConfig, IntegrityMonitor
 from tandem_router.integrity.quarantine import QuarantinePolicy
 from tandem_router.pool import Pair, WorkerPool, WorkerSpec
 from tandem_router.probation import ProbationMirror, load_target, mirror_targets
-from tandem_router.proxy import ProxyRequest
 from tandem_router.schema import Route
 from tandem_router.transport import Request, Transport
 

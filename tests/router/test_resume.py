@@ -9,15 +9,15 @@ import orjson
 import pytest
 
 from tandem.registry import Role
+from tandem_router.dispatch import Dispatch, Failure, Opened, ProxyRequest
 from tandem_router.metrics import RouterMetrics
 from tandem_router.policy.selection import Policy
 from tandem_router.pool import Pair, WorkerPool, WorkerSpec
-from tandem_router.proxy import Proxy, ProxyRequest, _Failure
 from tandem_router.resume import ResumeConfig
 from tandem_router.resume.openai_streams import ChatLedger
 from tandem_router.schema import Route
 from tandem_router.server import ServerRequest
-from tandem_router.stream_relay import Opened, StreamRelay
+from tandem_router.stream_relay import StreamRelay
 from tandem_router.transport import WorkerResponse
 
 BODY: dict[str, Any] = {
@@ -131,11 +131,12 @@ def test_an_event_the_ledger_does_not_change_is_relayed_as_the_worker_spelled_it
 
 def test_the_relay_parses_each_event_once_for_ledger_texts_and_conformance(monkeypatch: pytest.MonkeyPatch) -> None:
     """Integrity on, and the client asked for every chunk's usage, whose null details OpenAI does not allow."""
-    proxy = _FakeProxy([])
-    proxy.observer = object()  # integrity on: the relay extracts the texts
+    dispatch = _FakeDispatch([])
+    dispatch.observer = object()  # integrity on: the relay extracts the texts
     body = {**BODY, "stream_options": {"continuous_usage_stats": True}}
     relay = StreamRelay(
-        cast(Proxy, proxy),
+        cast(Dispatch, dispatch),
+        ResumeConfig(),
         ProxyRequest(Route.CHAT, body, True, 0, "", "rid", 0.0),
         cast(ServerRequest, None),
         ChatLedger(body),
@@ -165,8 +166,8 @@ def test_the_relay_parses_each_event_once_for_ledger_texts_and_conformance(monke
     assert relay.texts.texts() == ["Hello"]
 
 
-class _FakeProxy:
-    """What ``StreamRelay._resume`` uses of the proxy: a real pool and metrics, continuations that fail first."""
+class _FakeDispatch:
+    """What ``StreamRelay._resume`` uses of the dispatch: a real pool and metrics, continuations that fail first."""
 
     def __init__(self, failures: list[str], revisions: tuple[str, ...] = ("",)) -> None:
         self.pool = WorkerPool(Policy.ROUND_ROBIN)
@@ -175,7 +176,6 @@ class _FakeProxy:
                 for i in range(n):
                     self.pool.upsert(WorkerSpec(role, f"http://{role.value}{i}{revision}", revision=revision))
         self.metrics = RouterMetrics(self.pool)
-        self.resume_cfg = ResumeConfig()
         self.observer: object | None = None
         self.failures = failures
         self.tried: list[Pair] = []
@@ -185,46 +185,46 @@ class _FakeProxy:
         lease = self.pool.lease(pair, 0.0)
         if self.failures:
             lease.release(0.0)
-            return _Failure(self.failures.pop(0), True)
+            return Failure(self.failures.pop(0), True)
         return Opened(lease, cast(WorkerResponse, None), b"first")
 
 
-def _relay(proxy: _FakeProxy) -> StreamRelay:
+def _relay(dispatch: _FakeDispatch) -> StreamRelay:
     req = ProxyRequest(Route.CHAT, BODY, True, 0, "", "rid", 0.0)
-    relay = StreamRelay(cast(Proxy, proxy), req, cast(ServerRequest, None), ChatLedger(BODY))
+    relay = StreamRelay(cast(Dispatch, dispatch), ResumeConfig(), req, cast(ServerRequest, None), ChatLedger(BODY))
     assert relay.ledger is not None
     relay.ledger.feed(_chunk("a", {"role": "assistant", "content": "Hello"}, None, 1))
     return relay
 
 
 async def test_a_continuation_whose_prefill_dies_moves_on_without_either_failed_worker() -> None:
-    proxy = _FakeProxy(["prefill_unreachable"])
+    dispatch = _FakeDispatch(["prefill_unreachable"])
     broken = Pair(WorkerSpec(Role.PREFILL, "http://prefill0"), WorkerSpec(Role.DECODE, "http://decode0"))
-    resumed = await _relay(proxy)._resume(broken, time.monotonic())
+    resumed = await _relay(dispatch)._resume(broken, time.monotonic())
     assert resumed is not None
-    first, second = proxy.tried
+    first, second = dispatch.tried
     assert first.decode.url != "http://decode0"
     assert second.decode.url != "http://decode0"
     assert second.prefill.url != first.prefill.url  # the prefill that died is skipped too
-    samples = [s for m in proxy.metrics.registry.collect() for s in m.samples]
+    samples = [s for m in dispatch.metrics.registry.collect() for s in m.samples]
     counted = {s.labels["reason"]: s.value for s in samples if s.name == "tandem_router_resumed_streams_total"}
     assert counted == {"prefill_unreachable": 1}  # the resume is counted under what broke the last pair
 
 
 async def test_resume_gives_up_after_max_attempts() -> None:
-    proxy = _FakeProxy(["decode_stream_error"] * 5)
+    dispatch = _FakeDispatch(["decode_stream_error"] * 5)
     broken = Pair(WorkerSpec(Role.PREFILL, "http://prefill0"), WorkerSpec(Role.DECODE, "http://decode0"))
-    assert await _relay(proxy)._resume(broken, time.monotonic()) is None
-    assert len(proxy.tried) == ResumeConfig().max_attempts
+    assert await _relay(dispatch)._resume(broken, time.monotonic()) is None
+    assert len(dispatch.tried) == ResumeConfig().max_attempts
 
 
 async def test_resume_stays_on_the_broken_pairs_revision() -> None:
     """During a rollout the relayed tokens came from the old model: the continuation never moves to the new one."""
-    proxy = _FakeProxy(["decode_stream_error"] * 3, revisions=("old", "new"))
+    dispatch = _FakeDispatch(["decode_stream_error"] * 3, revisions=("old", "new"))
     broken = Pair(
         WorkerSpec(Role.PREFILL, "http://prefill0old", revision="old"),
         WorkerSpec(Role.DECODE, "http://decode0old", revision="old"),
     )
-    await _relay(proxy)._resume(broken, time.monotonic())
-    assert proxy.tried
-    assert {(p.prefill.revision, p.decode.revision) for p in proxy.tried} == {("old", "old")}
+    await _relay(dispatch)._resume(broken, time.monotonic())
+    assert dispatch.tried
+    assert {(p.prefill.revision, p.decode.revision) for p in dispatch.tried} == {("old", "old")}
