@@ -7,10 +7,12 @@ import argparse
 from collections.abc import Sequence
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, Field, FilePath, field_validator, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tandem.registry import EtcdTLS
@@ -36,10 +38,10 @@ class PrefillSpec(BaseModel):
 class RouterSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_ROUTER_", env_nested_delimiter="__", extra="forbid")
 
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
+    host: str = Field(default="127.0.0.1", description="Address the router listens on.")
+    port: int = Field(default=8000, ge=0, le=65535, description="Port the router listens on (0: any free one).")
     workers: int = Field(default=1, ge=1, le=64, description="Router processes sharing the port (SO_REUSEPORT).")
-    policy: Policy = Policy.CACHE_AWARE
+    policy: Policy = Field(default=Policy.CACHE_AWARE, description="How a prefill/decode pair is chosen.")
     cache_threshold: float = Field(
         default=0.5, ge=0, le=1, description="cache_aware: share of the prompt the best prefix match must exceed."
     )
@@ -58,12 +60,20 @@ class RouterSettings(BaseSettings):
         "any), required (only; none -> 503), off (ignored), or auto: what the workers' registry entries say "
         "(PDCluster spec.fabric.mode), preferred where they say nothing.",
     )
-    prefill: list[PrefillSpec] = Field(default_factory=list)
-    decode: list[str] = Field(default_factory=list)
+    prefill: list[PrefillSpec] = Field(
+        default_factory=list,
+        description="Static discovery: a prefill's URL and its bootstrap port (repeat per prefill).",
+    )
+    decode: list[str] = Field(default_factory=list, description="Static discovery: a decode's URL (repeat per decode).")
     model_names: list[str] = Field(default_factory=list, description="Served model names; else learned from workers.")
 
-    discovery: DiscoveryMode = DiscoveryMode.STATIC
-    etcd_endpoints: list[str] = Field(default_factory=lambda: ["127.0.0.1:2379"])
+    discovery: DiscoveryMode = Field(
+        default=DiscoveryMode.STATIC, description="Where the workers come from: flags, the etcd registry or pods."
+    )
+    etcd_endpoints: list[str] = Field(
+        default_factory=lambda: ["127.0.0.1:2379"],
+        description="The registry etcd's client endpoints (repeat per member).",
+    )
     etcd_ca_file: FilePath | None = Field(default=None, description="CA of etcd's server certificates (turns TLS on).")
     etcd_cert_file: FilePath | None = Field(default=None, description="Client certificate of the router's etcd user.")
     etcd_key_file: FilePath | None = Field(default=None, description="Private key of etcd_cert_file.")
@@ -90,28 +100,38 @@ class RouterSettings(BaseSettings):
         description="A storm's held workers are removed once the registry, connected, went this long without "
         "naming them again or removing another.",
     )
-    cluster_namespace: str = "default"
-    cluster_name: str = "tandem"
-    k8s_namespace: str = "default"
-    k8s_prefill_selector: str = ""
-    k8s_decode_selector: str = ""
-    k8s_worker_port: int = Field(default=30000, ge=1, le=65535)
+    cluster_namespace: str = Field(default="default", description="Etcd discovery: the PDCluster's namespace.")
+    cluster_name: str = Field(default="tandem", description="Etcd discovery: the PDCluster's name.")
+    k8s_namespace: str = Field(default="default", description="Kubernetes discovery: the workers' namespace.")
+    k8s_prefill_selector: str = Field(default="", description="Kubernetes discovery: label selector of prefill pods.")
+    k8s_decode_selector: str = Field(default="", description="Kubernetes discovery: label selector of decode pods.")
+    k8s_worker_port: int = Field(
+        default=30000, ge=1, le=65535, description="Kubernetes discovery: the workers' HTTP port."
+    )
 
     api_keys: list[str] = Field(default_factory=list, description="Accepted Bearer keys; empty: no auth.")
-    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
-    max_concurrent_requests: int = Field(default=4096, ge=1)
-    retry_max_attempts: int = Field(default=5, ge=1, le=20)
-    retry_initial_backoff_s: float = Field(default=0.01, ge=0)
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, description="Largest request body accepted (413).")
+    max_concurrent_requests: int = Field(
+        default=4096, ge=1, description="Requests in flight beyond which a new one gets 503."
+    )
+    retry_max_attempts: int = Field(
+        default=5, ge=1, le=20, description="Pairs tried per request before its first byte."
+    )
+    retry_initial_backoff_s: float = Field(
+        default=0.01, ge=0, description="Wait before the first retry; doubles per retry."
+    )
     resume_max_attempts: int = Field(
         default=2, ge=0, le=10, description="Fresh pairs tried per stream after its first byte (0: never resume)."
     )
     resume_deadline_s: float = Field(default=30.0, gt=0, description="From a stream's break: no pair tried after.")
-    breaker_threshold: int = Field(default=5, ge=1)
-    breaker_cooldown_s: float = Field(default=2.0, gt=0)
-    health_interval_s: float = Field(default=2.0, gt=0)
-    connect_timeout_s: float = Field(default=2.0, gt=0)
-    read_idle_timeout_s: float = Field(default=300.0, gt=0)
-    drain_timeout_s: float = Field(default=30.0, ge=0)
+    breaker_threshold: int = Field(default=5, ge=1, description="Consecutive failures that open a worker's breaker.")
+    breaker_cooldown_s: float = Field(default=2.0, gt=0, description="An open breaker's wait before it lets one try.")
+    health_interval_s: float = Field(default=2.0, gt=0, description="Seconds between health checks of each worker.")
+    connect_timeout_s: float = Field(default=2.0, gt=0, description="Longest wait for a connection to a worker.")
+    read_idle_timeout_s: float = Field(
+        default=300.0, gt=0, description="Longest silence of a worker's response before it counts as failed."
+    )
+    drain_timeout_s: float = Field(default=30.0, ge=0, description="On SIGTERM: longest wait for requests in flight.")
 
     integrity: bool = Field(default=True, description="Run the output-integrity detectors, canaries and quarantine.")
     canary_interval_s: float = Field(default=30.0, gt=0, description="Seconds between known-answer canary rounds.")
@@ -127,7 +147,7 @@ class RouterSettings(BaseSettings):
     quarantine_threshold: int = Field(
         default=2, ge=1, description="Integrity failures within the window that quarantine a pair."
     )
-    quarantine_window_s: float = Field(default=60.0, gt=0)
+    quarantine_window_s: float = Field(default=60.0, gt=0, description="Window over which integrity failures count.")
     quarantine_probe_initial_s: float = Field(
         default=5.0, gt=0, description="Wait before a quarantined pair's first probation; doubles per quarantine."
     )
@@ -198,7 +218,7 @@ class RouterSettings(BaseSettings):
     flow_metrics_tenants: int = Field(
         default=20, ge=0, le=1000, description="Tenants with metric series of their own; the rest are 'other'."
     )
-    log_level: str = "info"
+    log_level: str = Field(default="info", description="debug, info, warning or error.")
 
     @property
     def cache_aware_config(self) -> CacheAwareConfig:
@@ -235,81 +255,52 @@ def _prefill_arg(values: list[str]) -> dict[str, Any]:
     return spec
 
 
+# Flags whose name is not the field's, dashed: SGLang router's spelling (one flag per value, repeated).
+_FLAG_NAMES = {"model_names": "--model-name", "etcd_endpoints": "--etcd-endpoint", "api_keys": "--api-key"}
+_METAVARS = {"prefill": "URL [BOOTSTRAP_PORT]", "decode": "URL", "etcd_endpoints": "HOST:PORT", "model_names": "NAME",
+             "api_keys": "KEY"}  # fmt: skip
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of ``RouterSettings`` field ``name``."""
+    return _FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
+
+
+def _kind(annotation: Any) -> Any:
+    """``X`` of ``X | None``, else the annotation itself."""
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    return args[0] if get_origin(annotation) in (UnionType, Union) and len(args) == 1 else annotation
+
+
+def _default(field: FieldInfo) -> str:
+    value = field.get_default(call_default_factory=True)
+    if value is None or value == []:
+        return ""
+    shown = value.value if isinstance(value, StrEnum) else value
+    return f" (default: {shown})"
+
+
 def parser() -> argparse.ArgumentParser:
+    """One flag per ``RouterSettings`` field, made from its type, description and default (repeated for lists,
+    ``--x/--no-x`` for booleans, the choices of an enum), plus ``--config`` and SGLang router's no-op
+    ``--pd-disaggregation``."""
     p = argparse.ArgumentParser(prog="tandem router", description="OpenAI-compatible prefill/decode router.")
     p.add_argument("--config", type=Path, help="YAML file with RouterSettings fields (flags win)")
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
-    p.add_argument("--workers", type=int, help="router processes sharing the port (SO_REUSEPORT)")
-    p.add_argument("--policy", choices=[x.value for x in Policy])
-    p.add_argument("--cache-threshold", type=float, help="cache_aware: prefix match share for affinity (0.5)")
-    p.add_argument("--balance-abs-threshold", type=int, help="cache_aware: prefill token spread that drops affinity")
-    p.add_argument("--balance-rel-threshold", type=float, help="cache_aware: prefill token ratio that drops it (1.1)")
-    p.add_argument("--cache-max-tree-units", type=int, help="cache_aware: ids or characters kept per prefill")
-    p.add_argument(
-        "--fabric-locality",
-        choices=[x.value for x in FabricLocality],
-        help="pairs within one fabric domain: preferred, required, off, or auto (default: the registry entries')",
-    )
-    p.add_argument("--prefill", nargs="+", action="append", metavar="URL [BOOTSTRAP_PORT]")
-    p.add_argument("--decode", action="append", metavar="URL")
     p.add_argument("--pd-disaggregation", action="store_true", help="accepted for SGLang-router compatibility")
-    p.add_argument("--model-name", dest="model_names", action="append")
-    p.add_argument("--discovery", choices=[x.value for x in DiscoveryMode])
-    p.add_argument("--etcd-endpoint", dest="etcd_endpoints", action="append", metavar="HOST:PORT")
-    p.add_argument("--etcd-ca-file", help="CA of etcd's server certificates (turns TLS on)")
-    p.add_argument("--etcd-cert-file", help="client certificate of the router's etcd user (its CN)")
-    p.add_argument("--etcd-key-file")
-    p.add_argument("--etcd-server-name", help="name etcd's certificate is checked against (default: its host)")
-    p.add_argument("--registry-verify-key", help="operator's Ed25519 public key: ignore endpoints it did not sign")
-    p.add_argument("--registry-panic-share", type=float, help="share of workers removed at once that is a storm (0.5)")
-    p.add_argument("--registry-panic-min-removals", type=int, help="fewest removals that can be a storm (2)")
-    p.add_argument("--registry-panic-window-s", type=float, help="window over which removals are counted (10)")
-    p.add_argument("--registry-settle-s", type=float, help="quiet registry time after which held workers go (30)")
-    p.add_argument("--cluster-namespace")
-    p.add_argument("--cluster-name")
-    p.add_argument("--k8s-namespace")
-    p.add_argument("--k8s-prefill-selector")
-    p.add_argument("--k8s-decode-selector")
-    p.add_argument("--api-key", dest="api_keys", action="append")
-    p.add_argument("--max-body-bytes", type=int)
-    p.add_argument("--max-concurrent-requests", type=int)
-    p.add_argument("--retry-max-attempts", type=int)
-    p.add_argument("--resume-max-attempts", type=int, help="fresh pairs per broken stream (default 2; 0: off)")
-    p.add_argument("--resume-deadline-s", type=float)
-    p.add_argument("--health-interval-s", type=float)
-    p.add_argument("--drain-timeout-s", type=float)
-    p.add_argument("--integrity", action=argparse.BooleanOptionalAction, help="output-integrity checks (default on)")
-    p.add_argument("--canary-interval-s", type=float)
-    p.add_argument("--canary-sample", type=int, help="partners per worker per canary round (default 2)")
-    p.add_argument("--probe-budget-share", type=float, help="probing's share of the cluster's capacity (0.01)")
-    p.add_argument("--quarantine-threshold", type=int)
-    p.add_argument("--quarantine-window-s", type=float)
-    p.add_argument("--quarantine-probe-initial-s", type=float)
-    p.add_argument("--quarantine-probe-max-s", type=float)
-    p.add_argument("--quarantine-watch-s", type=float)
-    p.add_argument("--probation-comparisons", type=int)
-    p.add_argument("--max-detector-ejection-share", type=float)
-    p.add_argument("--integrity-independent-clients", type=int)
-    p.add_argument("--client-id-header", help="header that names the client (only if a trusted proxy sets it)")
-    p.add_argument("--report-after-quarantines", type=int)
-    p.add_argument("--leak-ngram-words", type=int)
-    p.add_argument(
-        "--integrity-near-tie-nats", type=float, help="margin within which a flipped token is numerics (0.5)"
-    )
-    p.add_argument("--shadow-rate", type=float, help="fraction of deterministic requests shadowed (default 0.01)")
-    p.add_argument("--flow-control", action=argparse.BooleanOptionalAction, help="tenant fair admission (default on)")
-    p.add_argument("--flow-limits-file", help="per-tenant weights, priorities and limits (YAML/JSON, reloaded)")
-    p.add_argument("--flow-reserve-share", type=float, help="capacity held for tenants below their share (0.25)")
-    p.add_argument("--flow-headroom-share", type=float, help="admitted beyond the learned capacity, share of it (0.5)")
-    p.add_argument("--flow-share-linger-s", type=float, help="seconds an idle tenant keeps its share (0.5)")
-    p.add_argument(
-        "--flow-worker-priority",
-        action=argparse.BooleanOptionalAction,
-        help="send the effective priority to the workers (SGLang --enable-priority-scheduling)",
-    )
-    p.add_argument("--flow-metrics-tenants", type=int, help="tenants with metric series of their own (20)")
-    p.add_argument("--log-level")
+    for name, field in RouterSettings.model_fields.items():
+        kind = _kind(field.annotation)
+        text = ((field.description or "") + _default(field)).replace("%", "%%")
+        flag = flag_of(name)
+        if name == "prefill":
+            p.add_argument(flag, dest=name, help=text, nargs="+", action="append", metavar=_METAVARS[name])
+        elif kind is bool:
+            p.add_argument(flag, dest=name, help=text, action=argparse.BooleanOptionalAction)
+        elif get_origin(kind) is list:
+            p.add_argument(flag, dest=name, help=text, action="append", metavar=_METAVARS.get(name, "VALUE"))
+        elif isinstance(kind, type) and issubclass(kind, StrEnum):
+            p.add_argument(flag, dest=name, help=text, choices=[x.value for x in kind])
+        else:
+            p.add_argument(flag, dest=name, help=text, type=kind if kind in (int, float) else str)
     return p
 
 

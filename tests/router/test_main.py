@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from tandem_dev.procs import ManagedProcess, free_port
-from tandem_router.config import DiscoveryMode, load
+from tandem_router.config import DiscoveryMode, RouterSettings, flag_of, load, parser
 from tandem_router.discovery import pod_spec, static_specs
 from tandem_router.policy.selection import Policy
 from tests.router.helpers import start_instant_workers
@@ -37,6 +37,26 @@ def test_flags_sglang_router_compatible(monkeypatch: pytest.MonkeyPatch, tmp_pat
         ("decode", "http://10.0.0.3:30000", None),
     ]
     assert load(["--discovery", "etcd"]).discovery is DiscoveryMode.ETCD
+
+
+def test_every_setting_has_a_flag_with_its_description() -> None:
+    """The flags are made from ``RouterSettings``: none is missing or spelled by hand."""
+    actions = {a.dest: a for a in parser()._actions}
+    for name, field in RouterSettings.model_fields.items():
+        assert name in actions, f"no flag for {name}"
+        assert flag_of(name) in actions[name].option_strings
+        assert field.description
+        assert field.description.replace("%", "%%") in (actions[name].help or "")
+    assert set(actions) == {*RouterSettings.model_fields, "help", "config", "pd_disaggregation"}
+
+
+def test_settings_once_without_a_flag_reach_the_router() -> None:
+    s = load(["--breaker-threshold", "7", "--connect-timeout-s", "1.5", "--k8s-worker-port", "31000",
+              "--read-idle-timeout-s", "60", "--no-integrity", "--model-name", "a", "--model-name", "b",
+              "--etcd-endpoint", "10.0.0.1:2379", "--api-key", "k"])  # fmt: skip
+    assert (s.breaker_threshold, s.connect_timeout_s, s.k8s_worker_port, s.read_idle_timeout_s) == (7, 1.5, 31000, 60)
+    assert (s.integrity, s.model_names, s.etcd_endpoints, s.api_keys) == (False, ["a", "b"], ["10.0.0.1:2379"], ["k"])
+    assert load([]).integrity is True
 
 
 @pytest.mark.procs
