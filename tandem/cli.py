@@ -25,9 +25,9 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "operator": ("tandem_operator.cli", "main", "Kubernetes operator for PDCluster/PDPool"),
     "render": ("tandem_operator.render", "main", "print every manifest the operator would create for a PDCluster"),
     "up": ("tandem_dev.local_stack_cli", "main", "run the embedded local stack: etcd, workers, router on :8000"),
-    "bench": ("tandem_dev.bench_run", "main", "run the benchmarks and print tables"),
+    "bench": ("tandem_dev.bench.run", "main", "run the benchmarks and print tables"),
     "chaos": (
-        "tandem_dev.chaos",
+        "tandem_dev.chaos.cli",
         "main",
         "a bounded chaos run (local stack, or --setting dev-cluster): faults under load, table + plots",
     ),

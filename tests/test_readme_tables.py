@@ -5,9 +5,9 @@ The rule: a table is *reference* (flags, fields, defaults, fidelity rows: no mea
 is listed in ``REFERENCE`` below; every other table is a measurement, so a new table must either name its command
 or be listed here on purpose. A measurement table (with the tables right next to it, separated only by blank
 lines) must name, in an inline code span of the paragraph right above it or right below it, a command that saves
-JSON: ``tandem bench <section>`` (a real section; tandem_dev.bench_results), ``tandem chaos``, a ``make`` target
+JSON: ``tandem bench <section>`` (a real section; tandem_dev.bench.results), ``tandem chaos``, a ``make`` target
 whose recipe runs one of these, ``python -m <module>`` whose source saves with tandem_dev.records or
-tandem_dev.bench_results, or ``pytest <test file>`` whose tests use the ``record`` fixture (tests/conftest.py).
+tandem_dev.bench.results, or ``pytest <test file>`` whose tests use the ``record`` fixture (tests/conftest.py).
 Env assignments, ``scripts/in-netns.sh`` and ``.venv/bin/`` in front are allowed. Figures of one-off runs (a
 before/after across two commits, a micro-benchmark) are prose, never a table.
 """
@@ -54,7 +54,7 @@ REFERENCE: set[tuple[str, str]] = {
     ("simulator/README.md", "| behaviour | real SGLang 0.5.23 / Mooncake 0.3.13.post1 | `tandem sim` |"),
 }
 
-MODULE_SAVES = re.compile(r"\brecords\.save\(|\bbench_results\b")
+MODULE_SAVES = re.compile(r"\brecords\.save\(|\bResults\.start\(")
 TEST_RECORDS = re.compile(r"\brecord\(")
 DELIMITER = re.compile(r"^\|(\s*:?-+:?\s*\|)+$")
 HEADING = re.compile(r"^#{1,6} ")

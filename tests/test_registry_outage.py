@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem_dev.chaos_load import LoadSpec, Routers, reference, run_load
-from tandem_dev.chaos_report import StreamResult, Verdict, judge
+from tandem_dev.chaos.load import LoadSpec, Routers, reference, run_load
+from tandem_dev.chaos.report import StreamResult, Verdict, judge
 from tandem_dev.local_stack import MODEL, LocalStack, deterministic_sim_worker_argv
 from tandem_dev.procs import ManagedProcess
 from tandem_dev.records import Recorder

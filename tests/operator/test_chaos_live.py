@@ -17,10 +17,10 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from tandem_dev.chaos import DEV_CLUSTER_KINDS, save
-from tandem_dev.chaos_devcluster import run_on_cluster
-from tandem_dev.chaos_report import Verdict, violations
-from tandem_dev.chaos_run import ChaosArgs
+from tandem_dev.chaos.cli import DEV_CLUSTER_KINDS, save
+from tandem_dev.chaos.devcluster import run_on_cluster
+from tandem_dev.chaos.report import Verdict, violations
+from tandem_dev.chaos.run import ChaosArgs
 from tests.operator.live import Live
 
 pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.procs, pytest.mark.slow, pytest.mark.timeout(900)]

@@ -12,8 +12,9 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from tandem.registry import Role
-from tandem_dev import autoscale_bench, autoscale_hpa, autoscale_model, bench_run
+from tandem_dev import autoscale_bench, autoscale_hpa, autoscale_model
 from tandem_dev.autoscale_histogram import ITL_BOUNDS, TTFT_BOUNDS, cumulative, estimate_p90_ms, exact_p90_ms
+from tandem_dev.bench import run as bench_run
 from tandem_operator.autoscale.signals import parse_router
 from tandem_router import metrics
 

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem_dev import bench, bench_run, peers
+from tandem_dev import bench, peers
 from tandem_dev.bench import BenchArgs
+from tandem_dev.bench import run as bench_run
 
 SECTIONS = """
 from tandem_dev import peers

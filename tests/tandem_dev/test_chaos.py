@@ -13,8 +13,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tandem_dev.chaos import DEV_CLUSTER_KINDS, parse_args, run_chaos, save
-from tandem_dev.chaos_report import (
+from tandem_dev.chaos.cli import DEV_CLUSTER_KINDS, parse_args, run_chaos, save
+from tandem_dev.chaos.report import (
     ChaosReport,
     FaultRecord,
     StreamResult,
@@ -24,7 +24,7 @@ from tandem_dev.chaos_report import (
     timeline,
     violations,
 )
-from tandem_dev.chaos_run import ChaosArgs, plan
+from tandem_dev.chaos.run import ChaosArgs, plan
 
 REF = "the sea is wide"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import ModuleType
 
-from tandem_dev.chaos_report import ChaosReport, timeline
+from tandem_dev.chaos.report import ChaosReport, timeline
 
 
 def _pyplot() -> ModuleType:

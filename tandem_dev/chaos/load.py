@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 
-from tandem_dev.chaos_report import StreamResult
+from tandem_dev.chaos.report import StreamResult
 
 FAILOVERS = 2
 

@@ -1,5 +1,5 @@
 """The faults a chaos run injects, and how each one's fence and recovery are timed. A setting (the local stack
-here, the dev cluster in ``tandem_dev.chaos_devcluster``) exposes its workers and etcd members as a ``Cluster``.
+here, the dev cluster in ``tandem_dev.chaos.devcluster``) exposes its workers and etcd members as a ``Cluster``.
 
 - ``prefill`` / ``decode``: the worker is killed (SIGKILL). Fenced when no router would send it traffic (every
   router reports it unavailable, ``tandem_router_worker_available`` 0, or no longer lists it); recovered when
@@ -33,7 +33,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.registry import Role
-from tandem_dev.chaos_report import FaultRecord
+from tandem_dev.chaos.report import FaultRecord
 from tandem_dev.local_stack import LocalStack, etcd_pki_of
 from tandem_dev.procs import ManagedProcess
 

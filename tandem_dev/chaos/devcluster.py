@@ -9,7 +9,7 @@ differs here:
 
 - ``prefill`` / ``decode``: the pod's container (its ``tandem sim``) is killed (SIGKILL). The operator fences the
   group and recreates it as new pods; recovered when every router has the group's new registered URL available.
-- ``router``, ``etcd``, ``transfer``: as in ``tandem_dev.chaos_faults``.
+- ``router``, ``etcd``, ``transfer``: as in ``tandem_dev.chaos.faults``.
 - ``operator``: the replica holding the Lease is killed (SIGKILL: the Lease is not released) and started again at
   once as a standby (a Deployment's ReplicaSet would). Fenced: the other replica holds the Lease. Then a decode's
   container is killed at once: only the new leader can recover it. Recovered: that decode recovered (seconds from
@@ -40,9 +40,9 @@ from tandem import registry
 from tandem.registry import Role
 from tandem.registry_etcd import client as etcd_client
 from tandem.registry_etcd import close_client
-from tandem_dev.chaos_faults import ChaosTarget, Injector, Router
-from tandem_dev.chaos_report import ChaosReport, FaultRecord
-from tandem_dev.chaos_run import ChaosArgs, measure, say
+from tandem_dev.chaos.faults import ChaosTarget, Injector, Router
+from tandem_dev.chaos.report import ChaosReport, FaultRecord
+from tandem_dev.chaos.run import ChaosArgs, measure, say
 from tandem_dev.devcluster.cluster import DevCluster
 from tandem_dev.devcluster.config import DevClusterConfig
 from tandem_dev.devcluster.operator_proc import lease_holder, operator_process
@@ -76,7 +76,7 @@ def manifest(namespace: str, etcd: list[str], inter_token_ms: float) -> dict[str
 
 @dataclass
 class DevClusterWorkers:
-    """The dev cluster as a ``chaos_faults.Cluster``: groups' URLs from the registry, containers killed through
+    """The dev cluster as a ``faults.Cluster``: groups' URLs from the registry, containers killed through
     the pod runner (the kubelet), the operators and their Lease."""
 
     api: client.ApiClient

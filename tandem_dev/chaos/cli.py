@@ -1,12 +1,12 @@
 """``tandem chaos``: a bounded chaos run on the local stack (or, ``--setting dev-cluster``, on the dev cluster with
-the operator: ``tandem_dev.chaos_devcluster``), with its results saved and printed.
+the operator: ``tandem_dev.chaos.devcluster``), with its results saved and printed.
 
 The local stack: a 3-member etcd, 2 prefill + 2 decode simulated SGLang workers (real PD protocol, real Mooncake KV
 transfer over TCP, restarted by the stack's supervisor when they die) and 2 routers. Clients run temperature-0
 chat streams (``--concurrency`` at a time, at most ``--streams``, for ``--duration`` seconds) over a fixed set of
 prompts whose uninterrupted answers were taken first. Meanwhile ``--faults`` faults, drawn from ``--seed``, hit
-one process each (``tandem_dev.chaos_faults``), one after the other. Every stream is judged against its reference
-(``tandem_dev.chaos_report``): lost before its first byte, broken after it (error event or cut), hung, garbled;
+one process each (``tandem_dev.chaos.faults``), one after the other. Every stream is judged against its reference
+(``tandem_dev.chaos.report``): lost before its first byte, broken after it (error event or cut), hung, garbled;
 a stream lost or cut on a router killed while it was in flight is counted apart, the one exemption.
 Text equality with the reference holds only with batch-invariant kernels: the workers run
 ``--enable-deterministic-inference`` (the dev-cluster setting: ``spec.deterministicInference``).
@@ -31,11 +31,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tandem.registry import Role
-from tandem_dev import bench_results
-from tandem_dev.chaos_faults import KINDS, ChaosTarget, LocalCluster, Router
-from tandem_dev.chaos_plots import plot_recovery, plot_timeline
-from tandem_dev.chaos_report import ChaosReport, faults_table, summary_table, violations
-from tandem_dev.chaos_run import ChaosArgs, measure, say
+from tandem_dev.bench.results import Results
+from tandem_dev.chaos.faults import KINDS, ChaosTarget, LocalCluster, Router
+from tandem_dev.chaos.plots import plot_recovery, plot_timeline
+from tandem_dev.chaos.report import ChaosReport, faults_table, summary_table, violations
+from tandem_dev.chaos.run import ChaosArgs, measure, say
 from tandem_dev.local_stack import MODEL, LocalStack, deterministic_sim_worker_argv
 from tandem_dev.procs import ManagedProcess, free_port
 
@@ -82,7 +82,7 @@ async def run_chaos(args: ChaosArgs, workdir: Path) -> ChaosReport:
 
 
 def save(report: ChaosReport, folder: Path, argv: Sequence[str]) -> Path:
-    results = bench_results.Results.start(folder, argv)
+    results = Results.start(folder, argv)
     results.add("chaos", [summary_table(report), faults_table(report)], report.seconds)
     results.doc["violations"] = violations(report)
     # Each stream's outcome, to tell which fault a stream that was not OK met (times: seconds into the load).
@@ -154,10 +154,10 @@ def main(argv: Sequence[str]) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="tandem-chaos-"))
     if args.setting == "dev-cluster":
-        from tandem_dev import chaos_devcluster
+        from tandem_dev.chaos import devcluster
 
-        say(f"{chaos_devcluster.SETTING}; process logs in {workdir}")
-        report = asyncio.run(chaos_devcluster.run_devcluster_chaos(args, workdir))
+        say(f"{devcluster.SETTING}; process logs in {workdir}")
+        report = asyncio.run(devcluster.run_devcluster_chaos(args, workdir))
     else:
         say(f"{SETTING}; process logs in {workdir}")
         report = asyncio.run(run_chaos(args, workdir))

@@ -1,5 +1,5 @@
 """One chaos run in any setting (``tandem chaos``: the local stack in ``tandem_dev.chaos``, the dev cluster in
-``tandem_dev.chaos_devcluster``): its knobs, its fault plan, and how it is measured (reference answers, the load
+``tandem_dev.chaos.devcluster``): its knobs, its fault plan, and how it is measured (reference answers, the load
 through the routers, the faults one after the other)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from tandem_dev.chaos_faults import KINDS, ChaosTarget, Router
-from tandem_dev.chaos_load import LoadSpec, Routers, reference, run_load
-from tandem_dev.chaos_report import ChaosReport
+from tandem_dev.chaos.faults import KINDS, ChaosTarget, Router
+from tandem_dev.chaos.load import LoadSpec, Routers, reference, run_load
+from tandem_dev.chaos.report import ChaosReport
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""What a ``tandem bench`` section is (``tandem_dev.bench_run`` runs them): a module with
+"""What a ``tandem bench`` section is (``tandem_dev.bench.run`` runs them): a module with
 ``run(args: BenchArgs) -> list[Table]``, listed in ``SECTIONS``. Sections measure side by side in one run and
 report ratios, since absolute times on a shared 2-core machine are noisy.
 """

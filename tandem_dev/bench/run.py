@@ -4,7 +4,7 @@ measurement.
 Peers (``smg``, ``wrk``: tandem_dev.peers) are installed by ``make peers`` outside the network namespace. A section
 whose peer cannot run fails, naming the peer and how to install it; ``--allow-missing-peers`` instead reports that
 row as "not measured". Every run saves its tables (JSON) and plots (PNG) with the git commit, the machine and the
-peers' versions under ``build/bench/<UTC timestamp>/`` (``--results-dir``; tandem_dev.bench_results).
+peers' versions under ``build/bench/<UTC timestamp>/`` (``--results-dir``; tandem_dev.bench.results).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tandem_dev import bench, bench_results
+from tandem_dev import bench
 from tandem_dev.bench import BenchArgs, Table
+from tandem_dev.bench.results import Results
 from tandem_dev.peers import PeerMissingError
 
 
@@ -35,7 +36,7 @@ def main(argv: Sequence[str]) -> int:
     unknown = [s for s in args.sections if s not in bench.SECTIONS]
     if unknown:
         parser.error(f"unknown section(s): {', '.join(unknown)}; known: {', '.join(bench.SECTIONS)}")
-    results = bench_results.Results.start(args.results_dir, argv)
+    results = Results.start(args.results_dir, argv)
     print(f"# bench results: {results.folder}", flush=True)
     failed: list[str] = []
     for name in args.sections or list(bench.SECTIONS):
