@@ -5,7 +5,7 @@ SGLang 0.5.23 runs one scheduler process per GPU rank, each with its own Mooncak
 mode (``MooncakeKVManager.init_engine`` -> ``init_mooncake_transfer_engine`` in
 ``sglang/srt/distributed/device_communicators/mooncake_transfer_engine.py``); a pod runs ``tpSize / nodesPerGroup``
 ranks. Measured with mooncake-transfer-engine 0.3.13 (``tests/operator/test_mooncake_ports.py``,
-``tests/test_sim_ranks.py``): every engine takes its RPC port (the session id ``ip:port``) from the range, and the
+``tests/sim/test_ranks.py``): every engine takes its RPC port (the session id ``ip:port``) from the range, and the
 TCP transport also its data port; RDMA needs no data port. Mooncake refuses a range below 1024 or touching the
 kernel's ephemeral ports (Linux's default ``ip_local_port_range`` 32768-60999): it logs "Invalid port range" and
 silently uses [15000, 17000].

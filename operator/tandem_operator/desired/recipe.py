@@ -50,7 +50,7 @@ def store_env(spec: PDClusterSpec, role: PrefillSpec | DecodeSpec, store: Moonca
       ``sglang/srt/managers/cache_controller.py``); ``globalSegmentGib`` is per rank, so it is multiplied back.
     - ``MC_STORE_CLUSTER_ID``: the client finds its HA master under this id (Mooncake's ``MasterViewHelper``, default
       "mooncake_cluster", seen in its etcd key ``mooncake-store/<id>/master_view``); it must equal the master's
-      ``--cluster_id`` (tests/test_sim_mooncake_store.py: without it the client finds no master).
+      ``--cluster_id`` (tests/sim/test_mooncake_store.py: without it the client finds no master).
     """
     etcd_hosts = ";".join(e.split("://", 1)[1] for e in spec.etcd.mooncake)
     env = {

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.procs
 
 # Tight batching knobs so that a few dozen requests queue, share decode steps and get chunked prefills.
 # These tests compare texts across batches and cache states: batch-invariant kernels, as a user wanting that runs
-# SGLang (default numerics: tests/test_sim_numerics_server.py).
+# SGLang (default numerics: tests/sim/test_numerics_server.py).
 DETERMINISTIC = "--enable-deterministic-inference"
 LOADED = ["--enable-metrics", "--page-size", "4", "--max-running-requests", "4", DETERMINISTIC]
 LOADED += ["--max-prefill-tokens", "64", "--chunked-prefill-size", "16"]
