@@ -23,7 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "router": ("tandem_router.main", "main", "OpenAI-compatible prefill/decode router"),
     "operator": ("tandem_operator.cli", "main", "Kubernetes operator for PDCluster/PDPool"),
-    "render": ("tandem_operator.render", "main", "print every manifest the operator would create for a PDCluster"),
+    "render": ("tandem_operator.run.render", "main", "print every manifest the operator would create for a PDCluster"),
     "up": ("tandem_dev.local_stack_cli", "main", "run the embedded local stack: etcd, workers, router on :8000"),
     "bench": ("tandem_dev.bench.run", "main", "run the benchmarks and print tables"),
     "chaos": (

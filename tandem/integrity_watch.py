@@ -1,5 +1,5 @@
 """Watches one PD cluster's integrity reports in etcd (thin adapter): the operator shows them on the
-PDCluster (``tandem_operator.integrity``); the routers split the canary probing among the routers that report
+PDCluster (``tandem_operator.decide.integrity``); the routers split the canary probing among the routers that report
 (``tandem_router.integrity_members``).
 
 Lists ``integrity_prefix(namespace, cluster)``, then watches it from the next revision; a PUT upserts a report, a

@@ -31,8 +31,8 @@ from tandem_dev.local_stack import (
 )
 from tandem_dev.procs import ManagedProcess
 from tandem_dev.stack_fixture import running_stack
-from tandem_operator.observe import GroupKey
-from tandem_operator.registrar import Registrar
+from tandem_operator.act.registrar import Registrar
+from tandem_operator.decide.observe import GroupKey
 from tests.routermetrics import scrape
 from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 

@@ -26,10 +26,10 @@ from tandem.registry_signing import EndpointSigner, EndpointVerifier, write_keyp
 from tandem_dev.etcd_pki import EtcdPki
 from tandem_dev.local_stack import CLUSTER, MODEL, NAMESPACE, etcd_pki_of, instant_worker_argv, start_etcd
 from tandem_dev.stack_fixture import running_stack
-from tandem_operator.fencing import StaleKeys
-from tandem_operator.main import parse_args as operator_args
-from tandem_operator.observe import GroupKey
-from tandem_operator.registrar import Registrar
+from tandem_operator.act.registrar import Registrar
+from tandem_operator.decide.fencing import StaleKeys
+from tandem_operator.decide.observe import GroupKey
+from tandem_operator.run.main import parse_args as operator_args
 from tandem_router.config import RouterSettings
 from tests.routermetrics import scrape
 from tests.tandem_dev.devcluster.devcluster_fixtures import eventually

@@ -87,5 +87,5 @@ def test_the_built_wheel_ships_runtime_code_only(tmp_path: Path) -> None:
     assert "tandem_dev" not in top
     names = zipfile.ZipFile(wheel).namelist()
     assert "tandem_router/main.py" in names
-    assert "tandem_operator/main.py" in names
+    assert "tandem_operator/run/main.py" in names
     assert not [n for n in names if n.endswith(".txt") and "/peers/" in n]  # the peers' pins moved with them

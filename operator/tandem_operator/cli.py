@@ -1,4 +1,4 @@
-"""The ``tandem operator`` process: keeps ``kubernetes_asyncio`` out of it, then runs ``tandem_operator.main``.
+"""The ``tandem operator`` process: keeps ``kubernetes_asyncio`` out of it, then runs ``tandem_operator.run.main``.
 
 The operator talks to the API server with its own client (``k8s.rest``), but kopf imports ``kubernetes_asyncio``
 whenever it is installed (the image has it for the router's Kubernetes discovery) only to recognise that
@@ -19,6 +19,6 @@ KEPT_OUT = "kubernetes_asyncio"
 def main(argv: Sequence[str]) -> int:
     if KEPT_OUT not in sys.modules:
         sys.modules[KEPT_OUT] = None  # type: ignore[assignment]  # import raises ModuleNotFoundError
-    from tandem_operator.main import main as run  # kopf is imported from here on
+    from tandem_operator.run.main import main as run  # kopf is imported from here on
 
     return run(argv)

@@ -2,9 +2,9 @@
 
 The setting: the dev cluster (kube-apiserver, controller-manager, scheduler, kwok; ``tandem_dev.devcluster``) whose pod
 runner runs each worker pod's ``tandem sim`` in the pod's own network namespace; ``tandem operator`` as 2 replicas
-with leader election (a Lease, ``tandem_operator.leader``); the PDCluster of ``deploy/sim-small.yaml`` with 2 prefill
-and 2 decode groups of one pod each; a 3-member registry etcd; 2 routers discovering workers in it. The load, the
-references, the verdicts and the report are the local setting's (``tandem_dev.chaos``); the faults too, with what
+with leader election (a Lease, ``tandem_operator.decide.leader``); the PDCluster of ``deploy/sim-small.yaml`` with 2
+prefill and 2 decode groups of one pod each; a 3-member registry etcd; 2 routers discovering workers in it. The load,
+the references, the verdicts and the report are the local setting's (``tandem_dev.chaos``); the faults too, with what
 differs here:
 
 - ``prefill`` / ``decode``: the pod's container (its ``tandem sim``) is killed (SIGKILL). The operator fences the

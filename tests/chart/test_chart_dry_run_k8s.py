@@ -17,7 +17,7 @@ import pytest_asyncio
 import yaml
 
 from tandem_dev.devcluster.cluster import DevCluster
-from tandem_operator.render import render, to_yaml
+from tandem_operator.run.render import render, to_yaml
 from tests.chart.stack import CHART, DEPLOY, tool
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(180)]

@@ -23,7 +23,7 @@ from openai import AsyncOpenAI
 
 from tandem_dev.devcluster.cluster import DevCluster
 from tandem_dev.procs import ManagedProcess
-from tandem_operator.main import parse_args
+from tandem_operator.run.main import parse_args
 from tests.chart.monitoring import exercise_and_query
 from tests.chart.stack import (
     CHART,

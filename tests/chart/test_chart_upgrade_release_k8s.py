@@ -26,7 +26,7 @@ from kubernetes_asyncio import client
 from tandem_dev.devcluster.cluster import DevCluster
 from tandem_dev.procs import ManagedProcess
 from tandem_dev.releases import PREVIOUS, export
-from tandem_operator.main import parse_args
+from tandem_operator.run.main import parse_args
 from tests.chart.release_upgrade import (
     StreamLoad,
     WorkerPod,

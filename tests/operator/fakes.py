@@ -7,11 +7,11 @@ from collections.abc import Callable
 from typing import Any
 
 from tandem.registry import Endpoint
-from tandem_operator.fencing import StaleKeys
-from tandem_operator.k8s.apply import Request
-from tandem_operator.k8s.kube import Kube
-from tandem_operator.observe import GroupKey
-from tandem_operator.registrar import Registrar
+from tandem_operator.act.k8s.apply import Request
+from tandem_operator.act.k8s.kube import Kube
+from tandem_operator.act.registrar import Registrar
+from tandem_operator.decide.fencing import StaleKeys
+from tandem_operator.decide.observe import GroupKey
 
 Trim = Callable[[dict[str, Any]], dict[str, Any]]  # Kube.list's ``keep``
 

@@ -12,13 +12,13 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 
 from tandem.registry import Endpoint, Role
 from tandem_dev.procs import free_port
+from tandem_operator.act.worker_metrics import WorkerMetrics
 from tandem_operator.api.pdcluster import PDClusterSpec
 from tandem_operator.autoscale.decide import Reason
 from tandem_operator.autoscale.loop import Autoscaler
+from tandem_operator.decide.observe import GroupKey
+from tandem_operator.decide.state import ClusterState
 from tandem_operator.desired.naming import ClusterRef
-from tandem_operator.observe import GroupKey
-from tandem_operator.state import ClusterState
-from tandem_operator.worker_metrics import WorkerMetrics
 from tests.operator.fakes import FakeKube
 
 pytestmark = pytest.mark.timeout(30)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tandem_operator.k8s.credentials import ConfigError, Credentials, from_kubeconfig, in_cluster, load
+from tandem_operator.act.k8s.credentials import ConfigError, Credentials, from_kubeconfig, in_cluster, load
 
 PEM = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
 

@@ -14,13 +14,13 @@ from aiohttp import web
 
 from tandem.registry import Role
 from tandem_dev.sim.testing import start_worker
+from tandem_operator.act.executor import Executor
+from tandem_operator.decide.drain import SETTLE_S, DrainVerdict, drain_verdict, in_flight
+from tandem_operator.decide.observe import GroupKey, GroupState, GroupView
+from tandem_operator.decide.planner import DeleteGroup, DeletePods, DeleteReason, Observed, steps
+from tandem_operator.decide.state import ClusterState
 from tandem_operator.desired.drain_hook import prestop_command
 from tandem_operator.desired.pods import RoleContext, group_pod
-from tandem_operator.drain import SETTLE_S, DrainVerdict, drain_verdict, in_flight
-from tandem_operator.executor import Executor
-from tandem_operator.observe import GroupKey, GroupState, GroupView
-from tandem_operator.planner import DeleteGroup, DeletePods, DeleteReason, Observed, steps
-from tandem_operator.state import ClusterState
 from tests.operator.conftest import kimi_spec
 from tests.operator.fakes import FakeKube, FakeRegistrar
 from tests.operator.workers import CLUSTER, POOL, live_pod

@@ -8,12 +8,20 @@ from __future__ import annotations
 import asyncio
 
 from tandem.registry import Role
+from tandem_operator.act.executor import Executor
+from tandem_operator.decide.observe import GroupKey, GroupState, GroupView
+from tandem_operator.decide.planner import (
+    CreateGroup,
+    CreatePods,
+    DeleteGroup,
+    DeletePods,
+    DeleteReason,
+    Observed,
+    steps,
+)
+from tandem_operator.decide.reasons import Reason
+from tandem_operator.decide.state import ClusterState
 from tandem_operator.desired.pods import RoleContext
-from tandem_operator.executor import Executor
-from tandem_operator.observe import GroupKey, GroupState, GroupView
-from tandem_operator.planner import CreateGroup, CreatePods, DeleteGroup, DeletePods, DeleteReason, Observed, steps
-from tandem_operator.reasons import Reason
-from tandem_operator.state import ClusterState
 from tests.operator.conftest import kimi_spec
 from tests.operator.fakes import FakeKube, FakeRegistrar
 from tests.operator.workers import CLUSTER, POOL, live_pod

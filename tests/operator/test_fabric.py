@@ -10,14 +10,14 @@ import pydantic
 import pytest
 
 from tandem.registry import FabricMode, Role
+from tandem_operator.act.k8s.nodes import NodeDomains
 from tandem_operator.api.messages import api_messages
 from tandem_operator.api.pdcluster import PDClusterSpec
+from tandem_operator.decide.observe import GroupKey, GroupState, GroupView
+from tandem_operator.decide.registration import desired_endpoints, leader_endpoint, leader_nodes
 from tandem_operator.desired.fabric import node_domain
 from tandem_operator.desired.naming import LABEL_RANK
 from tandem_operator.desired.pods import group_manifests
-from tandem_operator.k8s.nodes import NodeDomains
-from tandem_operator.observe import GroupKey, GroupState, GroupView
-from tandem_operator.registration import desired_endpoints, leader_endpoint, leader_nodes
 from tests.operator.conftest import KIMI_8XH200, kimi_spec, role_hash
 from tests.operator.fakes import FakeKube
 from tests.operator.test_desired import ctx

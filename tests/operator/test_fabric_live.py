@@ -21,7 +21,7 @@ from tandem_dev.devcluster.cluster import DevCluster
 from tandem_dev.devcluster.nodes import BLOCK_LABEL
 from tandem_dev.devcluster.podrunner import PodRunner
 from tandem_dev.procs import ManagedProcess
-from tandem_operator.render import InvalidClusterError, render
+from tandem_operator.run.render import InvalidClusterError, render
 from tests.operator.live import Registry, create_pdcluster, operator_process, pdcluster, pods, ready, run_tool
 from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 

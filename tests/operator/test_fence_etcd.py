@@ -21,11 +21,11 @@ from tandem import registry
 from tandem.registry import Role
 from tandem.registry_etcd import client as etcd_client
 from tandem_dev.procs import ManagedProcess, free_port
-from tandem_operator.k8s.kube import Kube
-from tandem_operator.observe import GroupKey
-from tandem_operator.registrar import Registrar
-from tandem_operator.registration import leader_endpoint
-from tandem_operator.runtime import ClusterRuntime, RuntimeOptions
+from tandem_operator.act.k8s.kube import Kube
+from tandem_operator.act.registrar import Registrar
+from tandem_operator.decide.observe import GroupKey
+from tandem_operator.decide.registration import leader_endpoint
+from tandem_operator.run.runtime import ClusterRuntime, RuntimeOptions
 from tests.operator.conftest import kimi_spec
 from tests.operator.fakes import NoServer
 from tests.operator.workers import CLUSTER, live_pod

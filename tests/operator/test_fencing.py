@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from tandem.registry import Role
-from tandem_operator.fencing import (
+from tandem_operator.decide.fencing import (
     Fence,
     FenceReason,
     NodeOutage,
@@ -21,7 +21,16 @@ from tandem_operator.fencing import (
     stale_mooncake_keys,
     unroute_decision,
 )
-from tandem_operator.observe import KEPT_ENV, GroupKey, PodHealth, created_at, pod_facts, pod_health, slim_pod, started
+from tandem_operator.decide.observe import (
+    KEPT_ENV,
+    GroupKey,
+    PodHealth,
+    created_at,
+    pod_facts,
+    pod_health,
+    slim_pod,
+    started,
+)
 from tests.operator.conftest import kimi_spec
 from tests.operator.workers import live_pod
 

@@ -13,15 +13,15 @@ from typing import Any
 import pytest
 
 from tandem.registry import Role
+from tandem_operator.act.k8s.apply import object_path
 from tandem_operator.api.pdcluster import PDClusterSpec
+from tandem_operator.decide.observe import GroupKey, GroupState, GroupView
+from tandem_operator.decide.recovery import stuck_groups
 from tandem_operator.desired.naming import ClusterRef
 from tandem_operator.desired.pods import RoleContext, group_pod
 from tandem_operator.desired.pools import pool_manifest
 from tandem_operator.desired.probes import GENERATION_CHECK_TIMEOUT_S, LONGEST_FORWARD_S
-from tandem_operator.k8s.apply import object_path
-from tandem_operator.observe import GroupKey, GroupState, GroupView
-from tandem_operator.recovery import stuck_groups
-from tandem_operator.runtime import ClusterRuntime, RuntimeOptions
+from tandem_operator.run.runtime import ClusterRuntime, RuntimeOptions
 from tandem_sim.profiles import PROFILES
 from tests.operator.conftest import kimi_spec
 from tests.operator.fakes import FakeKube, FakeRegistrar

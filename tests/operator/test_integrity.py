@@ -6,7 +6,7 @@ import pytest
 
 from tandem.registry import Endpoint, IntegrityReport, QuarantinedPair, RepeatOffender, Role
 from tandem_operator.api.common import Condition, ConditionStatus
-from tandem_operator.integrity import (
+from tandem_operator.decide.integrity import (
     MAX_LISTED,
     Pair,
     Transition,

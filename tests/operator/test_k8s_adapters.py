@@ -6,9 +6,9 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
-from tandem_operator.k8s.apply import apply_request, collection_path, create_request, object_path
-from tandem_operator.k8s.events import Regarding, event_manifest
-from tandem_operator.reasons import EventType, Reason
+from tandem_operator.act.k8s.apply import apply_request, collection_path, create_request, object_path
+from tandem_operator.act.k8s.events import Regarding, event_manifest
+from tandem_operator.decide.reasons import EventType, Reason
 
 POD = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "kimi-decode-0-1", "namespace": "llm"}}
 POOL = {"apiVersion": "tandem.dev/v1alpha1", "kind": "PDPool", "metadata": {"name": "kimi-decode", "namespace": "llm"}}

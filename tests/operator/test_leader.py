@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from tandem_operator.k8s.election import LeaderElector
-from tandem_operator.k8s.kube import ConflictError
-from tandem_operator.leader import LeaseAction, LeaseState, decide, lease_body, lease_state, observe
+from tandem_operator.act.k8s.election import LeaderElector
+from tandem_operator.act.k8s.kube import ConflictError
+from tandem_operator.decide.leader import LeaseAction, LeaseState, decide, lease_body, lease_state, observe
 
 NOW = datetime(2026, 11, 1, 12, 0, 0, tzinfo=UTC)
 

@@ -17,7 +17,7 @@ import pytest
 from kubernetes_asyncio import client
 
 from tandem_dev.devcluster.operator_proc import lease_holder
-from tandem_operator.main import parse_args
+from tandem_operator.run.main import parse_args
 from tests.operator.live import (
     Live,
     Registry,

@@ -11,8 +11,8 @@ import kopf
 import pytest
 
 from tandem_dev.procs import free_port
-from tandem_operator.main import CustomResourceDiffBase, parse_args
-from tandem_operator.metrics import FENCES, serve
+from tandem_operator.act.metrics import FENCES, serve
+from tandem_operator.run.main import CustomResourceDiffBase, parse_args
 
 
 def test_chart_flags_parse() -> None:
@@ -80,5 +80,5 @@ finally:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     loaded = set(json.loads(result.stderr.splitlines()[-1]))
-    assert {"kopf", "aiohttp", "tandem_operator.main", "tandem_operator.k8s.rest"} <= loaded
+    assert {"kopf", "aiohttp", "tandem_operator.run.main", "tandem_operator.act.k8s.rest"} <= loaded
     assert not {name for name in loaded if name.split(".")[0] == "kubernetes_asyncio"}

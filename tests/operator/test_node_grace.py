@@ -17,15 +17,15 @@ import pydantic
 import pytest
 
 from tandem.registry import Role
+from tandem_operator.act.k8s.apply import object_path
 from tandem_operator.api.lifecycle import LifecycleSpec
 from tandem_operator.api.pdcluster import PDClusterSpec
+from tandem_operator.decide.fencing import NodeOutage
+from tandem_operator.decide.observe import GroupKey
 from tandem_operator.desired.naming import ClusterRef
 from tandem_operator.desired.pools import pool_manifest
-from tandem_operator.fencing import NodeOutage
-from tandem_operator.k8s.apply import object_path
-from tandem_operator.observe import GroupKey
-from tandem_operator.render import InvalidClusterError, render
-from tandem_operator.runtime import ClusterRuntime, RuntimeOptions
+from tandem_operator.run.render import InvalidClusterError, render
+from tandem_operator.run.runtime import ClusterRuntime, RuntimeOptions
 from tests.operator.conftest import kimi_spec, role_hash
 from tests.operator.fakes import FakeKube, FakeRegistrar
 from tests.operator.workers import CLUSTER, live_pod

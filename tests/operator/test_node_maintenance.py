@@ -17,16 +17,25 @@ import pydantic
 import pytest
 
 from tandem.registry import Role
+from tandem_operator.act.k8s.apply import object_path
 from tandem_operator.api.pdcluster import PDClusterSpec
+from tandem_operator.decide.fencing import NodeVerdicts, groups_on_nodes, node_cordoned, node_verdicts
+from tandem_operator.decide.observe import GroupKey, GroupState, GroupView
+from tandem_operator.decide.planner import (
+    Action,
+    CreateGroup,
+    DeleteGroup,
+    DeletePods,
+    DeleteReason,
+    Observed,
+    plan,
+    steps,
+)
 from tandem_operator.desired.naming import ANNOTATION_EPOCH, ClusterRef, compat_revision
 from tandem_operator.desired.pods import RoleContext, group_pod
 from tandem_operator.desired.pools import pool_manifest
-from tandem_operator.fencing import NodeVerdicts, groups_on_nodes, node_cordoned, node_verdicts
-from tandem_operator.k8s.apply import object_path
-from tandem_operator.observe import GroupKey, GroupState, GroupView
-from tandem_operator.planner import Action, CreateGroup, DeleteGroup, DeletePods, DeleteReason, Observed, plan, steps
-from tandem_operator.render import InvalidClusterError, render
-from tandem_operator.runtime import ClusterRuntime, RuntimeOptions
+from tandem_operator.run.render import InvalidClusterError, render
+from tandem_operator.run.runtime import ClusterRuntime, RuntimeOptions
 from tests.operator.conftest import kimi_spec, role_hash
 from tests.operator.fakes import FakeKube, FakeRegistrar
 from tests.operator.workers import CLUSTER, POOL, live_pod
@@ -75,7 +84,7 @@ async def _event_reasons(kube: FakeKube) -> list[str]:
 
 
 async def test_a_cordoned_nodes_group_is_drained_deleted_and_created_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("tandem_operator.drain.SETTLE_S", 0.0)  # the settle time is drain.py's own, tested there
+    monkeypatch.setattr("tandem_operator.decide.drain.SETTLE_S", 0.0)  # the settle time is drain.py's own, tested there
     runtime, kube, registrar, cordoned = _cluster()
     leader = "10.0.0.10"  # decode-0's rank 0
     counts = {leader: 3}

@@ -19,8 +19,8 @@ from tandem import registry
 from tandem_dev.devcluster.cluster import DevCluster
 from tandem_dev.devcluster.podrunner import PodRunner
 from tandem_dev.procs import ManagedProcess
-from tandem_operator.recovery import fence_annotation
-from tandem_operator.render import InvalidClusterError, render
+from tandem_operator.decide.recovery import fence_annotation
+from tandem_operator.run.render import InvalidClusterError, render
 from tests.operator.live import (
     SIM_SPEC,
     Registry,

@@ -12,7 +12,20 @@ from pydantic import ValidationError
 
 from tandem.registry import Endpoint, Role
 from tandem.sglang_args import validate_command
+from tandem_operator.act.executor import Executor
 from tandem_operator.api.pdcluster import PDClusterSpec
+from tandem_operator.decide.fencing import Fence, FenceReason
+from tandem_operator.decide.observe import GroupKey, GroupState, GroupView
+from tandem_operator.decide.planner import (
+    CreateGroup,
+    CreatePods,
+    DeleteGroup,
+    DeleteReason,
+    Observed,
+    seed_pool,
+    steps,
+)
+from tandem_operator.decide.recovery import service_peer_load_failures, stamp_epoch
 from tandem_operator.desired.args import LAUNCH
 from tandem_operator.desired.compare import drift
 from tandem_operator.desired.naming import (
@@ -29,11 +42,6 @@ from tandem_operator.desired.seeding import (
     choose_seed,
     died_loading_from_peer,
 )
-from tandem_operator.executor import Executor
-from tandem_operator.fencing import Fence, FenceReason
-from tandem_operator.observe import GroupKey, GroupState, GroupView
-from tandem_operator.planner import CreateGroup, CreatePods, DeleteGroup, DeleteReason, Observed, seed_pool, steps
-from tandem_operator.recovery import service_peer_load_failures, stamp_epoch
 from tests.operator.conftest import kimi_spec
 from tests.operator.fakes import FakeKube, FakeRegistrar
 from tests.operator.workers import CLUSTER, POOL
@@ -253,7 +261,7 @@ def test_died_loading_from_peer() -> None:
 
 
 async def test_the_executor_records_a_failed_peer_load_in_memory_and_on_the_service() -> None:
-    from tandem_operator.state import ClusterState
+    from tandem_operator.decide.state import ClusterState
 
     kube = FakeKube()
     state = ClusterState(CLUSTER, SPEC)

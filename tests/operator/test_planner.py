@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem_operator.observe import GroupState, GroupView
-from tandem_operator.planner import Action, CreateGroup, DeleteGroup, DeleteReason, plan
+from tandem_operator.decide.observe import GroupState, GroupView
+from tandem_operator.decide.planner import Action, CreateGroup, DeleteGroup, DeleteReason, plan
 
 R, S, INC, B = GroupState.READY, GroupState.STARTING, GroupState.INCOMPLETE, GroupState.BROKEN
 NEW, OLD = "new", "old"

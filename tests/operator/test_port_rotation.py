@@ -11,9 +11,9 @@ import pytest
 from pydantic import ValidationError
 
 from tandem.registry import Role
+from tandem_operator.decide.registration import leader_endpoint
 from tandem_operator.desired.naming import ANNOTATION_BOOTSTRAP_PORT as ANNOTATION
 from tandem_operator.desired.pods import RoleContext, group_manifests, group_pod, mooncake_ports, rotate_window
-from tandem_operator.registration import leader_endpoint
 from tests.operator.conftest import kimi_spec
 from tests.operator.workers import CLUSTER, POOL, live_pod
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tandem.registry import Endpoint, Role
-from tandem_operator.observe import GroupKey, GroupState, group_views
-from tandem_operator.recovery import (
+from tandem_operator.decide.observe import GroupKey, GroupState, group_views
+from tandem_operator.decide.recovery import (
     FenceRecord,
     apply_fences,
     fence_annotation,
@@ -17,7 +17,7 @@ from tandem_operator.recovery import (
     service_fences,
     stamp_epoch,
 )
-from tandem_operator.registration import (
+from tandem_operator.decide.registration import (
     RegistryChanges,
     desired_endpoints,
     leader_endpoint,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tandem_operator.render import InvalidClusterError, render, to_yaml
+from tandem_operator.run.render import InvalidClusterError, render, to_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 KIMI = ROOT / "deploy" / "kimi-k26-h200.yaml"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 
-from tandem_operator.k8s.apply import object_path
+from tandem_operator.act.k8s.apply import object_path
 from tests.operator.conftest import kimi_spec
 from tests.operator.fakes import FakeKube
 from tests.operator.test_node_maintenance import _cluster, _in_flight

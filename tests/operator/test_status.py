@@ -8,8 +8,8 @@ import pytest
 
 from tandem_operator.api.common import Condition, ConditionStatus
 from tandem_operator.api.pdcluster import Phase, RoleStatus
-from tandem_operator.observe import GroupState, GroupView, PodHealth, group_views, pod_health
-from tandem_operator.status import Recovery, cluster_status, pool_status, role_status
+from tandem_operator.decide.observe import GroupState, GroupView, PodHealth, group_views, pod_health
+from tandem_operator.decide.status import Recovery, cluster_status, pool_status, role_status
 
 NOW = "2026-11-01T00:00:10Z"
 EARLIER = "2026-11-01T00:00:00Z"

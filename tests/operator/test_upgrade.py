@@ -11,13 +11,9 @@ import pytest
 from tandem.registry import Role
 from tandem_operator.api.common import ConditionStatus
 from tandem_operator.api.upgrade import InvalidTriggerError, MaintenanceWindow, UpgradePolicy, parse_trigger
-from tandem_operator.desired.compare import differences, drift
-from tandem_operator.desired.naming import ANNOTATION_DESIRED_HASH, ANNOTATION_GENERATION, ClusterRef, OwnerRef
-from tandem_operator.desired.pods import RoleContext, group_pod
-from tandem_operator.observe import GroupState, GroupView
-from tandem_operator.planner import CreateGroup, CreatePods, DeleteGroup, DeleteReason, Observed, plan, steps
-from tandem_operator.render import InvalidClusterError, render
-from tandem_operator.upgrade import (
+from tandem_operator.decide.observe import GroupState, GroupView
+from tandem_operator.decide.planner import CreateGroup, CreatePods, DeleteGroup, DeleteReason, Observed, plan, steps
+from tandem_operator.decide.upgrade import (
     RoleUpgrade,
     gate,
     hold,
@@ -28,6 +24,10 @@ from tandem_operator.upgrade import (
     trigger_done,
     window_open,
 )
+from tandem_operator.desired.compare import differences, drift
+from tandem_operator.desired.naming import ANNOTATION_DESIRED_HASH, ANNOTATION_GENERATION, ClusterRef, OwnerRef
+from tandem_operator.desired.pods import RoleContext, group_pod
+from tandem_operator.run.render import InvalidClusterError, render
 from tests.operator.conftest import kimi_spec
 
 R, S, B = GroupState.READY, GroupState.STARTING, GroupState.BROKEN

@@ -6,9 +6,9 @@ from typing import Any
 
 from tandem.registry import Role
 from tandem_operator.api.pdcluster import PDClusterSpec
+from tandem_operator.decide.recovery import stamp_epoch
 from tandem_operator.desired.naming import ClusterRef, OwnerRef
 from tandem_operator.desired.pods import RoleContext, group_pod
-from tandem_operator.recovery import stamp_epoch
 
 CLUSTER = ClusterRef(name="kimi", namespace="serving", uid="uid-1")
 POOL = OwnerRef("tandem.dev/v1alpha1", "PDPool", "kimi-decode", "uid-2")

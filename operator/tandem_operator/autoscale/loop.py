@@ -17,6 +17,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from tandem.registry import Role
+from tandem_operator.act.k8s.apply import object_path
+from tandem_operator.act.k8s.kube import Kube
+from tandem_operator.act.worker_metrics import WorkerMetrics
 from tandem_operator.api.autoscaling import AutoscalingSpec, AutoscalingStatus, RoleDecision
 from tandem_operator.api.common import API_VERSION
 from tandem_operator.autoscale.decide import Decision, History, Observation, RoleLoad, decide
@@ -30,11 +33,8 @@ from tandem_operator.autoscale.signals import (
     parse_worker,
     quantile,
 )
+from tandem_operator.decide.state import ClusterState
 from tandem_operator.desired.naming import pool_name, selector_string
-from tandem_operator.k8s.apply import object_path
-from tandem_operator.k8s.kube import Kube
-from tandem_operator.state import ClusterState
-from tandem_operator.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("tandem.operator.autoscale")
 IDLE_POLL_S = 5.0  # how often a cluster without spec.autoscaling looks whether it was turned on

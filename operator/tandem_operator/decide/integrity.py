@@ -21,7 +21,7 @@ from typing import TypeVar
 
 from tandem.registry import Endpoint, IntegrityReport
 from tandem_operator.api.common import Condition
-from tandem_operator.status import condition
+from tandem_operator.decide.status import condition
 
 K = TypeVar("K")
 

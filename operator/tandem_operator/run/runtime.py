@@ -25,11 +25,12 @@ import pydantic
 
 from tandem.integrity_watch import IntegrityWatcher
 from tandem.registry import IntegrityReport
+from tandem_operator.act.k8s.kube import Kube
+from tandem_operator.act.registrar import Registrar
 from tandem_operator.api.pdcluster import PDClusterSpec, PDClusterStatus
 from tandem_operator.autoscale.loop import Autoscaler
-from tandem_operator.desired.naming import ClusterRef
-from tandem_operator.drain import POLL_S as DRAIN_POLL_S
-from tandem_operator.fencing import (
+from tandem_operator.decide.drain import POLL_S as DRAIN_POLL_S
+from tandem_operator.decide.fencing import (
     Fence,
     FenceReason,
     NodeOutage,
@@ -38,13 +39,12 @@ from tandem_operator.fencing import (
     node_verdicts,
     unroute_decision,
 )
-from tandem_operator.integrity import integrity_decision, integrity_recreations
-from tandem_operator.k8s.kube import Kube
-from tandem_operator.observe import Pod, slim_pod
-from tandem_operator.reasons import EventType, Reason
-from tandem_operator.reconcile import Reconciler
-from tandem_operator.registrar import Registrar
-from tandem_operator.state import ClusterState
+from tandem_operator.decide.integrity import integrity_decision, integrity_recreations
+from tandem_operator.decide.observe import Pod, slim_pod
+from tandem_operator.decide.reasons import EventType, Reason
+from tandem_operator.decide.state import ClusterState
+from tandem_operator.desired.naming import ClusterRef
+from tandem_operator.run.reconcile import Reconciler
 
 log = logging.getLogger("tandem.operator")
 

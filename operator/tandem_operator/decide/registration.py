@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from tandem.registry import Endpoint, Role
 from tandem_operator.api.pdcluster import PDClusterSpec, TransferProtocol
+from tandem_operator.decide.observe import GroupKey, GroupState, GroupView, Pod, pod_facts
 from tandem_operator.desired.naming import LABEL_REVISION
-from tandem_operator.observe import GroupKey, GroupState, GroupView, Pod, pod_facts
 
 
 def session_ids(members: Iterable[Pod]) -> tuple[str, ...]:

@@ -4,7 +4,7 @@ API errors are mapped to the adapter's own exceptions, so callers never see the 
 ``NotFoundError`` (404; ``get``, ``delete`` and ``merge_patch`` treat it as "already gone"), ``ConflictError`` (409),
 ``TemporaryError`` (429, 5xx, a lost connection or a timeout: retried ``RETRIES`` times with exponential backoff
 before it is raised) and ``PermanentError`` (any other status: a bad request is not retried). Paths come from
-``tandem_operator.k8s.apply`` so requests are built (and tested) without a cluster.
+``tandem_operator.act.k8s.apply`` so requests are built (and tested) without a cluster.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from tandem_operator.k8s.apply import Request, apply_request, collection_path, create_request
-from tandem_operator.k8s.rest import ApiError
+from tandem_operator.act.k8s.apply import Request, apply_request, collection_path, create_request
+from tandem_operator.act.k8s.rest import ApiError
 
 JSON = "application/json"
 MERGE_PATCH = "application/merge-patch+json"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from tandem_operator.drain import in_flight
+from tandem_operator.decide.drain import in_flight
 
 TIMEOUT_S = 5.0
 

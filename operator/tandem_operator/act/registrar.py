@@ -21,9 +21,9 @@ from tandem.registry_etcd import client as etcd_client
 from tandem.registry_etcd import close_client
 from tandem.registry_signing import EndpointSigner, registry_entry
 from tandem.registry_versions import EntryRefusedError
-from tandem_operator.fencing import StaleKeys
-from tandem_operator.observe import GroupKey
-from tandem_operator.registration import parse_group
+from tandem_operator.decide.fencing import StaleKeys
+from tandem_operator.decide.observe import GroupKey
+from tandem_operator.decide.registration import parse_group
 
 log = logging.getLogger("tandem.operator.registry")
 

@@ -18,23 +18,23 @@ from datetime import UTC, datetime
 from typing import Any
 
 from tandem.registry import Endpoint
+from tandem_operator.act.k8s.apply import object_path
+from tandem_operator.act.k8s.events import Regarding, event_manifest
+from tandem_operator.act.k8s.kube import Kube
+from tandem_operator.act.metrics import FENCE_SECONDS, FENCES, RECOVERY_SECONDS
+from tandem_operator.act.registrar import Registrar
+from tandem_operator.act.worker_metrics import WorkerMetrics
 from tandem_operator.api.common import API_VERSION
+from tandem_operator.decide.drain import DrainVerdict, drain_verdict
+from tandem_operator.decide.fencing import Fence, stale_mooncake_keys
+from tandem_operator.decide.observe import GroupKey, Pod, pod_facts
+from tandem_operator.decide.planner import CreatePods, DeletePods, Drain
+from tandem_operator.decide.reasons import EventType, Reason
+from tandem_operator.decide.recovery import FenceRecord, fence_annotation, recovered
+from tandem_operator.decide.registration import registry_changes
+from tandem_operator.decide.state import ClusterState, FenceTiming
 from tandem_operator.desired.naming import group_name, mooncake_cluster_id
 from tandem_operator.desired.seeding import died_loading_from_peer
-from tandem_operator.drain import DrainVerdict, drain_verdict
-from tandem_operator.fencing import Fence, stale_mooncake_keys
-from tandem_operator.k8s.apply import object_path
-from tandem_operator.k8s.events import Regarding, event_manifest
-from tandem_operator.k8s.kube import Kube
-from tandem_operator.metrics import FENCE_SECONDS, FENCES, RECOVERY_SECONDS
-from tandem_operator.observe import GroupKey, Pod, pod_facts
-from tandem_operator.planner import CreatePods, DeletePods, Drain
-from tandem_operator.reasons import EventType, Reason
-from tandem_operator.recovery import FenceRecord, fence_annotation, recovered
-from tandem_operator.registrar import Registrar
-from tandem_operator.registration import registry_changes
-from tandem_operator.state import ClusterState, FenceTiming
-from tandem_operator.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("tandem.operator")
 PARALLEL_WRITES = 16

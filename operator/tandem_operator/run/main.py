@@ -26,13 +26,13 @@ import pydantic
 from tandem import logs
 from tandem.registry import EtcdTLS
 from tandem.registry_signing import EndpointSigner
-from tandem_operator.handlers import OperatorState, build_registry
-from tandem_operator.k8s import credentials
-from tandem_operator.k8s.election import LeaderElector
-from tandem_operator.k8s.kube import Kube
-from tandem_operator.k8s.rest import RestClient
-from tandem_operator.metrics import KUBE_REQUESTS, LEADER, serve
-from tandem_operator.runtime import RuntimeOptions
+from tandem_operator.act.k8s import credentials
+from tandem_operator.act.k8s.election import LeaderElector
+from tandem_operator.act.k8s.kube import Kube
+from tandem_operator.act.k8s.rest import RestClient
+from tandem_operator.act.metrics import KUBE_REQUESTS, LEADER, serve
+from tandem_operator.run.handlers import OperatorState, build_registry
+from tandem_operator.run.runtime import RuntimeOptions
 
 log = logging.getLogger("tandem.operator")
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")

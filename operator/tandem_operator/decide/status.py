@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from tandem_operator.api.common import Condition, ConditionStatus
 from tandem_operator.api.pdcluster import PDClusterStatus, Phase, RoleStatus
 from tandem_operator.api.pdpool import PDPoolStatus
-from tandem_operator.observe import GroupState, GroupView
+from tandem_operator.decide.observe import GroupState, GroupView
 
 
 def role_status(views: Mapping[int, GroupView], desired: int, template_hash: str) -> RoleStatus:

@@ -26,9 +26,9 @@ from typing import Any
 from tandem.registry import Role
 from tandem_operator.api.common import Condition
 from tandem_operator.api.upgrade import ANNOTATION_ROLL, WEEKDAYS, MaintenanceWindow, RollPolicy, UpgradePolicy
+from tandem_operator.decide.observe import GroupState, GroupView
+from tandem_operator.decide.status import condition
 from tandem_operator.desired.naming import ANNOTATION_DESIRED_HASH, ANNOTATION_GENERATION
-from tandem_operator.observe import GroupState, GroupView
-from tandem_operator.status import condition
 
 CONDITION_TYPE = "PodsOutdated"
 _HOLDABLE = (GroupState.READY, GroupState.STARTING)

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from tandem.registry import Endpoint, IntegrityReport, Role
 from tandem_operator.api.common import Condition
 from tandem_operator.api.pdcluster import PDClusterSpec
+from tandem_operator.decide.observe import GroupKey, Pod, group_of
+from tandem_operator.decide.recovery import FenceRecord
 from tandem_operator.desired.naming import ClusterRef
-from tandem_operator.observe import GroupKey, Pod, group_of
-from tandem_operator.recovery import FenceRecord
 
 
 @dataclass

@@ -17,6 +17,7 @@ from datetime import datetime
 from typing import Any
 
 from tandem.registry import Role
+from tandem_operator.decide.observe import GroupKey, GroupState, GroupView, Pod, created_at, pod_facts, started
 from tandem_operator.desired.naming import (
     ANNOTATION_EPOCH,
     ANNOTATION_FENCED,
@@ -24,7 +25,6 @@ from tandem_operator.desired.naming import (
     LABEL_GROUP,
     LABEL_ROLE,
 )
-from tandem_operator.observe import GroupKey, GroupState, GroupView, Pod, created_at, pod_facts, started
 
 
 def stamp_epoch(manifest: Mapping[str, Any], epoch: int) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from tandem_operator.observe import GroupKey, Pod, PodFacts, PodHealth, is_ready, pod_facts, pod_health
+from tandem_operator.decide.observe import GroupKey, Pod, PodFacts, PodHealth, is_ready, pod_facts, pod_health
 
 MOONCAKE_ROOT = "mooncake/"
 

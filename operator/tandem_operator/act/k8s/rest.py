@@ -17,8 +17,8 @@ from typing import Any
 
 import aiohttp
 
-from tandem_operator.k8s.apply import Request
-from tandem_operator.k8s.credentials import Credentials
+from tandem_operator.act.k8s.apply import Request
+from tandem_operator.act.k8s.credentials import Credentials
 
 CONNECTIONS = 100  # kubernetes_asyncio's connection_pool_maxsize
 TIMEOUT_S = 30.0

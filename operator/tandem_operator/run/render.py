@@ -24,10 +24,10 @@ from tandem_operator.api.common import API_VERSION
 from tandem_operator.api.messages import api_messages
 from tandem_operator.api.pdcluster import CLUSTER_NAME_RULES, PDClusterSpec
 from tandem_operator.api.upgrade import ANNOTATION_ROLL, InvalidTriggerError, parse_trigger
+from tandem_operator.decide.recovery import stamp_epoch
 from tandem_operator.desired.naming import ClusterRef, OwnerRef, pool_name
 from tandem_operator.desired.pods import RoleContext, group_manifests
 from tandem_operator.desired.pools import pool_manifest
-from tandem_operator.recovery import stamp_epoch
 
 RENDER_UID = "assigned-by-the-api-server"
 # Strings YAML 1.2 (kubectl's reader) takes for numbers but PyYAML's YAML 1.1 emitter leaves unquoted, e.g. a hash

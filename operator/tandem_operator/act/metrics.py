@@ -9,7 +9,7 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tandem_operator.fencing import FenceReason
+from tandem_operator.decide.fencing import FenceReason
 
 REGISTRY = CollectorRegistry()
 FENCES = Counter("tandem_operator_fences", "Groups fenced", ["reason"], registry=REGISTRY)

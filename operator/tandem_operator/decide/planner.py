@@ -41,14 +41,14 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from tandem_operator.decide.observe import GroupKey, GroupState, GroupView, Pod, pod_facts
+from tandem_operator.decide.reasons import Reason
+from tandem_operator.decide.recovery import stamp_epoch
+from tandem_operator.decide.registration import next_epoch
+from tandem_operator.decide.upgrade import stamp_generation
 from tandem_operator.desired.naming import group_name
 from tandem_operator.desired.pods import RoleContext, group_extras, group_pod, group_service
 from tandem_operator.desired.seeding import Seed, can_seed, choose_seed, weight_source
-from tandem_operator.observe import GroupKey, GroupState, GroupView, Pod, pod_facts
-from tandem_operator.reasons import Reason
-from tandem_operator.recovery import stamp_epoch
-from tandem_operator.registration import next_epoch
-from tandem_operator.upgrade import stamp_generation
 
 
 class DeleteReason(StrEnum):

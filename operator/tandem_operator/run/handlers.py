@@ -20,14 +20,14 @@ import pydantic
 
 from tandem.registry import EtcdTLS
 from tandem.registry_signing import EndpointSigner
+from tandem_operator.act.k8s.kube import Kube
+from tandem_operator.act.registrar import Registrar
 from tandem_operator.api.common import GROUP, VERSION
 from tandem_operator.api.pdcluster import EtcdSpec, PDClusterSpec
 from tandem_operator.api.upgrade import ANNOTATION_ROLL
+from tandem_operator.decide.fencing import NodeOutage, node_cordoned, node_outage
 from tandem_operator.desired.naming import LABEL_CLUSTER, ClusterRef
-from tandem_operator.fencing import NodeOutage, node_cordoned, node_outage
-from tandem_operator.k8s.kube import Kube
-from tandem_operator.registrar import Registrar
-from tandem_operator.runtime import ClusterRuntime, RuntimeOptions
+from tandem_operator.run.runtime import ClusterRuntime, RuntimeOptions
 
 log = logging.getLogger("tandem.operator")
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Collection
 
+from tandem_operator.act.k8s.kube import Kube
 from tandem_operator.desired.fabric import node_domain
-from tandem_operator.k8s.kube import Kube
 
 PARALLEL_GETS = 8
 

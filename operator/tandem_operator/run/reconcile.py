@@ -14,8 +14,33 @@ from datetime import UTC, datetime
 from typing import Any
 
 from tandem.registry import Endpoint, Role
+from tandem_operator.act.executor import Executor, bounded
+from tandem_operator.act.k8s.apply import INITIAL_SIZE_MANAGER, object_path
+from tandem_operator.act.k8s.kube import ConflictError, Kube
+from tandem_operator.act.k8s.nodes import NodeDomains
+from tandem_operator.act.outdated import OutdatedPods
+from tandem_operator.act.registrar import Registrar
 from tandem_operator.api.common import API_VERSION, Condition
 from tandem_operator.api.upgrade import InvalidTriggerError, parse_trigger
+from tandem_operator.decide.fencing import Fence, FenceReason, NodeVerdicts, death_reason, groups_on_nodes
+from tandem_operator.decide.integrity import CONDITION_TYPE as INTEGRITY_CONDITION
+from tandem_operator.decide.integrity import integrity_condition, suspect_workers
+from tandem_operator.decide.observe import GroupKey, GroupState, GroupView, group_views, slim_pod
+from tandem_operator.decide.planner import CreatePods, DeletePods, DeleteReason, Observed, plan, seed_pool, steps
+from tandem_operator.decide.recovery import (
+    FenceRecord,
+    apply_fences,
+    group_epochs,
+    resumed_fences,
+    service_epochs,
+    service_fences,
+    service_peer_load_failures,
+    stuck_groups,
+)
+from tandem_operator.decide.registration import desired_endpoints, leader_nodes
+from tandem_operator.decide.state import ClusterState
+from tandem_operator.decide.status import Recovery, cluster_status, pool_status, role_status
+from tandem_operator.decide.upgrade import RoleUpgrade, gate, hold, pods_outdated_condition, restamp, trigger_done
 from tandem_operator.desired.naming import (
     LABEL_CLUSTER,
     OwnerRef,
@@ -26,31 +51,6 @@ from tandem_operator.desired.naming import (
 )
 from tandem_operator.desired.pods import RoleContext
 from tandem_operator.desired.pools import pool_manifest
-from tandem_operator.executor import Executor, bounded
-from tandem_operator.fencing import Fence, FenceReason, NodeVerdicts, death_reason, groups_on_nodes
-from tandem_operator.integrity import CONDITION_TYPE as INTEGRITY_CONDITION
-from tandem_operator.integrity import integrity_condition, suspect_workers
-from tandem_operator.k8s.apply import INITIAL_SIZE_MANAGER, object_path
-from tandem_operator.k8s.kube import ConflictError, Kube
-from tandem_operator.k8s.nodes import NodeDomains
-from tandem_operator.observe import GroupKey, GroupState, GroupView, group_views, slim_pod
-from tandem_operator.outdated import OutdatedPods
-from tandem_operator.planner import CreatePods, DeletePods, DeleteReason, Observed, plan, seed_pool, steps
-from tandem_operator.recovery import (
-    FenceRecord,
-    apply_fences,
-    group_epochs,
-    resumed_fences,
-    service_epochs,
-    service_fences,
-    service_peer_load_failures,
-    stuck_groups,
-)
-from tandem_operator.registrar import Registrar
-from tandem_operator.registration import desired_endpoints, leader_nodes
-from tandem_operator.state import ClusterState
-from tandem_operator.status import Recovery, cluster_status, pool_status, role_status
-from tandem_operator.upgrade import RoleUpgrade, gate, hold, pods_outdated_condition, restamp, trigger_done
 
 # Groups created concurrently in one pass (each applies its Service, then its pods PARALLEL_WRITES at a time):
 # one group after the other took 70 s for 100 four-node groups on a loaded API server (tandem bench operator). At

@@ -11,16 +11,16 @@ import logging
 from collections.abc import Iterable
 
 from tandem.registry import Role
+from tandem_operator.act.executor import bounded
+from tandem_operator.act.k8s.apply import object_path
+from tandem_operator.act.k8s.kube import Kube
 from tandem_operator.api.common import API_VERSION
 from tandem_operator.api.upgrade import ANNOTATION_ROLL
+from tandem_operator.decide.observe import GroupView, Pod, pod_facts
+from tandem_operator.decide.upgrade import stamps
 from tandem_operator.desired.compare import drift
 from tandem_operator.desired.naming import LABEL_TEMPLATE_HASH, ClusterRef
 from tandem_operator.desired.pods import RoleContext, group_pod
-from tandem_operator.executor import bounded
-from tandem_operator.k8s.apply import object_path
-from tandem_operator.k8s.kube import Kube
-from tandem_operator.observe import GroupView, Pod, pod_facts
-from tandem_operator.upgrade import stamps
 
 log = logging.getLogger("tandem.operator")
 

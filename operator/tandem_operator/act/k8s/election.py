@@ -1,4 +1,4 @@
-"""Leader election adapter: holds a ``coordination.k8s.io/v1`` Lease, deciding with ``tandem_operator.leader``.
+"""Leader election adapter: holds a ``coordination.k8s.io/v1`` Lease, deciding with ``tandem_operator.decide.leader``.
 
 ``acquire`` blocks until this replica holds the Lease; ``hold`` renews it every ``duration / 3`` and returns when
 leadership is lost (no successful renewal for ``2/3`` of the Lease's duration -- client-go's renew deadline, so a
@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 
-from tandem_operator.k8s.kube import ConflictError, Kube, PermanentError
-from tandem_operator.leader import LeaseAction, Observed, decide, lease_body, lease_state, observe
+from tandem_operator.act.k8s.kube import ConflictError, Kube, PermanentError
+from tandem_operator.decide.leader import LeaseAction, Observed, decide, lease_body, lease_state, observe
 
 log = logging.getLogger("tandem.operator.leader")
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from tandem_operator.reasons import EventType, Reason
+from tandem_operator.decide.reasons import EventType, Reason
 
 REPORTING_CONTROLLER = "tandem.dev/operator"
 MAX_NOTE = 1024  # the API server rejects longer notes
