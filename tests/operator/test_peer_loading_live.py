@@ -9,6 +9,7 @@ recreation is found at its new address.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -33,6 +34,13 @@ async def leader(api: client.ApiClient, ns: str, index: int) -> Any | None:
     return found[0] if len(found) == 1 else None
 
 
+async def _registered_after(reg: Registry, ns: str, epochs: dict[str, int]) -> dict[str, Any] | None:
+    """The registry's entries once all three groups are registered, each past its epoch in ``epochs``."""
+    found = await reg.endpoints(ns, "sim")
+    fine = all(g in found and found[g].epoch > e for g, e in epochs.items())
+    return found if fine and sorted(found) == ["decode-0", "decode-1", "prefill-0"] else None
+
+
 async def test_a_killed_decode_loads_from_a_serving_peer_and_without_one_from_the_node(
     live: Live, runner: PodRunner
 ) -> None:
@@ -41,12 +49,7 @@ async def test_a_killed_decode_loads_from_a_serving_peer_and_without_one_from_th
     await create_pdcluster(api, ns, pdcluster("sim", decode=ONE_NODE, peerLoading={"enabled": True}))
     core = client.CoreV1Api(api)
     async with Registry(live.etcd) as reg:
-
-        async def registered_after(epochs: dict[str, int]) -> dict[str, Any] | None:
-            found = await reg.endpoints(ns, "sim")
-            fine = all(g in found and found[g].epoch > e for g, e in epochs.items())
-            return found if fine and sorted(found) == ["decode-0", "decode-1", "prefill-0"] else None
-
+        registered_after = functools.partial(_registered_after, reg, ns)
         endpoints = await eventually(lambda: registered_after({}), "prefill-0, decode-0, decode-1 registered", 90)
         first = {p.metadata.name: p for p in await pods(api, ns, "tandem.dev/role=decode")}
         for p in first.values():  # the first groups had no serving peer: from the node, started as seeds
@@ -59,7 +62,9 @@ async def test_a_killed_decode_loads_from_a_serving_peer_and_without_one_from_th
         seed = first["sim-decode-0-0"]
         await core.delete_namespaced_pod("sim-decode-1-0", ns, grace_period_seconds=0)
         endpoints = await eventually(
-            lambda: registered_after({"decode-1": endpoints["decode-1"].epoch}), "decode-1 registered again", 90
+            lambda: registered_after({"decode-1": endpoints["decode-1"].epoch}),
+            "decode-1 registered again",
+            90,
         )
         peer = await leader(api, ns, 1)
         assert peer is not None
@@ -75,7 +80,9 @@ async def test_a_killed_decode_loads_from_a_serving_peer_and_without_one_from_th
         # 2. decode-0 killed: decode-1 serves but loaded from a peer, so it publishes nothing: from the node
         await core.delete_namespaced_pod("sim-decode-0-0", ns, grace_period_seconds=0)
         endpoints = await eventually(
-            lambda: registered_after({"decode-0": endpoints["decode-0"].epoch}), "decode-0 registered again", 90
+            lambda: registered_after({"decode-0": endpoints["decode-0"].epoch}),
+            "decode-0 registered again",
+            90,
         )
         back = await leader(api, ns, 0)
         assert back is not None
@@ -85,7 +92,9 @@ async def test_a_killed_decode_loads_from_a_serving_peer_and_without_one_from_th
         # 3. decode-1 killed again: decode-0's new incarnation (read from the node) seeds it at its new address
         await core.delete_namespaced_pod("sim-decode-1-0", ns, grace_period_seconds=0)
         endpoints = await eventually(
-            lambda: registered_after({"decode-1": endpoints["decode-1"].epoch}), "decode-1 registered again", 90
+            lambda: registered_after({"decode-1": endpoints["decode-1"].epoch}),
+            "decode-1 registered again",
+            90,
         )
         again = await leader(api, ns, 1)
         assert again is not None
@@ -112,12 +121,7 @@ async def test_a_seed_killed_while_a_peer_loads_from_it_the_peer_comes_back_from
     await create_pdcluster(api, ns, pdcluster("sim", decode=decode, peerLoading={"enabled": True}))
     core = client.CoreV1Api(api)
     async with Registry(live.etcd) as reg:
-
-        async def registered_after(epochs: dict[str, int]) -> dict[str, Any] | None:
-            found = await reg.endpoints(ns, "sim")
-            fine = all(g in found and found[g].epoch > e for g, e in epochs.items())
-            return found if fine and sorted(found) == ["decode-0", "decode-1", "prefill-0"] else None
-
+        registered_after = functools.partial(_registered_after, reg, ns)
         before = await eventually(lambda: registered_after({}), "prefill-0, decode-0, decode-1 registered", 120)
         epoch = before["decode-1"].epoch
         await core.delete_namespaced_pod("sim-decode-1-0", ns, grace_period_seconds=0)
