@@ -1,6 +1,6 @@
 """Watches one PD cluster's integrity reports in etcd (thin adapter): the operator shows them on the
 PDCluster (``tandem_operator.decide.integrity``); the routers split the canary probing among the routers that report
-(``tandem_router.integrity_members``).
+(``tandem_router.probes.members``).
 
 Lists ``integrity_prefix(namespace, cluster)``, then watches it from the next revision; a PUT upserts a report, a
 DELETE -- a router removed it, or its lease expired -- drops it. Every change calls ``on_change`` with the whole

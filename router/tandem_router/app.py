@@ -19,7 +19,6 @@ import orjson
 import pydantic
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from tandem_router.canary import CanaryConfig, ProbeScope
 from tandem_router.config import DiscoveryMode, RouterSettings
 from tandem_router.discovery import Discovery, make_discovery
 from tandem_router.dispatch import ProxyRequest
@@ -28,15 +27,16 @@ from tandem_router.flow_control import FlowControl
 from tandem_router.health import HealthChecker
 from tandem_router.integrity.monitor import IntegrityConfig, IntegrityMonitor
 from tandem_router.integrity.quarantine import QuarantinePolicy
-from tandem_router.integrity_hooks import IntegrityHooks, build_hooks, probing_capacity
-from tandem_router.integrity_members import RouterMembers, router_id
-from tandem_router.integrity_publisher import IntegrityPublisher, integrity_document
 from tandem_router.metrics import RouterMetrics
 from tandem_router.openai.requests import canonical, param_path, refusal
 from tandem_router.openapi import document
 from tandem_router.policy.breaker import BreakerConfig
 from tandem_router.policy.retry import RetryConfig
 from tandem_router.pool import PairGate, WorkerPool
+from tandem_router.probes.canary import CanaryConfig, ProbeScope
+from tandem_router.probes.hooks import IntegrityHooks, build_hooks, probing_capacity
+from tandem_router.probes.members import RouterMembers, router_id
+from tandem_router.probes.publisher import IntegrityPublisher, integrity_document
 from tandem_router.proxy import Proxy
 from tandem_router.resume import ResumeConfig
 from tandem_router.schema import (

@@ -15,11 +15,11 @@ from aiohttp import web
 from tandem_dev.procs import ManagedProcess, free_port
 from tandem_dev.router import instant_worker
 from tandem_router.app import RouterApp, build_app, state_of
-from tandem_router.canary import ProbeScope
 from tandem_router.config import PrefillSpec, RouterSettings
 from tandem_router.integrity.monitor import IntegrityMonitor
 from tandem_router.integrity.probe_budget import ProbeBudget, ProbeMetrics
 from tandem_router.policy.selection import Policy
+from tandem_router.probes.canary import ProbeScope
 from tandem_router.server import HttpServer
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from tandem.registry import Role
-from tandem_router.canary import CanaryProber, ProbeScope
 from tandem_router.integrity.divergence import Answer
 from tandem_router.integrity.monitor import IntegrityConfig, IntegrityMonitor
 from tandem_router.integrity.probe_budget import ProbeBudget, ProbeMetrics
 from tandem_router.integrity.quarantine import QuarantinePolicy
 from tandem_router.pool import Pair, WorkerSpec
+from tandem_router.probes.canary import CanaryProber, ProbeScope
 from tandem_router.transport import Transport
 from tests.router.helpers import ample_budget, lone_router
 

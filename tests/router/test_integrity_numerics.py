@@ -12,7 +12,6 @@ from prometheus_client import CollectorRegistry
 
 from tandem.registry import Role
 from tandem_router.app import integrity_config
-from tandem_router.canary import CanaryProber
 from tandem_router.config import load
 from tandem_router.dispatch import ProxyRequest
 from tandem_router.integrity.divergence import NEAR_TIE_NATS, Answer
@@ -20,9 +19,10 @@ from tandem_router.integrity.monitor import IntegrityConfig, IntegrityMonitor
 from tandem_router.integrity.probe_budget import ProbeKind
 from tandem_router.integrity.quarantine import QuarantinePolicy
 from tandem_router.pool import Pair, WorkerPool, WorkerSpec
-from tandem_router.probation import ProbationMirror
+from tandem_router.probes.canary import CanaryProber
+from tandem_router.probes.probation import ProbationMirror
+from tandem_router.probes.shadow import ShadowSampler
 from tandem_router.schema import Route
-from tandem_router.shadow import ShadowSampler
 from tandem_router.transport import Request, Transport
 from tests.router.helpers import ample_budget, lone_router
 from tests.test_integrity_divergence import FLIP, REF, Step, answer, generate_doc, sure, text_of, tied

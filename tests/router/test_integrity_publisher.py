@@ -12,8 +12,8 @@ from tandem import registry, registry_etcd
 from tandem_dev.local_stack import start_etcd
 from tandem_router.integrity.monitor import IntegrityConfig, IntegrityMonitor
 from tandem_router.integrity.quarantine import QuarantinePolicy
-from tandem_router.integrity_members import RouterMembers
-from tandem_router.integrity_publisher import SHARED_PREFIX, IntegrityPublisher
+from tandem_router.probes.members import RouterMembers
+from tandem_router.probes.publisher import SHARED_PREFIX, IntegrityPublisher
 
 pytestmark = pytest.mark.procs
 

@@ -10,13 +10,13 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from tandem.registry import Role
-from tandem_router.canary import CanaryProber, ProbeScope
 from tandem_router.integrity.divergence import Answer
 from tandem_router.integrity.monitor import IntegrityConfig, IntegrityMonitor
 from tandem_router.integrity.quarantine import IntegrityBook, QuarantinePolicy
-from tandem_router.integrity_publisher import SHARED_PREFIX, report_of
 from tandem_router.pool import Pair, WorkerPool, WorkerSpec
-from tandem_router.shadow import ShadowSampler
+from tandem_router.probes.canary import CanaryProber, ProbeScope
+from tandem_router.probes.publisher import SHARED_PREFIX, report_of
+from tandem_router.probes.shadow import ShadowSampler
 from tandem_router.transport import Transport
 from tests.router.helpers import ample_budget, lone_router
 from tests.router.test_integrity_numerics import FakeWorkers, _body, _Reply, _request

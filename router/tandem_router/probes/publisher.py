@@ -6,7 +6,7 @@ stops reporting after ``ttl`` seconds. The report is rewritten when it changes; 
 one (frozen or partitioned for longer than the TTL). A router that stops revokes its lease: the report goes at once.
 
 A *shared* quarantine (one that rests on a comparison this router made, ``QuarantineView.shared``) is reported with
-its reason prefixed by ``SHARED_PREFIX``: the cluster's other routers adopt those (``integrity_members``). The
+its reason prefixed by ``SHARED_PREFIX``: the cluster's other routers adopt those (``members``). The
 report's schema (``tandem.registry.IntegrityReport``) has no field for it, and a reason is free text the operator
 shows as it is, so the mark travels in the reason: older readers see a longer reason, nothing else.
 """

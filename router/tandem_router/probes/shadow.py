@@ -52,8 +52,8 @@ from tandem_router.dispatch import ProxyRequest
 from tandem_router.integrity.divergence import Answer, compare
 from tandem_router.integrity.monitor import IntegrityMonitor
 from tandem_router.integrity.probe_budget import ProbeBudget, ProbeKind
-from tandem_router.pair_request import answers_from_pair
 from tandem_router.pool import Pair, WorkerPool
+from tandem_router.probes.pair_request import answers_from_pair
 from tandem_router.transport import Transport
 
 log = logging.getLogger("tandem.router.shadow")

@@ -47,7 +47,7 @@ from tandem_router.dispatch import ProxyRequest
 from tandem_router.integrity.divergence import Answer, compare
 from tandem_router.integrity.monitor import IntegrityMonitor, PairKey
 from tandem_router.pool import Pair, WorkerPool
-from tandem_router.shadow import deterministic, rerun
+from tandem_router.probes.shadow import deterministic, rerun
 from tandem_router.transport import Transport
 
 log = logging.getLogger("tandem.router.probation")

@@ -35,8 +35,8 @@ from tandem_router.integrity.divergence import Answer, Kind, compare
 from tandem_router.integrity.monitor import IntegrityMonitor, PairKey
 from tandem_router.integrity.probe_budget import ProbeBudget, ProbeKind
 from tandem_router.integrity.probe_plan import DEFAULT_SAMPLE, plan_round, round_number, rounds_to_cover
-from tandem_router.pair_request import answers_from_pair
 from tandem_router.pool import Pair
+from tandem_router.probes.pair_request import answers_from_pair
 from tandem_router.transport import Transport
 
 log = logging.getLogger("tandem.router.canary")
@@ -67,7 +67,7 @@ class CanaryConfig:
 class ProbeScope:
     """Who probes what: this router's id, the ids of the cluster's routers (this one included or not), the pairs to
     probe before the rotation, and the pairs other routers quarantined: a mapping gives each pair the peers' shared
-    entries (``integrity_members``: adopted here at once); pairs without one are confirmed here with bursts."""
+    entries (``members``: adopted here at once); pairs without one are confirmed here with bursts."""
 
     me: str
     members: Callable[[], Collection[str]]
@@ -219,7 +219,7 @@ class CanaryProber:
         another router quarantined that this one still serves goes under suspicion here (its
         deterministic answers are compared: the races need live prompts that fill KV pages, which canaries do not)
         and gets a canary burst (a broken data path), at most once per ``PEER_CONFIRM_S`` a pair
-        (``integrity_members``: detector findings alone are judged by each router on what it saw itself)."""
+        (``members``: detector findings alone are judged by each router on what it saw itself)."""
         now = time.monotonic()
         reported = self.scope.peer_quarantined()
         if isinstance(reported, Mapping):

@@ -15,14 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tandem.registry import Role
-from tandem_router.canary import CanaryConfig, CanaryProber, ProbeScope
 from tandem_router.dispatch import ProxyRequest
 from tandem_router.flow_control import FlowControl
 from tandem_router.integrity.monitor import IntegrityMonitor
 from tandem_router.integrity.probe_budget import ProbeBudget, ProbeMetrics
 from tandem_router.pool import Pair, WorkerPool
-from tandem_router.probation import ProbationMirror, load_target
-from tandem_router.shadow import ShadowSampler, deterministic
+from tandem_router.probes.canary import CanaryConfig, CanaryProber, ProbeScope
+from tandem_router.probes.probation import ProbationMirror, load_target
+from tandem_router.probes.shadow import ShadowSampler, deterministic
 from tandem_router.transport import Transport
 
 

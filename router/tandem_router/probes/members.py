@@ -1,6 +1,6 @@
 """The routers of this cluster, as the canary prober splits its rounds between them (thin adapter).
 
-Every router publishes an integrity report under its own 10 s lease (``integrity_publisher``), so the reports under
+Every router publishes an integrity report under its own 10 s lease (``publisher``), so the reports under
 ``integrity_prefix(namespace, cluster)`` name the routers alive now: one that stops revokes its lease, one that dies
 drops out when the lease expires. The prober hashes each pair over these ids (``integrity.probe_plan``); this
 router is always one of them, also before its own report is written or while etcd is away (then the last set
@@ -8,7 +8,7 @@ seen stays: each router keeps probing the share it had, and none goes unprobed).
 
 The same reports name the pairs the other routers quarantined (``peer_quarantined``: pair -> the peers' shared
 entries for it). A quarantine that rests on a comparison the other router made (a canary, shadow or probation
-mismatch: reported with ``integrity_publisher.SHARED_PREFIX``) is *shared*: this router adopts it at once
+mismatch: reported with ``publisher.SHARED_PREFIX``) is *shared*: this router adopts it at once
 (``IntegrityMonitor.adopt``), as no client can make a comparison look like corruption. One that rests on detector
 findings alone (text a client steers) is confirmed here with a canary burst at live concurrency and by comparing
 the pair's deterministic answers, and quarantined here only if that fails here too: a client that fools one
@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 
 from tandem.integrity_watch import IntegrityWatcher
 from tandem.registry import EtcdTLS, IntegrityReport
-from tandem_router.integrity_publisher import SHARED_PREFIX
+from tandem_router.probes.publisher import SHARED_PREFIX
 
 PairKey = tuple[str, str]
 
