@@ -50,6 +50,18 @@ async def test_a_killed_decode_loads_from_a_serving_peer_and_without_one_from_th
     core = client.CoreV1Api(api)
     async with Registry(live.etcd) as reg:
         registered_after = functools.partial(_registered_after, reg, ns)
+
+        async def recreated(before: dict[str, Any], index: int) -> tuple[dict[str, Any], Any]:
+            """Decode group ``index``'s pod deleted: the registry once it is back, and its new leader pod."""
+            group = f"decode-{index}"
+            await core.delete_namespaced_pod(f"sim-{group}-0", ns, grace_period_seconds=0)
+            after = await eventually(
+                lambda: registered_after({group: before[group].epoch}), f"{group} registered again", 90
+            )
+            pod = await leader(api, ns, index)
+            assert pod is not None
+            return after, pod
+
         endpoints = await eventually(lambda: registered_after({}), "prefill-0, decode-0, decode-1 registered", 90)
         first = {p.metadata.name: p for p in await pods(api, ns, "tandem.dev/role=decode")}
         for p in first.values():  # the first groups had no serving peer: from the node, started as seeds
@@ -60,14 +72,7 @@ async def test_a_killed_decode_loads_from_a_serving_peer_and_without_one_from_th
 
         # 1. decode-1 killed while decode-0 serves: it pulls its weights from decode-0
         seed = first["sim-decode-0-0"]
-        await core.delete_namespaced_pod("sim-decode-1-0", ns, grace_period_seconds=0)
-        endpoints = await eventually(
-            lambda: registered_after({"decode-1": endpoints["decode-1"].epoch}),
-            "decode-1 registered again",
-            90,
-        )
-        peer = await leader(api, ns, 1)
-        assert peer is not None
+        endpoints, peer = await recreated(endpoints, 1)
         args = peer.spec.containers[0].args
         assert flag(args, "--load-format") == "remote_instance"
         assert flag(args, "--remote-instance-weight-loader-backend") == "transfer_engine"
@@ -78,26 +83,12 @@ async def test_a_killed_decode_loads_from_a_serving_peer_and_without_one_from_th
         assert peer.metadata.labels["tandem.dev/template-hash"] == seed.metadata.labels["tandem.dev/template-hash"]
 
         # 2. decode-0 killed: decode-1 serves but loaded from a peer, so it publishes nothing: from the node
-        await core.delete_namespaced_pod("sim-decode-0-0", ns, grace_period_seconds=0)
-        endpoints = await eventually(
-            lambda: registered_after({"decode-0": endpoints["decode-0"].epoch}),
-            "decode-0 registered again",
-            90,
-        )
-        back = await leader(api, ns, 0)
-        assert back is not None
+        endpoints, back = await recreated(endpoints, 0)
         assert "--load-format" not in back.spec.containers[0].args
         assert back.metadata.annotations["tandem.dev/weight-source"] == "node"
 
         # 3. decode-1 killed again: decode-0's new incarnation (read from the node) seeds it at its new address
-        await core.delete_namespaced_pod("sim-decode-1-0", ns, grace_period_seconds=0)
-        endpoints = await eventually(
-            lambda: registered_after({"decode-1": endpoints["decode-1"].epoch}),
-            "decode-1 registered again",
-            90,
-        )
-        again = await leader(api, ns, 1)
-        assert again is not None
+        endpoints, again = await recreated(endpoints, 1)
         assert flag(again.spec.containers[0].args, SEED_IP) == back.status.pod_ip
         assert again.metadata.annotations["tandem.dev/weight-seed"] == f"sim-decode-0/{endpoints['decode-0'].epoch}"
         status = await client.CustomObjectsApi(api).get_namespaced_custom_object(
