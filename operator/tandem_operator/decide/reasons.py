@@ -27,3 +27,4 @@ class Reason(StrEnum):
     PAIR_QUARANTINED = "PairQuarantined"
     PAIR_RELEASED = "PairReleased"
     INTEGRITY_RECREATE = "IntegrityRecreate"
+    RECONCILE_FAILED = "ReconcileFailed"  # a pass failed: retried with backoff (decide/retry.py)

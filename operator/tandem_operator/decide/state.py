@@ -13,6 +13,7 @@ from tandem_operator.api.common import Condition
 from tandem_operator.api.pdcluster import PDClusterSpec
 from tandem_operator.decide.observe import GroupKey, Pod, group_of
 from tandem_operator.decide.recovery import FenceRecord
+from tandem_operator.decide.retry import ReconcileFailure
 from tandem_operator.desired.naming import ClusterRef
 
 
@@ -49,6 +50,7 @@ class ClusterState:
     recovery_timings: list[tuple[GroupKey, float]] = field(default_factory=list)
     # The routers' integrity reports (etcd key -> report); None until the watch has listed them once.
     integrity_reports: dict[str, IntegrityReport] | None = None
+    reconcile_failure: ReconcileFailure | None = None  # why the last pass failed; None: it succeeded
 
     def members(self, group: GroupKey) -> list[Pod]:
         return [p for p in self.pods.values() if group_of(p) == group]

@@ -38,6 +38,7 @@ from tandem_operator.decide.recovery import (
     stuck_groups,
 )
 from tandem_operator.decide.registration import desired_endpoints, leader_nodes
+from tandem_operator.decide.retry import reconcile_condition
 from tandem_operator.decide.state import ClusterState
 from tandem_operator.decide.status import Recovery, cluster_status, pool_status, role_status
 from tandem_operator.decide.upgrade import RoleUpgrade, gate, hold, pods_outdated_condition, restamp, trigger_done
@@ -271,10 +272,24 @@ class Reconciler:
             conditions.append(integrity_condition(state.integrity_reports, state.conditions, state.generation, _now()))
         else:  # not listed yet: keep what the status says until the watch has synced
             conditions += [c for c in state.conditions if c.type == INTEGRITY_CONDITION]
+        failed = reconcile_condition(state.reconcile_failure, state.conditions, state.generation, _now())
+        conditions += [failed] if failed is not None else []
         cluster = cluster.model_copy(update={"conditions": conditions})
         state.conditions = conditions
         body = _status_body("PDCluster", state.ref.name, state.ref.namespace, cluster.to_wire())
         await self._apply_status(body, state.ref.uid)
+
+    async def report_failure(self) -> None:
+        """A failed pass: the ``ReconcileFailed`` condition merged into the PDCluster's status, the others kept as the
+        last pass wrote them (a merge patch: the failed pass may not have got as far as its status)."""
+        state = self.state
+        failed = reconcile_condition(state.reconcile_failure, state.conditions, state.generation, _now())
+        if failed is None:
+            return
+        conditions = [*(c for c in state.conditions if c.type != failed.type), failed]
+        state.conditions = conditions
+        path = object_path(_status_body("PDCluster", state.ref.name, state.ref.namespace, {})) + "/status"
+        await self.kube.merge_patch(path, {"status": {"conditions": [c.to_wire() for c in conditions]}})
 
     async def _apply_status(self, body: dict[str, Any], uid: str) -> None:
         """Apply a status unless it is the one last applied to that object (by uid): most passes of a ramp change

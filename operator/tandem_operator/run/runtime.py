@@ -25,7 +25,7 @@ import pydantic
 
 from tandem.integrity_watch import IntegrityWatcher
 from tandem.registry import IntegrityReport
-from tandem_operator.act.k8s.kube import Kube
+from tandem_operator.act.k8s.kube import Kube, PermanentError
 from tandem_operator.act.registrar import Registrar
 from tandem_operator.api.pdcluster import PDClusterSpec, PDClusterStatus
 from tandem_operator.autoscale.loop import Autoscaler
@@ -42,6 +42,7 @@ from tandem_operator.decide.fencing import (
 from tandem_operator.decide.integrity import integrity_decision, integrity_recreations
 from tandem_operator.decide.observe import Pod, slim_pod
 from tandem_operator.decide.reasons import EventType, Reason
+from tandem_operator.decide.retry import ReconcileFailure, retry_delay
 from tandem_operator.decide.state import ClusterState
 from tandem_operator.desired.naming import ClusterRef
 from tandem_operator.run.reconcile import Reconciler
@@ -81,6 +82,8 @@ class ClusterRuntime:
         self.autoscaler = Autoscaler(self.state, kube, self.executor.worker_metrics)
         self._autoscale_task: asyncio.Task[None] | None = None
         self.reconciled = asyncio.Event()  # set after each successful pass (tests wait on it)
+        self._failures = 0  # failed passes in a row
+        self._new_generation = asyncio.Event()  # the spec changed since the last pass began (ends a backoff)
         self._integrity = IntegrityWatcher(
             registrar.endpoints, ref.namespace, ref.name, self._on_integrity, tls=registrar.tls
         )
@@ -92,6 +95,8 @@ class ClusterRuntime:
     # -- lifecycle -------------------------------------------------------------------------------------------
     def update(self, spec: PDClusterSpec, generation: int, status: Mapping[str, Any]) -> None:
         state = self.state
+        if generation != state.generation:
+            self._new_generation.set()
         state.spec, state.generation = spec, generation
         if not state.conditions and status:
             with contextlib.suppress(pydantic.ValidationError):
@@ -243,7 +248,9 @@ class ClusterRuntime:
             # event kicks, and back-to-back passes each listed every pod.
             await asyncio.sleep(max(self.options.debounce_seconds, last_pass_s))
             self._kick.clear()
+            self._new_generation.clear()
             began = time.monotonic()
+            failure, self.state.reconcile_failure = self.state.reconcile_failure, None  # this pass writes False
             try:
                 if await self.reconciler.reconcile_once():  # groups still draining: look again soon
                     asyncio.get_running_loop().call_later(DRAIN_POLL_S, self.kick)
@@ -251,9 +258,27 @@ class ClusterRuntime:
                 self._arm_node_check()  # the grace may have changed with the spec, or a node's run out
                 self.reconciled.set()
                 last_pass_s = time.monotonic() - began
+                self._failures = 0
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("reconcile failed; retrying", extra={"cluster": f"{self.ref.namespace}/{self.ref.name}"})
-                await asyncio.sleep(1.0)
-                self.kick()
+            except Exception as err:
+                await self._failed(err, failure)
+
+    async def _failed(self, err: Exception, before: ReconcileFailure | None) -> None:
+        """A failed pass: logged, on the PDCluster (condition; an Event per distinct error), retried after the
+        backoff of ``decide.retry`` (at once when the spec changes meanwhile)."""
+        cluster = f"{self.ref.namespace}/{self.ref.name}"
+        self._failures += 1
+        failure = ReconcileFailure(isinstance(err, PermanentError), str(err) or repr(err))
+        self.state.reconcile_failure = failure
+        delay = retry_delay(self._failures, failure)
+        log.exception("reconcile failed", extra={"cluster": cluster, "retry_in_s": delay, "reason": failure.reason})
+        if before is None or before.message != failure.message:
+            self.executor.emit(Reason.RECONCILE_FAILED, failure.message[:1024], "Reconcile", EventType.WARNING)
+        try:
+            await self.reconciler.report_failure()
+        except Exception as status_err:  # the API server may be what fails: the log has it, the retry goes on
+            log.warning("reconcile failure not in the status", extra={"cluster": cluster, "error": repr(status_err)})
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._new_generation.wait(), delay)
+        self.kick()
