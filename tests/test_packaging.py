@@ -48,7 +48,7 @@ def test_package_discovery_finds_every_runtime_package_and_no_dev_package() -> N
 def test_the_dev_venv_imports_tandem_dev_from_the_checkout() -> None:
     import tandem_dev.bench
 
-    assert Path(tandem_dev.bench.__file__).resolve() == ROOT / "tandem_dev" / "bench.py"
+    assert Path(tandem_dev.bench.__file__).resolve() == ROOT / "tandem_dev" / "bench" / "__init__.py"
 
 
 @pytest.mark.parametrize("command", ["bench", "up", "chaos", "dev-cluster"])

@@ -53,7 +53,7 @@ from tandem_dev.procs import ManagedProcess, free_port
 SETTING = (
     "dev cluster: operator (2 replicas, leader election), 2 prefill + 2 decode simulated pods, 3-member etcd, 2 routers"
 )
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MANIFEST = REPO / "deploy" / "sim-small.yaml"
 CRDS = REPO / "charts" / "tandem" / "crds"
 NAME = "sim"
