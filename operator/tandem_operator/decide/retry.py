@@ -5,9 +5,9 @@ until the object changes): a temporary failure (a lost connection, a 429 or 5xx 
 retries did not outlast, anything unexpected) is retried after 1 s, doubling per consecutive failure up to 10 s
 (kopf goes to 60 s; here a pass also recovers groups, so a long outage of the API server or etcd must not leave
 them waiting a minute after it ends); a permanent one (the API server refused a request as invalid, e.g. a 422)
-repeats identically until the spec changes, so it is retried every 60 s or at once on a new generation. Either way the PDCluster says so: a
-``ReconcileFailed`` condition (True with the error while failing; False once a pass succeeds again; absent on a
-cluster that never failed) and a Warning Event per distinct error.
+repeats identically until the spec changes, so it is retried every 60 s or at once on a new generation. Either way
+the PDCluster says so: a ``ReconcileFailed`` condition (True with the error while failing; False once a pass
+succeeds again; absent on a cluster that never failed) and a Warning Event per distinct error.
 """
 
 from __future__ import annotations
