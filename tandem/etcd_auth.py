@@ -34,6 +34,7 @@ from typing import Any
 from aetcd import rpc
 
 from tandem import logs, registry, registry_etcd
+from tandem.etcd_errors import EtcdError, as_etcd_errors
 from tandem.registry import EtcdTLS
 
 log = logging.getLogger("tandem.etcd_auth")
@@ -84,11 +85,13 @@ def auth_plan(clusters: Sequence[tuple[str, str]]) -> dict[str, frozenset[Grant]
 
 
 async def setup_auth(endpoints: Sequence[str], root: EtcdTLS, clusters: Sequence[tuple[str, str]]) -> None:
-    """``apply_auth(auth_plan(clusters))`` as ``root`` (a client certificate with CN ``root``)."""
+    """``apply_auth(auth_plan(clusters))`` as ``root`` (a client certificate with CN ``root``); raises
+    ``EtcdError`` when etcd does not answer or refuses (``apply_auth`` calls etcd's Auth service directly)."""
     etcd = registry_etcd.client(endpoints, tls=root)
     await etcd.connect()
     try:
-        await apply_auth(etcd, auth_plan(clusters))
+        with as_etcd_errors("auth set-up", etcd.endpoint):
+            await apply_auth(etcd, auth_plan(clusters))
     finally:
         await etcd.close()
 
@@ -150,7 +153,7 @@ def main(argv: Sequence[str]) -> int:
             try:
                 await setup_auth(args.endpoints, tls, args.cluster)
                 return 0
-            except Exception as err:  # etcd not up yet (a fresh StatefulSet): retry until the deadline
+            except EtcdError as err:  # etcd not up yet (a fresh StatefulSet): retry until the deadline
                 if time.monotonic() > deadline:
                     print(f"tandem etcd-auth: giving up after {args.wait_s:.0f}s: {err!r}", file=sys.stderr)
                     return 1

@@ -15,7 +15,8 @@ away:
 
 ``delete`` forgets a key and deletes it at once (fencing must not wait for anything), so a later lease loss never
 brings it back. A put or delete waits for a re-advertisement in flight, so neither a stale value nor a deleted key
-is written back over it. Reads go to ``client``, the plain aetcd client.
+is written back over it. Reads go to ``client`` (``tandem.registry_etcd.Client``). Every failed etcd call raises
+an ``EtcdError`` (``tandem.etcd_errors``): ``LeaseNotFoundError`` when the lease is gone.
 """
 
 from __future__ import annotations
@@ -25,20 +26,15 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
 
 from tandem import registry_etcd
+from tandem.etcd_errors import EtcdError, LeaseNotFoundError, answered_within
 from tandem.registry import EtcdTLS
 
 log = logging.getLogger("tandem.registry.lease")
 
 OnLeaseLost = Callable[[], Awaitable[None]]
 TXN_OPS = 100  # puts per re-advertising transaction (etcd refuses a transaction of more than 128 ops by default)
-
-
-def lease_missing(err: BaseException) -> bool:
-    """True for etcd's answer to a put under (or a revoke of) a lease it no longer has."""
-    return "lease not found" in str(err)
 
 
 def _bytes(key: bytes | str) -> bytes:
@@ -56,7 +52,7 @@ class LeasedWriter:
         call_timeout_s: float = 1.0,
     ) -> None:
         self.endpoints, self.ttl, self.retry_s, self.call_timeout_s = tuple(endpoints), ttl, retry_s, call_timeout_s
-        self.client: Any = registry_etcd.client(endpoints, tls=tls)  # for reads and for keys of no lease
+        self.client = registry_etcd.client(endpoints, tls=tls)  # for reads and for keys of no lease
         self.lease_grants = 0  # leases granted so far: 1 after start, one more per lost lease
         self._lease_id: int | None = None
         self._advertised: dict[bytes, bytes] = {}
@@ -107,9 +103,8 @@ class LeasedWriter:
             try:
                 await self.client.put(key, value, lease=self._lease_id)
                 landed = True
-            except Exception as err:
-                if lease_missing(err):  # gone before the keep-alive noticed: replace it now
-                    self._lost = True
+            except LeaseNotFoundError:  # gone before the keep-alive noticed: replace it now
+                self._lost = True
                 raise
             finally:
                 # Failed, or given up by its caller: every advertised key is put again once etcd answers (under a
@@ -144,7 +139,7 @@ class LeasedWriter:
                     await task
         self._keepalive = None
         if revoke and self._lease_id is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(EtcdError):  # etcd away: the keys go when the lease expires
                 await self.client.revoke_lease(self._lease_id)
         await registry_etcd.close_client(self.client)
 
@@ -157,10 +152,13 @@ class LeasedWriter:
             self._wake.clear()
             try:
                 await self._check()
-            except Exception as err:  # TimeoutError included: etcd frozen or away; ask again soon
-                if lease_missing(err):
-                    self._lost = True
+            except EtcdError as err:  # etcd frozen, away or refusing: ask again soon
+                self._lost = self._lost or isinstance(err, LeaseNotFoundError)
                 self._failed(err)
+                delay = self.retry_s
+                continue
+            except Exception:  # last resort: a keep-alive that ended would let every advertised key expire
+                log.exception("etcd lease keep-alive failed; retrying", extra={"etcd": self.endpoints[0]})
                 delay = self.retry_s
                 continue
             if self._outage_since is not None:
@@ -172,12 +170,12 @@ class LeasedWriter:
     async def _check(self) -> None:
         """One round: refresh the lease; if it is gone, grant a new one; if one is new, advertise every key."""
         if not self._lost and not self._stale:
-            async with asyncio.timeout(self.call_timeout_s):
+            async with self._answered_within("refresh_lease"):
                 reply = await self.client.refresh_lease(self._lease_id)
             # etcd answers a refresh of a lease it does not have (any more) with TTL 0, not an error.
             self._lost = reply is None or reply.TTL <= 0
         if self._lost:
-            async with asyncio.timeout(self.call_timeout_s):
+            async with self._answered_within("lease"):
                 lease = await self.client.lease(self.ttl)
             log.warning(
                 "etcd lease lost; re-advertising every key under a new lease",
@@ -199,7 +197,7 @@ class LeasedWriter:
         txn = self.client.transactions
         for start in range(0, len(items), TXN_OPS):
             ops = [txn.put(key, value, lease=self._lease_id) for key, value in items[start : start + TXN_OPS]]
-            async with asyncio.timeout(self.call_timeout_s):
+            async with self._answered_within("transaction"):
                 await self.client.transaction(compare=[], success=ops, failure=[])
         log.info("etcd keys re-advertised", extra={"etcd": self.endpoints[0], "keys": len(items)})
 
@@ -208,12 +206,15 @@ class LeasedWriter:
         for callback in self._listeners:
             try:
                 await callback()
-            except Exception:
+            except Exception:  # the owner's code, not only etcd calls: logged, the writer and the next callback go on
                 log.exception("re-registration after a lost lease failed")
 
-    def _failed(self, err: BaseException) -> None:
+    def _answered_within(self, operation: str) -> contextlib.AbstractAsyncContextManager[None]:
+        return answered_within(self.call_timeout_s, operation, self.client.endpoint)
+
+    def _failed(self, err: EtcdError) -> None:
         """One warning per outage (at its first failure); the retries in between only at debug level."""
-        error = repr(err) if not isinstance(err, TimeoutError) else f"no answer within {self.call_timeout_s}s"
+        error = str(err)
         if self._outage_since is None:
             self._outage_since = time.monotonic()
             log.warning("etcd lease refresh failed; retrying", extra={"etcd": self.endpoints[0], "error": error})

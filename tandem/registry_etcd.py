@@ -1,5 +1,6 @@
 """The thin etcd adapter of ``tandem.registry`` (aetcd): clients and a prefix watcher. The writing side, keys under
-one kept-alive lease, is ``tandem.leased_writer``.
+one kept-alive lease, is ``tandem.leased_writer``. Every call of a client made here raises ``EtcdError``
+(``tandem.etcd_errors``) when it fails.
 
 - ``EndpointWatcher`` lists a cluster's prefix, then watches it from the next revision: a PUT upserts, a DELETE
   (or lease expiry) removes the endpoint at once. It re-lists after a lost connection, so the callbacks always
@@ -12,18 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import aetcd
 import grpc
-from aetcd import rpc, watcher
+from aetcd import rpc, rtypes, watcher
 
 from tandem import registry
+from tandem.etcd_errors import EtcdError, as_etcd_errors
 from tandem.registry import Endpoint, EtcdTLS
 from tandem.registry_versions import EntryRefusedError, Relation, SchemaCensus, relation
 
@@ -88,17 +91,66 @@ def _ipv4_addresses(host: str) -> list[str]:
     return sorted({str(info[4][0]) for info in infos})
 
 
-class TlsClient(aetcd.Client):  # type: ignore[misc]
-    """aetcd's client over a TLS channel with a client certificate (aetcd 1.0.0 dials only ``insecure_channel``).
+def _raising_etcd_errors(name: str) -> Callable[..., Awaitable[Any]]:
+    """aetcd.Client's coroutine method ``name``, raising ``EtcdError`` in place of aetcd's and gRPC's exceptions."""
+    method = getattr(aetcd.Client, name)
 
-    ``connect`` is aetcd's ``Client.connect`` with ``grpc.aio.secure_channel`` in place of ``insecure_channel``;
-    etcd takes the certificate's CN as the user, so no token is needed (``--client-cert-auth``)."""
+    async def call(self: Client, *args: Any, **kwargs: Any) -> Any:
+        with as_etcd_errors(name, self.endpoint):
+            return await method(self, *args, **kwargs)
 
-    def __init__(self, host: str, port: int, timeout: int, tls: EtcdTLS, server_name: str) -> None:
+    return functools.wraps(method)(call)
+
+
+class Client(aetcd.Client):  # type: ignore[misc]
+    """aetcd's client whose calls raise ``tandem.etcd_errors.EtcdError`` (named after the call and ``endpoint``):
+    the one place where etcd failures get their type. A watch's events raise it too."""
+
+    def __init__(self, host: str, port: int, timeout: int, endpoint: str) -> None:
         super().__init__(host=host, port=port, timeout=timeout)
-        self._tls, self._server_name = tls, server_name
+        self.endpoint = endpoint
+
+    get = _raising_etcd_errors("get")
+    get_prefix = _raising_etcd_errors("get_prefix")
+    put = _raising_etcd_errors("put")
+    delete = _raising_etcd_errors("delete")
+    delete_prefix = _raising_etcd_errors("delete_prefix")
+    transaction = _raising_etcd_errors("transaction")
+    lease = _raising_etcd_errors("lease")
+    refresh_lease = _raising_etcd_errors("refresh_lease")
+    revoke_lease = _raising_etcd_errors("revoke_lease")
 
     async def connect(self) -> None:
+        with as_etcd_errors("connect", self.endpoint):
+            await self._dial()
+
+    async def _dial(self) -> None:
+        await super().connect()
+
+    async def watch(self, *args: Any, **kwargs: Any) -> Any:
+        """aetcd's ``watch`` (``watch_prefix`` calls it), its events' failures raised as ``EtcdError`` too."""
+        with as_etcd_errors("watch", self.endpoint):
+            watch = await super().watch(*args, **kwargs)
+
+        async def events() -> AsyncIterator[Any]:
+            with as_etcd_errors("watch", self.endpoint):
+                async for event in watch:
+                    yield event
+
+        return rtypes.Watch(events, watch.cancel, watch.watch_id)
+
+
+class TlsClient(Client):
+    """The client over a TLS channel with a client certificate (aetcd 1.0.0 dials only ``insecure_channel``).
+
+    ``_dial`` is aetcd's ``Client.connect`` with ``grpc.aio.secure_channel`` in place of ``insecure_channel``;
+    etcd takes the certificate's CN as the user, so no token is needed (``--client-cert-auth``)."""
+
+    def __init__(self, host: str, port: int, timeout: int, endpoint: str, tls: EtcdTLS, server_name: str) -> None:
+        super().__init__(host, port, timeout, endpoint)
+        self._tls, self._server_name = tls, server_name
+
+    async def _dial(self) -> None:
         if self._connected.is_set():
             return
         credentials = grpc.ssl_channel_credentials(
@@ -119,16 +171,17 @@ def _read(path: str | None) -> bytes | None:
     return Path(path).read_bytes() if path else None
 
 
-def client(endpoints: Sequence[str], timeout: int = 5, tls: EtcdTLS | None = None) -> Any:
-    """An aetcd client over every endpoint (``grpc_target``); any live member serves (etcd forwards to the leader).
+def client(endpoints: Sequence[str], timeout: int = 5, tls: EtcdTLS | None = None) -> Client:
+    """A client over every endpoint (``grpc_target``); any live member serves (etcd forwards to the leader).
     With ``tls``: over TLS, the server certificate checked against ``tls.server_name`` or the first endpoint's host
     (one name for every member: the chart's certificate names all of them)."""
     # aetcd dials f"{host}:{port}": splitting the target at its last colon hands it over unchanged.
     host, _, port = grpc_target(endpoints).rpartition(":")
+    endpoint = ",".join(endpoints)
     if tls is None or not tls.enabled:
-        return aetcd.Client(host=host, port=int(port), timeout=timeout)
+        return Client(host, int(port), timeout, endpoint)
     server_name = tls.server_name or parse_endpoint_url(endpoints[0])[0].strip("[]")
-    return TlsClient(host, int(port), timeout, tls, server_name)
+    return TlsClient(host, int(port), timeout, endpoint, tls, server_name)
 
 
 CLOSE_TIMEOUT_S = 2.0
@@ -147,7 +200,7 @@ async def close_client(etcd: Any, within: float = CLOSE_TIMEOUT_S) -> None:
         return
     except TimeoutError:
         log.warning("etcd client close timed out; closing its channel", extra={"within_s": within})
-    except Exception as err:  # a client already broken: nothing left to release but the channel
+    except Exception as err:  # closing is no etcd call (no EtcdError): a broken client; release its channel
         log.debug("etcd client close failed", extra={"error": repr(err)})
     channel = getattr(etcd, "channel", None)
     if channel is not None:
@@ -207,8 +260,10 @@ class PrefixWatcher(Generic[T]):
                 await self._list_and_watch(etcd)
             except asyncio.CancelledError:
                 raise
-            except Exception as err:
-                log.warning("etcd watch lost; re-listing", extra={"prefix": self.prefix.decode(), "error": repr(err)})
+            except EtcdError as err:
+                log.warning("etcd watch lost; re-listing", extra={"prefix": self.prefix.decode(), "error": str(err)})
+            except Exception:  # last resort: a parser's or a callback's bug must not end the watch for good
+                log.exception("etcd watch failed; re-listing", extra={"prefix": self.prefix.decode()})
             finally:
                 self.connected = False
                 if etcd is not None:

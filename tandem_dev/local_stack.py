@@ -28,6 +28,7 @@ from pathlib import Path
 
 from tandem import registry
 from tandem.etcd_auth import OPERATOR_USER, ROOT_USER, setup_auth
+from tandem.etcd_errors import EtcdError
 from tandem.leased_writer import LeasedWriter
 from tandem.registry import Endpoint, FabricMode, Role
 from tandem.registry_signing import EndpointSigner, registry_entry
@@ -264,7 +265,7 @@ class LocalStack:
         assert self.writer is not None
         try:
             await self.writer.put(*registry_entry(NAMESPACE, CLUSTER, w.endpoint(self.model), self.signer))
-        except Exception as err:  # a restart while etcd is away: the writer puts the key once etcd answers
+        except EtcdError as err:  # a restart while etcd is away: the writer puts the key once etcd answers
             if not etcd_may_be_away:
                 raise
             self.say(f"  {w.group}: registration waits for etcd ({err!r})")
@@ -285,7 +286,7 @@ class LocalStack:
                         assert self.writer is not None
                         try:
                             await self.writer.delete(registry.endpoint_key(NAMESPACE, CLUSTER, w.endpoint(self.model)))
-                        except Exception as err:  # etcd unreachable for now: the next round tries again
+                        except EtcdError as err:  # etcd unreachable for now: the next round tries again
                             self.say(f"  {w.group} exited; deregistering it failed ({err!r}), retrying")
                             continue
                     w.registered = False

@@ -16,10 +16,10 @@ from typing import Any
 import aiohttp
 import pydantic
 import pytest
-from aetcd.exceptions import ClientError, ConnectionFailedError
 
 from tandem import registry
 from tandem.etcd_auth import OPERATOR_USER, ROOT_USER, ROUTER_USER, Access, Grant, auth_plan, prefix_end, setup_auth
+from tandem.etcd_errors import EtcdError, EtcdUnavailableError
 from tandem.registry import Endpoint, EtcdTLS, Role
 from tandem.registry_etcd import client
 from tandem.registry_signing import EndpointSigner, EndpointVerifier, write_keypair
@@ -126,7 +126,7 @@ async def test_no_certificate_cannot_write_an_endpoint(secure_etcd: tuple[str, E
     _, pki = secure_etcd
     for tls in (None, EtcdTLS(ca_file=str(pki.ca.cert))):  # plaintext; TLS without a client certificate
         etcd = await as_user(tls)
-        with pytest.raises(ConnectionFailedError):
+        with pytest.raises(EtcdUnavailableError):
             await etcd.put(ENDPOINT_KEY, registry.encode(_ep()))
 
 
@@ -147,7 +147,7 @@ async def test_router_certificate_reads_but_cannot_write_endpoints(
         router.put(registry.integrity_key(NS, "other", "r").encode(), b"{}"),  # another cluster's reports
         router.get_prefix(registry.cluster_prefix(NS, "other").encode()),  # another cluster's endpoints
     ):
-        with pytest.raises(ClientError, match="permission denied"):
+        with pytest.raises(EtcdError, match="permission denied"):
             await write
     lease = await router.lease(5)  # its own integrity report, under its own lease: allowed
     await router.put(registry.integrity_key(NS, CL, "r").encode(), b"{}", lease=lease)

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aetcd.exceptions import ClientError
 
+from tandem.etcd_errors import EtcdError, LeaseNotFoundError
 from tandem.leased_writer import LeasedWriter
 from tandem.registry_etcd import client, close_client
 from tandem_dev.local_stack import start_etcd
@@ -49,7 +49,7 @@ async def _entries(reader: Any) -> dict[bytes, tuple[bytes, int]] | None:
     try:
         async with asyncio.timeout(1):
             return {kv.key: (kv.value, kv.lease) for kv in await reader.get_prefix(b"t/")}
-    except (TimeoutError, ClientError):
+    except (TimeoutError, EtcdError):
         return None  # etcd not answering (yet)
 
 
@@ -134,7 +134,7 @@ async def test_a_put_under_a_lease_etcd_no_longer_has_brings_every_key_back_at_o
     try:
         old = writer.lease_id
         await reader.revoke_lease(old)
-        with pytest.raises(ClientError, match="lease not found"):
+        with pytest.raises(LeaseNotFoundError, match=r"^etcd put at .*lease not found"):
             await writer.put(b"t/k3", b"v3")
         want = {**WANT, b"t/k3": b"v3"}  # the failed put's key too: it was advertised
         await _until_back(reader, want, lambda lease: lease == writer.lease_id != old, within=2)
@@ -150,7 +150,7 @@ async def test_a_put_that_failed_while_etcd_was_down_lands_once_etcd_answers(
     try:
         proc.signal(signal.SIGKILL)
         await asyncio.to_thread(proc.stop)
-        with pytest.raises((TimeoutError, ClientError)):  # never reached etcd (a frozen one may apply it later)
+        with pytest.raises((TimeoutError, EtcdError)):  # never reached etcd (a frozen one may apply it later)
             async with asyncio.timeout(2):  # a caller that gives up (the local stack registering a restart)
                 await writer.put(b"t/late", b"v-late")
         proc.start()  # the same ports and data

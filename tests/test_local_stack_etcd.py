@@ -10,9 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from aetcd.exceptions import ClientError
 
 from tandem import registry
+from tandem.etcd_errors import EtcdError
 from tandem.registry_etcd import client, close_client
 from tandem_dev.local_stack import CLUSTER, NAMESPACE, LocalStack, instant_worker_argv
 from tandem_dev.stack_fixture import running_stack
@@ -60,7 +60,7 @@ async def _kill_etcd(stack: LocalStack) -> None:
                     listing = await reader.get_prefix(registry.cluster_prefix(NAMESPACE, CLUSTER).encode())
                 if {kv.key for kv in listing} == want and {kv.lease for kv in listing} == {writer.lease_id}:
                     break
-            except (TimeoutError, ClientError):
+            except (TimeoutError, EtcdError):
                 pass  # the restarted member is not serving yet
             assert time.monotonic() - started < 30, "the workers' keys are not back"
             await asyncio.sleep(0.05)

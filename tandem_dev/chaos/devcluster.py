@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aetcd.exceptions
 import aiohttp
 import yaml
 from kubernetes_asyncio import client
 from kubernetes_asyncio import config as kube_config
 
 from tandem import registry
+from tandem.etcd_errors import EtcdUnavailableError
 from tandem.registry import Role
 from tandem.registry_etcd import client as etcd_client
 from tandem.registry_etcd import close_client
@@ -100,7 +100,7 @@ class DevClusterWorkers:
     async def worker_url(self, group: str) -> str | None:
         try:
             endpoint = (await self.endpoints()).get(group)
-        except (aetcd.exceptions.ClientError, TimeoutError):  # the member it asked is down: unknown for now
+        except EtcdUnavailableError:  # the member it asked is down: unknown for now
             return None
         return None if endpoint is None else endpoint.url
 

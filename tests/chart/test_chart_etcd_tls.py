@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aetcd.exceptions import ClientError
 
 from tandem import etcd_auth, registry
+from tandem.etcd_errors import EtcdError
 from tandem.registry import Endpoint, EtcdTLS, Role
 from tandem.registry_etcd import client
 from tandem.registry_signing import EndpointSigner, EndpointVerifier
@@ -137,7 +137,7 @@ async def _check_roles(endpoint: str, files: dict[str, dict[str, Path]]) -> None
     await router.connect()
     try:
         await operator.put(key.encode(), registry.encode(signed))
-        with pytest.raises(ClientError, match="permission denied"):
+        with pytest.raises(EtcdError, match="permission denied"):
             await router.put(key.encode(), registry.encode(ep))
         assert registry.decode((await router.get(key.encode())).value) == signed
     finally:

@@ -6,7 +6,7 @@ while etcd does not answer. If the lease is gone when etcd answers again (frozen
 TTL), the writer grants a new one, re-puts every entry it advertises, then calls ``on_lease_lost`` so the owner
 re-puts from its own state too. Keys of a crashed operator expire with its lease; a restarted operator lists the
 prefix (``list_endpoints``) and re-puts under its own lease, so registrations survive a restart that is quicker
-than the TTL.
+than the TTL. A call that etcd does not answer or refuses raises ``tandem.etcd_errors.EtcdError``.
 """
 
 from __future__ import annotations

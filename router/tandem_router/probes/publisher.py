@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tandem import registry
+from tandem.etcd_errors import EtcdError
 from tandem.leased_writer import LeasedWriter
 from tandem.registry import EtcdTLS, IntegrityReport, QuarantinedPair, RepeatOffender, Role
 from tandem_router.integrity.monitor import IntegrityMonitor
@@ -118,7 +119,7 @@ class IntegrityPublisher:
                     if identity != written:
                         await writer.put(self.key, report.model_dump_json().encode())
                         written = identity
-                except Exception as err:  # etcd away: the next interval writes again
+                except EtcdError as err:  # etcd away: the next interval writes again
                     log.warning("integrity report not published", extra={"error": repr(err)})
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.interval_s)
