@@ -43,7 +43,7 @@ images-relock: bootstrap
 ## test: install everything, then lint, type-check and run every test (inside a loopback-only netns). Two
 ## pytest-xdist workers, each in a loopback-only netns of its own (tests/conftest.py): one starts on the k8s tests (one
 ## dev cluster), the other on the timer-bound own_cluster k8s tests (a dev cluster of its own); then both take the rest,
-## a module at a time (tests/xdist_groups.py); the serial suite left ~60 % of the 2 cores idle.
+## a module at a time (tests/plumbing/xdist_groups.py); the serial suite left ~60 % of the 2 cores idle.
 ## TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 test: setup lint typecheck
@@ -51,7 +51,7 @@ test: setup lint typecheck
 
 ## unit: the pure tests only (no netns, k8s, slow or process-starting tests); no netns needed. Two
 ## xdist workers (helm renders and Python overlap on 2 cores); modules that -m deselects whole are not even imported
-## (tests/markfilter.py), nor are the plugins that only process-tier tests use (UNUSED_IN_UNIT_PLUGINS there).
+## (tests/plumbing/markfilter.py), nor are the plugins that only process-tier tests use (UNUSED_IN_UNIT_PLUGINS there).
 UNIT_MARKERS := not (netns or k8s or slow or procs)
 UNIT_WORKERS ?= 2
 unit: bootstrap

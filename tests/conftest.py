@@ -14,8 +14,8 @@ import pytest
 
 from tandem_dev import records
 from tandem_dev.procs import ManagedProcess
-from tests.markfilter import deselected_whole
-from tests.netns import HOW, enter_own, interfaces, loopback_only
+from tests.plumbing.markfilter import deselected_whole
+from tests.plumbing.netns import HOW, enter_own, interfaces, loopback_only
 
 
 @pytest.fixture
@@ -78,4 +78,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> Genera
             terminalreporter.write_line(f"FAILING {nodeid}")
 
 
-pytest_plugins = ["tests.tandem_dev.devcluster.devcluster_fixtures", "pytester", "tests.ci_skips", "tests.xdist_groups"]
+pytest_plugins = [
+    "tests.tandem_dev.devcluster.devcluster_fixtures",
+    "pytester",
+    "tests.plumbing.ci_skips",
+    "tests.plumbing.xdist_groups",
+]

@@ -33,7 +33,7 @@ from tandem_dev.procs import ManagedProcess
 from tandem_dev.stack_fixture import running_stack
 from tandem_operator.act.registrar import Registrar
 from tandem_operator.decide.observe import GroupKey
-from tests.routermetrics import scrape
+from tests.plumbing.routermetrics import scrape
 from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
 pytestmark = pytest.mark.procs

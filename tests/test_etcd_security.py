@@ -31,7 +31,7 @@ from tandem_operator.decide.fencing import StaleKeys
 from tandem_operator.decide.observe import GroupKey
 from tandem_operator.run.main import parse_args as operator_args
 from tandem_router.config import RouterSettings
-from tests.routermetrics import scrape
+from tests.plumbing.routermetrics import scrape
 from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
 NS, CL = "ns", "c1"

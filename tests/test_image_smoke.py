@@ -17,7 +17,7 @@ from tandem_dev.images.run import Unpacked, container_argv
 from tandem_dev.images.spec import ROOT, project_version, read_debian_lock
 from tandem_dev.procs import ManagedProcess, free_port
 from tandem_dev.sim.testing import start_decode, start_prefill
-from tests.imagehelpers import UID, process_ids, tandem_image
+from tests.plumbing.imagehelpers import UID, process_ids, tandem_image
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(180)]
 __all__ = ["tandem_image"]

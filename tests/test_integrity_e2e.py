@@ -21,7 +21,7 @@ import pytest
 from tandem_dev.procs import ManagedProcess
 from tandem_dev.router.integrity_stack import IntegrityStack, integrity_state, start_integrity_stack
 from tandem_dev.sim.testing import SimWorker
-from tests.simhelpers import bounded, metric_sum, prompts
+from tests.plumbing.simhelpers import bounded, metric_sum, prompts
 
 # These tests compare answers with the aggregated worker's text, so every worker runs batch-invariant kernels, as a
 # user who wants that guarantee runs SGLang. Under the default batch-variant numerics: tests/test_integrity_numerics.py.

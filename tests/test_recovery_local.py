@@ -1,6 +1,6 @@
 """A decode restarted under load at its old Mooncake session id is served again within seconds (issue #18), with
 the settings every Tandem worker gets by default (``RECOVERY_ENV``: the operator's PDCluster defaults, the local
-stack's worker env). The scenario and its measurement are in tests/recovery_local.py."""
+stack's worker env). The scenario and its measurement are in tests/plumbing/recovery_local.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tandem_operator.api.pdcluster import TransferSpec
 from tandem_operator.desired.pods import RoleContext, group_pod
 from tests.operator.conftest import kimi_spec
 from tests.operator.workers import CLUSTER, POOL
-from tests.recovery_local import restart_decode_under_load
+from tests.plumbing.recovery_local import restart_decode_under_load
 
 
 def test_local_workers_get_the_operators_recovery_defaults() -> None:

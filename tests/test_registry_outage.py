@@ -33,7 +33,7 @@ from tandem_dev.procs import ManagedProcess
 from tandem_dev.records import Recorder
 from tandem_dev.stack_fixture import running_stack
 from tandem_router.config import RouterSettings
-from tests.routermetrics import RouterMetrics, scrape
+from tests.plumbing.routermetrics import RouterMetrics, scrape
 from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
 pytestmark = [pytest.mark.procs, pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(300)]

@@ -23,7 +23,7 @@ from tandem.registry_versions import SCHEMA_VERSION, canonical
 from tandem_dev.etcd_pki import EtcdPki
 from tandem_dev.local_stack import CLUSTER, MODEL, NAMESPACE, etcd_pki_of, instant_worker_argv
 from tandem_dev.stack_fixture import running_stack
-from tests.routermetrics import scrape
+from tests.plumbing.routermetrics import scrape
 from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
 pytestmark = pytest.mark.procs

@@ -25,7 +25,7 @@ import pytest
 from tandem_dev import peers
 from tandem_dev.procs import ManagedProcess, free_port
 from tandem_dev.sim.testing import SimWorker, start_decode, start_prefill, start_worker
-from tests.simhelpers import metric_sum
+from tests.plumbing.simhelpers import metric_sum
 
 pytestmark = [pytest.mark.netns, pytest.mark.procs, pytest.mark.timeout(180)]
 

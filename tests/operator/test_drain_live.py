@@ -20,7 +20,7 @@ import time
 import pytest
 
 from tests.operator.live import SIM_MODEL, Live, load_result, pods, run_tool, sim_stack, start_load
-from tests.routermetrics import scrape
+from tests.plumbing.routermetrics import scrape
 from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
 pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(300)]

@@ -16,8 +16,8 @@ from kubernetes_asyncio import client
 from tandem_dev.devcluster.cluster import DevCluster
 from tandem_dev.images.run import Unpacked, container_argv
 from tandem_dev.procs import ManagedProcess
-from tests.imagehelpers import UID, process_ids, tandem_image
 from tests.operator.live import create_pdcluster, pdcluster, pods, ready
+from tests.plumbing.imagehelpers import UID, process_ids, tandem_image
 from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
 pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(240)]

@@ -67,7 +67,7 @@ def test_the_pods_tcp_range_starts_every_rank() -> None:
         "127.0.0.2",
     )
     store = RoleContext.build(CLUSTER, TCP, Role.DECODE, POOL)  # KV offload to the Store: its engine's ports too
-    assert mooncake_port_range(store) == (15100, 15131)  # measured in tests/test_mooncake_store_ports.py
+    assert mooncake_port_range(store) == (15100, 15131)  # measured in tests/operator/test_mooncake_store_ports.py
     result, log = initialize("127.0.0.2", env, ranks=8)
     assert result["rcs"] == [0] * 8, log
     data = [int(p) for p in re.findall(r"TcpTransport: listen on port (\d+)", log)]

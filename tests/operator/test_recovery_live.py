@@ -34,7 +34,7 @@ from tests.operator.live import (
     pods,
     router_process,
 )
-from tests.routermetrics import scrape
+from tests.plumbing.routermetrics import scrape
 from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
 pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(300)]

@@ -34,8 +34,8 @@ from tandem_dev.local_stack import LocalStack, Worker, sim_worker_argv
 from tandem_dev.stack_fixture import running_stack
 from tandem_router.schema import Route
 from tandem_sim.model import COMMON_WORDS_END, VOCAB_SIZE, tokenize, vocabulary
+from tests.plumbing.routermetrics import RouterMetrics, scrape
 from tests.router.streams import Outcome, reference, stream
-from tests.routermetrics import RouterMetrics, scrape
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]  # about 50 s alone; CI shares 2 cores
 

@@ -25,7 +25,7 @@ from tandem_router.probes.shadow import ShadowSampler
 from tandem_router.schema import Route
 from tandem_router.transport import Request, Transport
 from tests.router.helpers import ample_budget, lone_router
-from tests.test_integrity_divergence import FLIP, REF, Step, answer, generate_doc, sure, text_of, tied
+from tests.router.test_integrity_divergence import FLIP, REF, Step, answer, generate_doc, sure, text_of, tied
 
 P = WorkerSpec(Role.PREFILL, "http://p0:1", 8998)
 D = [WorkerSpec(Role.DECODE, f"http://d{i}:2") for i in range(3)]

@@ -19,8 +19,8 @@ from tandem_router.probes.publisher import SHARED_PREFIX, report_of
 from tandem_router.probes.shadow import ShadowSampler
 from tandem_router.transport import Transport
 from tests.router.helpers import ample_budget, lone_router
+from tests.router.test_integrity_divergence import FLIP, PREFIX, REF, answer, sure, text_of
 from tests.router.test_integrity_numerics import FakeWorkers, _body, _Reply, _request
-from tests.test_integrity_divergence import FLIP, PREFIX, REF, answer, sure, text_of
 
 PAIRS4 = [(f"prefill:http://p{i}", f"decode:http://d{j}") for i in range(2) for j in range(2)]
 D1 = [p for p in PAIRS4 if p[1] == "decode:http://d1"]

@@ -96,7 +96,7 @@ async def test_router_counts_a_recreated_group_that_reuses_a_mooncake_session(et
     from tandem_router.config import DiscoveryMode, RouterSettings
     from tandem_router.discovery_etcd import EtcdDiscovery
     from tandem_router.pool import WorkerPool
-    from tests.test_registry import incarnation
+    from tests.tandem.test_registry import incarnation
 
     pool = WorkerPool()
     settings = RouterSettings(

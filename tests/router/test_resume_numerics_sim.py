@@ -25,9 +25,9 @@ from tandem_dev.stack_fixture import running_stack
 from tandem_router.schema import Route
 from tandem_sim import model
 from tandem_sim.calibration import off_path
+from tests.plumbing.routermetrics import scrape
 from tests.router.streams import Outcome, stream
 from tests.router.test_chaos_sim import FAST_PD_ENV, MAX_TOKENS, default_numerics_sim, time_to_kill
-from tests.routermetrics import scrape
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
 

@@ -24,9 +24,9 @@ from tandem_dev.local_stack import LocalStack
 from tandem_dev.stack_fixture import running_stack
 from tandem_router.resume import MANY_CHOICES, TOOLS, Refusal
 from tandem_router.schema import Route
+from tests.plumbing.routermetrics import scrape
 from tests.router.streams import Outcome, reference, stream
 from tests.router.test_chaos_sim import FAST_PD_ENV, slow_sim
-from tests.routermetrics import scrape
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]  # about 20 s alone; CI shares 2 cores
 

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from tandem_dev.sim.testing import HOST, SimWorker, start_decode, start_prefill, start_worker
-from tests.simhelpers import prompts
+from tests.plumbing.simhelpers import prompts
 
 pytestmark = pytest.mark.procs
 

@@ -15,7 +15,7 @@ import pytest
 
 from tandem_dev.procs import ManagedProcess
 from tandem_dev.sim.testing import SimWorker, start_decode, start_prefill, start_worker
-from tests.simhelpers import pd_generate, prompts
+from tests.plumbing.simhelpers import pd_generate, prompts
 
 FAST_PD_ENV = {
     "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",

@@ -18,8 +18,8 @@ import pytest
 
 from tandem_dev.procs import ManagedProcess
 from tandem_dev.sim.testing import SimWorker, start_decode, start_prefill, start_worker
+from tests.plumbing.simhelpers import REAL_WORDS, bounded, metric_sum, pd_generate
 from tests.sim.test_integrity import DECODE_POOL
-from tests.simhelpers import REAL_WORDS, bounded, metric_sum, pd_generate
 
 CONVERSATIONS = 160
 CONCURRENCY = 64

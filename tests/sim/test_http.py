@@ -13,7 +13,7 @@ import pytest
 
 from tandem_dev.procs import ManagedProcess
 from tandem_dev.sim.testing import SimWorker, start_worker
-from tests.simhelpers import prompts
+from tests.plumbing.simhelpers import prompts
 
 pytestmark = pytest.mark.procs
 

@@ -16,7 +16,7 @@ import pytest
 from tandem_dev.procs import ManagedProcess
 from tandem_dev.sim.testing import SimWorker, start_decode, start_prefill, start_worker
 from tandem_router.integrity.detectors import PromptLeakIndex, find_bad_text, find_repetition_loop
-from tests.simhelpers import REAL_WORDS, bounded, metric_sum, pd_generate, prompts
+from tests.plumbing.simhelpers import REAL_WORDS, bounded, metric_sum, pd_generate, prompts
 
 N_REQUESTS = 500
 CONCURRENCY = 64

@@ -16,7 +16,7 @@ import pytest
 
 from tandem_dev.sim.testing import SimWorker, pd_fields, start_decode, start_prefill, start_worker
 from tandem_sim import model
-from tests.simhelpers import REAL_WORDS, bounded, metric_sum, prompts
+from tests.plumbing.simhelpers import REAL_WORDS, bounded, metric_sum, prompts
 
 pytestmark = pytest.mark.procs
 

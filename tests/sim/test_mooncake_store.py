@@ -31,7 +31,7 @@ from tandem_dev.sim.testing import start_decode, start_prefill
 from tandem_operator.api.pdcluster import PDClusterSpec
 from tandem_operator.desired.pods import RoleContext, group_pod
 from tests.operator.workers import CLUSTER, POOL
-from tests.simhelpers import REAL_WORDS, metric_sum, pd_generate
+from tests.plumbing.simhelpers import REAL_WORDS, metric_sum, pd_generate
 
 pytestmark = [pytest.mark.procs, pytest.mark.netns, pytest.mark.timeout(240)]
 

@@ -16,7 +16,7 @@ import pytest
 
 from tandem_dev.sim.testing import SimWorker, pd_fields, start_decode, start_prefill, start_worker
 from tandem_sim.numerics import SIGMA
-from tests.simhelpers import REAL_WORDS
+from tests.plumbing.simhelpers import REAL_WORDS
 
 pytestmark = pytest.mark.procs
 

@@ -26,7 +26,7 @@ from tandem_dev.procs import ManagedProcess, free_port
 from tandem_dev.sim.testing import HOST, SimWorker, pd_fields, start_decode, start_worker
 from tandem_sim.mooncake_ports import RDMA_NO_PORT
 from tandem_sim.transfer import INIT_FAILED
-from tests.simhelpers import pd_generate, prompts, start_group
+from tests.plumbing.simhelpers import pd_generate, prompts, start_group
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
 

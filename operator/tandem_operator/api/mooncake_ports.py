@@ -28,7 +28,7 @@ def ports_per_rank(protocol: str, store: bool = False, weights: bool = False) ->
     and the same device list (``MooncakeStore.__init__`` in SGLang 0.5.23
     ``sglang/srt/mem_cache/storage/mooncake_store/mooncake_store.py``, which Tandem's pods satisfy); over tcp it
     starts a second engine, whose RPC and data ports come from the same window (measured with the 0.3.13.post1
-    wheel: ``tests/test_mooncake_store_ports.py``).
+    wheel: ``tests/operator/test_mooncake_store_ports.py``).
 
     With peer loading (``spec.peerLoading``) SGLang gives each rank a weight transfer engine of its own, seed and
     peer alike (``remote_instance_weight_transporter.py``: ``init_engine``, P2PHANDSHAKE, before loading), which

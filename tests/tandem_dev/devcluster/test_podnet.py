@@ -17,7 +17,7 @@ import pytest
 
 from tandem_dev.devcluster.podnet import PodNetwork, PodNetworkError, Sandbox, interfaces
 from tandem_dev.procs import ManagedProcess
-from tests.ci_skips import UNRUNNABLE
+from tests.plumbing.ci_skips import UNRUNNABLE
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(60)]
 CIDR = "127.11.0.0/24"

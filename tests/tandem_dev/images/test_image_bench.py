@@ -7,7 +7,7 @@ import re
 import pytest
 
 from tandem_dev.images.run import Unpacked
-from tests.imagehelpers import tandem_image
+from tests.plumbing.imagehelpers import tandem_image
 from tests.tandem_dev.benchhelpers import run_quick_bench
 
 __all__ = ["tandem_image"]

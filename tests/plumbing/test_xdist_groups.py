@@ -1,5 +1,5 @@
-"""``make test``'s two workers (``tests/xdist_groups.py``): every test runs, a module's tests on one worker, every
-``k8s`` test on one worker and the ``own_cluster`` ones on the other; node ids that name two tests stop the run
+"""``make test``'s two workers (``tests/plumbing/xdist_groups.py``): every test runs, a module's tests on one worker,
+every ``k8s`` test on one worker and the ``own_cluster`` ones on the other; node ids that name two tests stop the run
 instead of silently running one of them."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 
 pytestmark = pytest.mark.procs  # starts two pytest-xdist worker processes
 
-REPO = Path(__file__).resolve().parents[1]
-INNER = ("-p", "tests.xdist_groups", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup",
+REPO = Path(__file__).resolve().parents[2]
+INNER = ("-p", "tests.plumbing.xdist_groups", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup",
          "--no-loadscope-reorder", "-o", "markers=k8s: x\nown_cluster: y")  # fmt: skip
 
 RECORDER = """

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.markfilter import UNUSED_IN_UNIT_PLUGINS, deselected_whole
+from tests.plumbing.markfilter import UNUSED_IN_UNIT_PLUGINS, deselected_whole
 
 UNIT = "not (netns or k8s or slow or procs)"
 

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.ci_skips import STRICT_ENV
+from tests.plumbing.ci_skips import STRICT_ENV
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 CASES = """
 import pytest
 
-from tests.ci_skips import UNRUNNABLE
+from tests.plumbing.ci_skips import UNRUNNABLE
 
 
 def test_plain_skip():
@@ -47,7 +47,7 @@ def _run(tmp_path: Path, strict: dict[str, str]) -> subprocess.CompletedProcess[
     (tmp_path / "test_cases.py").write_text(CASES)
     env = {k: v for k, v in os.environ.items() if k not in ("CI", STRICT_ENV)}  # make test sets STRICT_ENV itself
     env |= {**strict, "PYTHONPATH": str(ROOT)}
-    argv = [sys.executable, "-m", "pytest", "-p", "tests.ci_skips", "-p", "no:cacheprovider", "-q", "-rA"]
+    argv = [sys.executable, "-m", "pytest", "-p", "tests.plumbing.ci_skips", "-p", "no:cacheprovider", "-q", "-rA"]
     return subprocess.run(
         [*argv, "-c", os.devnull, "--rootdir", str(tmp_path), str(tmp_path / "test_cases.py")],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60, check=False,

@@ -7,11 +7,11 @@ the new process takes the other port of its range as data port: the prefill's ca
 session names a port nobody listens on. Measured: the time from the new decode answering ``/health`` to the router
 serving again, and how many requests failed meanwhile.
 
-``python -m tests.recovery_local`` prints the measurement with SGLang's and Mooncake's defaults and with Tandem's
-(inside the loopback-only namespace: ``scripts/in-netns.sh .venv/bin/python -m tests.recovery_local``;
+``python -m tests.plumbing.recovery_local`` prints the measurement with SGLang's and Mooncake's defaults and with
+Tandem's (inside the loopback-only namespace: ``scripts/in-netns.sh .venv/bin/python -m tests.plumbing.recovery_local``;
 ``--tandem-defaults --runs 6``: Tandem's cases only, 6 runs each) and saves it with the run's context to
-``build/records/tests.recovery_local.json`` (tandem_dev.records). The router runs at its defaults (health checks
-every 2 s), as the chart runs it.
+``build/records/tests.plumbing.recovery_local.json`` (tandem_dev.records). The router runs at its defaults (health
+checks every 2 s), as the chart runs it.
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ def _data_port(log: Path) -> int:
 
 def main(argv: Sequence[str]) -> None:
     """Every case once; ``--tandem-defaults`` only the two with Tandem's settings, ``--runs N`` times each."""
-    parser = argparse.ArgumentParser(prog="python -m tests.recovery_local")
+    parser = argparse.ArgumentParser(prog="python -m tests.plumbing.recovery_local")
     parser.add_argument("--tandem-defaults", action="store_true", help="only the cases with Tandem's defaults")
     parser.add_argument("--runs", type=int, default=1, help="runs of each case")
     args = parser.parse_args(argv)
@@ -254,7 +254,8 @@ def main(argv: Sequence[str]) -> None:
             recovered = f"{r.recovered_s} s" if r.recovered_s is not None else "not within 180 s"
             print(f"| {case} | {label} | {recovered} | {r.failed_while_down} | {r.served_after} / {r.failed_after} |")
             runs.append({"case": case, "settings": label, **dataclasses.asdict(r)})
-    saved = records.save("tests.recovery_local", {"runs": runs}, ["python", "-m", "tests.recovery_local", *argv])
+    command = ["python", "-m", "tests.plumbing.recovery_local", *argv]
+    saved = records.save("tests.plumbing.recovery_local", {"runs": runs}, command)
     print(f"saved: {saved}")
 
 

@@ -12,7 +12,7 @@ from tandem.sglang_args import load_flags, validate_command
 from tandem_dev import peers
 from tandem_sim.config import ConfigError, parse
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 ISSUE_FLAGS = (
     "--model-path",

@@ -26,7 +26,7 @@ from tests.tandem_dev.devcluster.devcluster_fixtures import CLUSTER_NODES, creat
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(240)]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 TINY_CHART = REPO / "tests" / "fixtures" / "charts" / "tiny"
 
 

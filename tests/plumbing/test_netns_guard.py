@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
-from tests import netns
-from tests.markfilter import UNUSED_IN_UNIT_PLUGINS
+from tests.plumbing import netns
+from tests.plumbing.markfilter import UNUSED_IN_UNIT_PLUGINS
 
 HOST_INTERFACES = [(1, "lo"), (2, "eth0")]
 
