@@ -7,6 +7,9 @@ routers with ``--client-id-header X-Tenant``: the default (flow control on, no l
 - **quiet tenants' TTFT**: ``QUIET`` tenants send ``QUIET_STREAMS`` streams each back to back (an aiohttp client,
   TTFT at the first chunk), first alone, then while one more tenant floods with ``FLOOD`` streams (``wrk``, 10x the
   quiet tenants' load together); the flood starts ``WARMUP_S`` before the quiet tenants are measured.
+- **the machine's share**: once a round, the quiet tenants on the default router while the same flood goes to a
+  second, separate set of workers and router. Nothing is shared with the flood but the machine's cores, so this is
+  the quiet tenants' TTFT under the flood's CPU load alone: the best any admission policy could give them here.
 - **the flood alone**: its throughput (``wrk``) on the idle cluster, with and without flow control: ``SOLO_PAIRS``
   pairs of short runs, one router right after the other (the order alternating), judged by the median of the
   pairs' ratios, so that the machine's load, which moves between runs, moves both sides of a ratio alike.
@@ -50,6 +53,7 @@ PATH = "/v1/chat/completions"
 PROMPT = [{"role": "user", "content": "tell me about prefill and decode"}]
 BODY: dict[str, object] = {"model": MODEL, "messages": PROMPT, "max_tokens": 16, "temperature": 0, "stream": True}
 ON, OFF = "flow control (default)", "--no-flow-control"
+MACHINE = "the machine's share: the flood on other workers"
 
 
 @dataclass
@@ -98,10 +102,15 @@ async def quiet_ttft(router: str, seconds: float) -> Quiet:
     return out
 
 
-async def quiet_under_flood(router: str, seconds: float, workdir: Path) -> tuple[Quiet, float]:
-    """The quiet tenants measured while wrk floods as tenant ``flood``; returns them and the flood's req/s."""
+async def quiet_under_flood(
+    router: str, seconds: float, workdir: Path, flood_at: str | None = None
+) -> tuple[Quiet, float]:
+    """The quiet tenants measured on ``router`` while wrk floods as tenant ``flood`` (on ``flood_at``, by default
+    the same router); returns them and the flood's req/s."""
     flood = asyncio.create_task(
-        asyncio.to_thread(wrk, router, BODY, FLOOD, int(seconds + WARMUP_S + 1), workdir, {"X-Tenant": "flood"})
+        asyncio.to_thread(
+            wrk, flood_at or router, BODY, FLOOD, int(seconds + WARMUP_S + 1), workdir, {"X-Tenant": "flood"}
+        )
     )
     await asyncio.sleep(WARMUP_S)
     quiet = await quiet_ttft(router, seconds)
@@ -131,10 +140,12 @@ def wait_idle(decodes: list[str], timeout_s: float = IDLE_TIMEOUT_S) -> None:
 
 @contextlib.contextmanager
 def stack(
-    workdir: Path, *, instant: bool, decodes: list[str] | None = None
+    workdir: Path, *, instant: bool, decodes: list[str] | None = None, targets: tuple[str, ...] = (ON, OFF)
 ) -> Iterator[dict[str, tuple[str, ManagedProcess]]]:
-    """Workers and the two routers: ``{target: (url, router process)}``; ``decodes`` gets the decodes' URLs."""
+    """Workers and a router per target (``ON``, ``OFF``): ``{target: (url, router process)}``; ``decodes`` gets the
+    decodes' URLs."""
     py = sys.executable
+    workdir.mkdir(parents=True, exist_ok=True)
     procs: list[ManagedProcess] = []
     try:
         prefills: list[tuple[str, str]] = []
@@ -167,7 +178,8 @@ def stack(
         for proc, url in zip(procs, [u for u, _ in prefills] + decodes, strict=False):
             proc.wait_http(url + "/health", timeout=120)
         routers: dict[str, tuple[str, ManagedProcess]] = {}
-        for name, extra in ((ON, []), (OFF, ["--no-flow-control"])):
+        for name in targets:
+            extra = ["--no-flow-control"] if name == OFF else []
             port = free_port()
             argv = [py, "-m", "tandem.cli", "router", "--port", str(port), "--log-level", "warning",
                     "--client-id-header", "X-Tenant", *extra]  # fmt: skip
@@ -197,19 +209,24 @@ def run(args: BenchArgs) -> list[Table]:
     seconds = 4 if args.quick else 10
     load_start = os.getloadavg()
     alone: dict[str, Quiet] = {ON: Quiet(), OFF: Quiet()}
-    flooded: dict[str, Quiet] = {ON: Quiet(), OFF: Quiet()}
-    flood_rps: dict[str, list[float]] = {ON: [], OFF: []}
+    flooded: dict[str, Quiet] = {ON: Quiet(), OFF: Quiet(), MACHINE: Quiet()}
+    flood_rps: dict[str, list[float]] = {ON: [], OFF: [], MACHINE: []}
     solo: dict[str, list[float]] = {ON: [], OFF: []}
     cpu: dict[str, list[float]] = {ON: [], OFF: []}
     decodes: list[str] = []
+    others: list[str] = []
     with tempfile.TemporaryDirectory(prefix="tandem-bench-tenants-") as tmp:
         workdir = Path(tmp)
-        with stack(workdir, instant=False, decodes=decodes) as routers, asyncio.Runner() as runner:
-            for url, _ in routers.values():
+        with (
+            stack(workdir, instant=False, decodes=decodes) as routers,
+            stack(workdir / "elsewhere", instant=False, decodes=others, targets=(ON,)) as elsewhere,
+            asyncio.Runner() as runner,
+        ):
+            for url, _ in (*routers.values(), *elsewhere.values()):
                 wrk(url, BODY, FLOOD, 2, workdir)  # warm up; the routers learn the decodes' capacity
-                wait_idle(decodes)
+                wait_idle(decodes + others)
             for r in range(rounds):
-                for name in _order(r):
+                for n, name in enumerate(_order(r)):
                     url = routers[name][0]
                     _merge(alone[name], runner.run(quiet_ttft(url, seconds)))
                     wait_idle(decodes)
@@ -217,6 +234,11 @@ def run(args: BenchArgs) -> list[Table]:
                     _merge(flooded[name], q)
                     flood_rps[name].append(rps)
                     wait_idle(decodes)
+                    if n == 0:  # between the two routers' phases
+                        q, rps = runner.run(quiet_under_flood(routers[ON][0], seconds, workdir, elsewhere[ON][0]))
+                        _merge(flooded[MACHINE], q)
+                        flood_rps[MACHINE].append(rps)
+                        wait_idle(others)
             for r in range(1 if args.quick else SOLO_PAIRS):
                 for name in _order(r):
                     solo[name].append(wrk(routers[name][0], BODY, FLOOD, SOLO_S, workdir, {"X-Tenant": "flood"}).rps)
@@ -265,6 +287,7 @@ def _tables(
             "p50 flooded ms",
             "p99 flooded ms",
             "p99 flooded / alone",
+            "p99 flooded / machine's share",
             "quiet requests",
             "quiet errors",
             "flood req/s",
@@ -273,15 +296,20 @@ def _tables(
         ],
         plot=Plot("bar", "router", ["p99 alone ms", "p99 flooded ms"], "quiet tenants' TTFT p99 (ms)"),
     )
-    for name in (ON, OFF):
-        a, f = alone[name], flooded[name]
+    p99m = pct(flooded[MACHINE].ttft_ms, 0.99)
+    for name in (ON, OFF, MACHINE):
+        a, f = alone[ON if name == MACHINE else name], flooded[name]
         p99a, p99f = pct(a.ttft_ms, 0.99), pct(f.ttft_ms, 0.99)
         ttft.rows.append([name, pct(a.ttft_ms, 0.5), p99a, pct(f.ttft_ms, 0.5), p99f, f"{p99f / p99a:.2f}x",
-                          len(a.ttft_ms) + len(f.ttft_ms), a.errors + f.errors, _mean(flood_rps[name]),
+                          f"{p99f / p99m:.2f}x", len(f.ttft_ms) + (0 if name == MACHINE else len(a.ttft_ms)),
+                          f.errors + (0 if name == MACHINE else a.errors), _mean(flood_rps[name]),
                           f"{max(a.cpu_share, f.cpu_share):.0%}", max(a.lag_ms, f.lag_ms)])  # fmt: skip
     ttft.notes += [
         f"{rounds} interleaved round(s) of {seconds}s per phase; the flood (wrk, tenant 'flood') starts {WARMUP_S}s "
         "before the quiet tenants are measured; target: p99 flooded / alone <= 1.5x with flow control",
+        "the machine's share: the quiet tenants on the default router (alone columns: its) while the same flood goes "
+        "to a second set of 2 + 2 simulated workers behind a router of its own, once a round between the two routers' "
+        "phases: the TTFT the flood's CPU load alone leaves them on this machine, which no admission policy can beat",
         "client CPU / loop lag: the quiet tenants' aiohttp client (its CPU time over wall time, its worst event-loop "
         "delay): far from a full core, so the client is not what the TTFT measures",
         f"load average (1 min) {load_start[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end, {os.cpu_count()} cores",

@@ -261,3 +261,24 @@ def test_a_malformed_file_is_refused_naming_the_field(text: str, names: str) -> 
 def test_tenant_limits_defaults_are_unlimited() -> None:
     lim = TenantLimits()
     assert lim.max_concurrency is lim.tokens_per_second is lim.requests_per_minute is None
+
+
+def test_a_quiet_tenant_between_two_requests_finds_its_slots_free() -> None:
+    q = FairQueue(reserve_share=0.125, headroom_share=0.0, linger_s=0.5)
+    q.set_capacity(16)  # reserve 2; 5 busy tenants: a share of 3.2 each
+    quiet = {t: [admitted(q.offer(t, None, 1, 0.0)) for _ in range(2)] for t in ("a", "b", "c", "d")}
+    flood = [admitted(q.offer("flood", None, 1, 0.0)) for _ in range(40)]
+    assert sum(p.admitted for p in flood) == 6  # above its share: up to C - R = 14 in flight in all
+    for t in ("a", "b", "c"):  # three quiet streams end a request each; their next ones are on the way
+        q.release(quiet[t][0], 0.1)
+    assert q.held() == 3
+    assert sum(p.admitted for p in flood) == 6  # the flood does not take the slots they will want back
+    back = [admitted(q.offer(t, None, 1, 0.15)) for t in ("a", "b", "c")]
+    assert all(p.admitted for p in back)
+    assert q.in_flight == 14  # C - R again: nobody queues on a decode behind the flood, the reserve still free
+    # Their demand lapses after the linger: quiet tenants that stay at one request hold nothing more.
+    for p in back:
+        q.release(p, 0.2)
+    q.expire(0.8)
+    assert q.held() == 0
+    assert sum(p.admitted for p in flood) == 9  # the flood, still above its share, takes the 3 slots left

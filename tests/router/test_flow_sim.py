@@ -2,8 +2,10 @@
 
 2 prefill + 2 decode ``tandem sim`` workers (8 requests at once per decode) behind the default router (flow control
 on, ``--client-id-header X-Tenant``) and one with ``--no-flow-control``, measured in turn on the same workers: 4
-quiet tenants x 2 streams alone, then beside a tenant flooding with 80 streams (wrk). Medians, side by side in one
-run, so the figures hold on a busy machine (``tandem bench tenants`` reports the p99s).
+quiet tenants x 2 streams beside a tenant flooding with 80 streams (wrk). The yardstick is the machine's share: the
+same quiet tenants while the same flood goes to a second set of workers behind a router of its own, so that the two
+share nothing but the machine's 2 cores. Medians, side by side in one run, so the figures hold on a busy machine
+(``tandem bench tenants`` reports the p99s).
 """
 
 from __future__ import annotations
@@ -15,27 +17,34 @@ import pytest
 
 from tandem_dev import peers
 from tandem_dev.router.bench import wrk
-from tandem_dev.router.bench_tenants import BODY, FLOOD, OFF, ON, pct, quiet_ttft, quiet_under_flood, stack
+from tandem_dev.router.bench_tenants import BODY, FLOOD, MACHINE, OFF, ON, pct, quiet_under_flood, stack
 
 pytestmark = [pytest.mark.netns, pytest.mark.procs, pytest.mark.slow]
 
 
 @pytest.mark.timeout(600)
-def test_quiet_tenants_keep_their_ttft_under_a_flood(tmp_path: Path) -> None:
+def test_quiet_tenants_under_a_flood_keep_the_ttft_the_machine_leaves_them(tmp_path: Path) -> None:
     peers.require("wrk")
-    p50: dict[tuple[str, str], float] = {}
-    with stack(tmp_path, instant=False) as routers, asyncio.Runner() as runner:
-        for url, _ in routers.values():
+    ttft: dict[str, list[float]] = {ON: [], MACHINE: [], OFF: []}
+    with (
+        stack(tmp_path, instant=False) as routers,
+        stack(tmp_path / "elsewhere", instant=False, targets=(ON,)) as elsewhere,
+        asyncio.Runner() as runner,
+    ):
+        for url, _ in (*routers.values(), *elsewhere.values()):
             wrk(url, BODY, FLOOD, 2, tmp_path)  # the routers learn the decodes' capacity
-        for name in (ON, OFF):
-            url = routers[name][0]
-            alone = runner.run(quiet_ttft(url, 4))
-            flooded, _ = runner.run(quiet_under_flood(url, 4, tmp_path))
-            assert alone.errors == flooded.errors == 0
-            p50[name, "alone"], p50[name, "flooded"] = pct(alone.ttft_ms, 0.5), pct(flooded.ttft_ms, 0.5)
+        phases = {ON: (ON, None), MACHINE: (ON, elsewhere[ON][0]), OFF: (OFF, None)}
+        for name in (ON, MACHINE, MACHINE, ON, OFF):  # ABBA: the machine's load drifting moves both sides alike
+            quiet_at, flood_at = phases[name]
+            flooded, _ = runner.run(quiet_under_flood(routers[quiet_at][0], 3, tmp_path, flood_at))
+            assert flooded.errors == 0
+            ttft[name] += flooded.ttft_ms
+    p50 = {name: pct(values, 0.5) for name, values in ttft.items()}
     print(p50)
-    # Flooded / alone p50 measures 1.8-3.1x (a quiet request shares the machine's 2 cores with the flood's work;
-    # `tandem bench tenants` in router/README.md: 65 / 37 ms at load average 4.6-8.5, 29 / 9.0 ms at 2.5-4.6), the
-    # alone p50 being the noisy side; without flow control it is 18-60x. Issue 36's target is on p99 (1.5x): 1.5-2.5x.
-    assert p50[ON, "flooded"] < 4 * p50[ON, "alone"]
-    assert p50[ON, "flooded"] * 3 < p50[OFF, "flooded"]
+    # The default router under the flood / the machine's share: p50 0.48-1.97x here at load average 7-11 (other
+    # work running), 0.77-0.78x (p99 0.94-1.05x) in 10 s phases at load 2-3: flow control leaves the quiet tenants
+    # about what the flood's CPU load leaves them. Against the quiet tenants alone (no flood anywhere) the same p50 was
+    # 1.8-5.4x, the machine's doing (CI once measured 5.4x beside the other worker's tests). Without flow control it
+    # is 8-17x the machine's share.
+    assert p50[ON] < 3 * p50[MACHINE]
+    assert p50[ON] * 3 < p50[OFF]

@@ -19,7 +19,10 @@ cluster's capacity, strict priority between classes, and the per-tenant limits.
   ``expire`` ends it), so a quiet tenant between two requests, or whose client stalls a moment, keeps its share: a
   flood let up to ``C + H`` in that moment would hold those slots for a whole request, and the quiet tenant's next
   requests would wait them out (measured: the slowest 2 % of quiet requests under a flood). Idle longer, its share
-  goes to the others.
+  goes to the others. The same holds for its slots: a tenant below its share holds the slots it used within the
+  last ``linger_s`` (its demand, at most its share) and does not use now, so a tenant above its share is let in
+  only below ``C - R - held``: when the quiet tenants' streams come back, their requests find free decode slots
+  instead of queueing on a decode behind the flood's, and the reserve is still there for a newcomer.
 - **Order** when a slot frees: the highest priority at the head of any tenant's queue, then the tenant with the
   fewest requests in flight per weight, then the least service per weight (a virtual token counter, AIBrix's VTC:
   estimated tokens / weight; a tenant that becomes busy starts at the busy tenants' lowest counter, so idle time is
@@ -93,6 +96,8 @@ class _Tenant:
     in_flight: int = 0
     queue: list[tuple[int, int, Pending]] = field(default_factory=list)  # heap: (-priority, seq, request)
     served: float = 0.0  # estimated tokens admitted / weight (VTC)
+    peak: int = 0  # most requests in flight at once lately (``FairQueue.demand``)
+    peak_at: float = -math.inf
     rpm: _Bucket | None = None
     tps: _Bucket | None = None
 
@@ -113,6 +118,7 @@ class FairQueue:
         self.headroom_share = headroom_share
         self.linger_s = linger_s
         self._lingering: dict[str, float] = {}  # idle tenants still counted busy (``release``): name -> until
+        self._now = 0.0  # the latest time a caller gave (``offer``, ``release``, ``expire``)
         self.capacity: int | None = None
         self.in_flight = 0
         self.queued = 0
@@ -157,6 +163,7 @@ class FairQueue:
     # -- requests ----------------------------------------------------------------------------------------------
     def offer(self, tenant: str, asked_priority: int | None, cost: float, now: float) -> Pending | Rejection:
         """A request arrives: refused (a limit), admitted at once (``admitted``) or queued."""
+        self._now = now
         t = self.tenants.get(tenant) or self._new_tenant(tenant, now)
         lim = t.limits
         if lim.max_concurrency is not None and t.in_flight + len(t.queue) >= lim.max_concurrency:
@@ -184,6 +191,8 @@ class FairQueue:
         if p.done or not p.admitted:
             return []
         p.done = True
+        if now is not None:
+            self._now = now
         t = self.tenants[p.tenant]
         t.in_flight -= 1
         self.in_flight -= 1
@@ -191,9 +200,9 @@ class FairQueue:
         return self.dispatch() if self.queued else []
 
     def expire(self, now: float) -> list[Pending]:
-        """Idle tenants whose linger is over stop counting; returns the requests their shares let in."""
-        if not self._lingering:
-            return []
+        """Idle tenants whose linger is over stop counting, slots held past it are let go; returns the requests
+        their shares and slots let in."""
+        self._now = now  # tenants' demand (``held``) lapses with time too: the queue is looked at either way
         for name, until in list(self._lingering.items()):
             if until <= now:
                 del self._lingering[name]
@@ -240,18 +249,34 @@ class FairQueue:
         weight = self._busy_weight if t.name in self._busy else self._busy_weight + t.limits.weight
         return (self.capacity + self.headroom) * t.limits.weight / weight
 
-    def _fits(self, t: _Tenant) -> bool:
+    def demand(self, t: _Tenant) -> int:
+        """The most requests ``t`` had in flight at once within the last ``linger_s`` (at least those it has)."""
+        return t.peak if self._now - t.peak_at <= self.linger_s else t.in_flight
+
+    def held(self) -> int:
+        """Slots that tenants below their share used lately and do not use now (``demand``, at most the share)."""
+        out = 0
+        for u in self._busy.values():
+            share = self.share(u)
+            if u.in_flight < share:
+                out += max(0, min(self.demand(u), math.floor(share)) - u.in_flight)
+        return out
+
+    def _fits(self, t: _Tenant, held: int | None = None) -> bool:
         if self.capacity is None:
             return True
         if t.in_flight < self.share(t):
             return self.in_flight < self.capacity + self.headroom
-        return self.in_flight < self.capacity - self.reserve
+        if self.in_flight >= self.capacity - self.reserve:
+            return False
+        return self.in_flight < self.capacity - self.reserve - (self.held() if held is None else held)
 
     def _next(self) -> _Tenant | None:
         best: _Tenant | None = None
         best_key: tuple[int, float, float] | None = None
+        held = self.held() if self.capacity is not None else 0
         for t in self._busy.values():
-            if not t.queue or not self._fits(t):
+            if not t.queue or not self._fits(t, held):
                 continue
             key = (t.queue[0][0], t.in_flight / t.limits.weight, t.served)
             if best_key is None or key < best_key:
@@ -264,6 +289,8 @@ class FairQueue:
         p.admitted = True
         t.in_flight += 1
         self.in_flight += 1
+        if t.in_flight >= self.demand(t):
+            t.peak, t.peak_at = t.in_flight, self._now
         t.served += p.cost / t.limits.weight
 
     def _enqueue(self, t: _Tenant, p: Pending) -> None:
