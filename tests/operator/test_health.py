@@ -16,7 +16,7 @@ from tandem.registry import Role
 from tandem_operator.act.k8s.apply import object_path
 from tandem_operator.api.pdcluster import PDClusterSpec
 from tandem_operator.decide.observe import GroupKey, GroupState, GroupView
-from tandem_operator.decide.recovery import stuck_groups
+from tandem_operator.decide.recovery import Stuck, stuck_groups
 from tandem_operator.desired.naming import ClusterRef
 from tandem_operator.desired.pods import RoleContext, group_pod
 from tandem_operator.desired.pools import pool_manifest
@@ -102,8 +102,8 @@ def test_stuck_groups(state: GroupState, started: bool | None, age_s: int, stuck
     pod = _member(NOW - timedelta(seconds=age_s), started)
     name = pod["metadata"]["name"]
     views = {0: GroupView(0, state, "h", (name,))}
-    found = stuck_groups(Role.DECODE, views, {name: pod}, NOW, deadline_s=5400)
-    assert found == ({GroupKey(Role.DECODE, 0): name} if stuck else {})
+    found = stuck_groups(Role.DECODE, views, {name: pod}, NOW, deadline_s=5400, download_deadline_s=21600)
+    assert found == ({GroupKey(Role.DECODE, 0): Stuck(name)} if stuck else {})
 
 
 def _cluster() -> tuple[ClusterRuntime, FakeKube, FakeRegistrar]:

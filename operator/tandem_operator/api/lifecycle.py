@@ -28,7 +28,20 @@ class LifecycleSpec(CrdModel):
         ge=60,
         le=172800,
         description="A group still Starting or Incomplete (some member not started: unschedulable, pulling, "
-        "loading) this long after its newest pod was created is recreated, with an Event.",
+        "loading) this long after its newest pod was created is recreated, with an Event. With "
+        "model.weightCache.prefetch a member's time counts from when its prefetch init container finished (the "
+        "download or the check of the node's copy), not from its creation, so a slow first download never counts "
+        "against it: weightDownloadDeadlineSeconds bounds the download.",
+    )
+    weight_download_deadline_seconds: int = Field(
+        default=21600,
+        ge=600,
+        le=604800,
+        description="A group with a member whose weight prefetch (model.weightCache.prefetch) has started but not "
+        "finished successfully this long after the member was created (a hung or crash-looping download) is "
+        "recreated, with an Event (WeightDownloadDeadlineExceeded); the new pod resumes the download from the "
+        "node's partial copy. The default 6 h fetches ~600 GB at ~30 MB/s; a pod not yet running its prefetch "
+        "(unschedulable, pulling) stays under startDeadlineSeconds.",
     )
     drain_timeout_seconds: int = Field(
         default=600,

@@ -51,6 +51,7 @@ from tandem_operator.api.recipe import (
     PeerLoadingSpec,
     SpeculativeSpec,
     WeightCacheSpec,
+    WeightsStatus,
     host_cache_rules,
 )
 from tandem_operator.api.rules import CrdModel, Rule, immutable
@@ -150,10 +151,11 @@ class ModelSpec(CrdModel):
     cached_node_label: QualifiedLabelKey | None = Field(
         default=None,
         description="A node label that marks nodes already holding this model's weights (set by whatever stages "
-        "them, e.g. a prefetch DaemonSet; name one label per model): worker pods prefer such nodes (a preferred "
-        "node affinity, weight 100, so it ranks nodes that every required rule already allows and never overrides "
-        "one). A recreated group or an in-place rollout (maxSurgeGroups: 0) then lands where the load is a local "
-        "read. Changing it rolls no pod: it applies to pods created from then on.",
+        "them outside the operator, e.g. a prefetch DaemonSet; name one label per model; with weightCache.prefetch "
+        "the operator labels the nodes it staged itself, status.weights.nodeLabel): worker pods prefer such nodes "
+        "(a preferred node affinity, weight 100, so it ranks nodes that every required rule already allows and "
+        "never overrides one). A recreated group or an in-place rollout (maxSurgeGroups: 0) then lands where the "
+        "load is a local read. Changing it rolls no pod: it applies to pods created from then on.",
     )
     moe_quantization: Literal["w4a16", "fp8", "bf16"] | None = Field(
         default=None,
@@ -682,3 +684,6 @@ class PDClusterStatus(CrdModel):
         default=None, ge=0, description="From the death of a member to its group registered again."
     )
     autoscaling: AutoscalingStatus | None = Field(default=None, description="The autoscaler's last decision.")
+    weights: WeightsStatus | None = Field(
+        default=None, description="The nodes holding the staged weights (with model.weightCache.prefetch)."
+    )

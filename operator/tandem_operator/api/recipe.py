@@ -6,7 +6,8 @@
   per rank (``--hicache-size`` plus the store segment) times the ranks per node must fit ``nodeMemoryGib``.
 * ``JitCacheSpec``: a host directory for SGLang's JIT caches (``SGLANG_CACHE_DIR``: DeepGEMM, Triton, FlashInfer,
   Inductor; ``sglang/srt/environ.py`` ``third_party_cache_defaults``), so a recreated group does not recompile.
-* ``WeightCacheSpec``: a node-local copy of the weights (hostPath), filled by a prefetch init container.
+* ``WeightCacheSpec``: a node-local copy of the weights (hostPath), filled by a prefetch init container;
+  ``WeightsStatus``: the nodes that hold it.
 * ``PeerLoadingSpec``: a recreated or added group pulls its weights from a serving group of its role over Mooncake
   (SGLang's remote-instance loader, ``transfer_engine`` backend) instead of reading the node's copy.
 * ``GangSchedulingSpec``: a scheduler name and a PodGroup per group (Volcano, scheduler-plugins coscheduling) or
@@ -133,6 +134,51 @@ class WeightCacheSpec(CrdModel):
         "nodes (required node affinity), hostPath must exist there (type Directory: nothing is created on a root "
         "disk), and model.revision must pin a commit (every node stages the same snapshot). Unset: any node, "
         "hostPath created when missing (DirectoryOrCreate).",
+    )
+    stage_nodes: bool = Field(
+        default=False,
+        description="Stage the weights on every node labelled nodeLabel before a worker needs them: one Job per "
+        "such node not yet labelled as holding them runs the prefetch there (pinned by nodeName, bounded by "
+        "lifecycle.weightDownloadDeadlineSeconds, deleted an hour after it finished), and the node is labelled once "
+        "it succeeds; status.weights reports the progress. A failed Job stays (failedNodes) until deleted, then it "
+        "is created again. Needs nodeLabel and prefetch.",
+    )
+
+    cel_rules = (
+        Rule(
+            cel="!self.stageNodes || (has(self.nodeLabel) && self.prefetch)",
+            message="weightCache.stageNodes stages the weights on the nodes labelled weightCache.nodeLabel with the "
+            "prefetch: set nodeLabel and leave prefetch on",
+            check=lambda s: not s.stage_nodes or (s.node_label is not None and s.prefetch),
+            field_path=".stageNodes",
+        ),
+    )
+
+
+class WeightsStatus(CrdModel):
+    """Where the node-local copy of the model is staged (``model.weightCache.prefetch``)."""
+
+    revision: str = Field(
+        default="", max_length=253, description="The staged repo and revision, as the completion marker names it."
+    )
+    node_label: str = Field(
+        default="",
+        max_length=317,
+        description="The label (value 'staged') the operator sets on a node once a worker's prefetch init container "
+        "finished there: worker pods prefer such nodes (kubectl get nodes -l <nodeLabel>).",
+    )
+    staged_nodes: int = Field(default=0, ge=0, description="Nodes carrying nodeLabel.")
+    nodes: int | None = Field(
+        default=None, ge=0, description="With weightCache.stageNodes: the nodes labelled weightCache.nodeLabel."
+    )
+    staging_nodes: int | None = Field(
+        default=None, ge=0, description="With weightCache.stageNodes: the nodes whose staging Job runs."
+    )
+    failed_nodes: int | None = Field(
+        default=None,
+        ge=0,
+        description="With weightCache.stageNodes: the nodes whose staging Job failed (kubectl describe job; deleting "
+        "it stages the node again).",
     )
 
 

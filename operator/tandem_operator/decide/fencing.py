@@ -40,6 +40,7 @@ class FenceReason(StrEnum):
     CONTAINER_RESTARTED = "ContainerRestarted"
     NODE_LOST = "NodeLost"  # the node was deleted, or NotReady for lifecycle.nodeLostGraceSeconds
     START_DEADLINE = "StartDeadlineExceeded"  # Starting/Incomplete past lifecycle.startDeadlineSeconds
+    DOWNLOAD_DEADLINE = "WeightDownloadDeadlineExceeded"  # prefetching past lifecycle.weightDownloadDeadlineSeconds
     INTEGRITY_REPEAT_OFFENDER = "IntegrityRepeatOffender"  # routers keep quarantining its pairs (not a pod event)
 
 

@@ -33,6 +33,7 @@ from tandem_operator.desired.naming import (
     LABEL_REVISION,
     LABEL_ROLE,
     LABEL_TEMPLATE_HASH,
+    PREFETCH_CONTAINER,
 )
 
 Pod = Mapping[str, Any]
@@ -120,11 +121,12 @@ TANDEM_ANNOTATION_PREFIX = "tandem.dev/"
 
 
 def slim_pod(pod: Pod) -> dict[str, Any]:
-    """The part of a pod the deciders read (``pod_facts``, ``pod_health``, ``started``, ``created_at``, the
-    planner's ``deletionTimestamp``), nothing else: the operator keeps one per worker pod. A full pod with its
-    ``managedFields`` is ~20x larger (measured: 1,000 pods held whole took ~60 MiB of the operator's RSS); of the
-    rest, only ``KEPT_ENV``, the Ready condition and the names of the container states are kept (1,000 pods of the
-    K2.6 recipe: 11.1 MiB of heap with every env value, condition and state; 4.6 MiB without)."""
+    """The part of a pod the deciders read (``pod_facts``, ``pod_health``, ``started``, ``created_at``,
+    ``prefetch``, the planner's ``deletionTimestamp``), nothing else: the operator keeps one per worker pod. A full
+    pod with its ``managedFields`` is ~20x larger (measured: 1,000 pods held whole took ~60 MiB of the operator's
+    RSS); of the rest, only ``KEPT_ENV``, the Ready condition, the names of the container states and the prefetch
+    init container's state (its exit code and finish time) are kept (1,000 pods of the K2.6 recipe: 11.1 MiB of heap
+    with every env value, condition and state; 4.6 MiB without)."""
     metadata, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
     containers = spec.get("containers") or [{}]
     env = [
@@ -144,6 +146,7 @@ def slim_pod(pod: Pod) -> dict[str, Any]:
             "nodeName": spec.get("nodeName"),
             "hostNetwork": bool(spec.get("hostNetwork")),
             "containers": [{"env": env}],
+            "initContainers": [{"name": PREFETCH_CONTAINER} for _ in _prefetch_spec(pod)],
         },
         "status": {
             "phase": status.get("phase"),
@@ -161,7 +164,23 @@ def slim_pod(pod: Pod) -> dict[str, Any]:
                 }
                 for c in status.get("containerStatuses") or ()
             ],
+            "initContainerStatuses": [_slim_prefetch_status(c) for c in _prefetch_statuses(pod)],
         },
+    }
+
+
+def _slim_prefetch_status(status: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``prefetch`` reads of the prefetch init container's status."""
+    state, last = status.get("state") or {}, status.get("lastState") or {}
+    slim: dict[str, Any] = {k: {} for k in state if k != "terminated"}
+    if "terminated" in state:
+        terminated = state["terminated"] or {}
+        slim["terminated"] = {k: terminated[k] for k in ("exitCode", "finishedAt") if k in terminated}
+    return {
+        "name": PREFETCH_CONTAINER,
+        "restartCount": status.get("restartCount", 0),
+        "state": slim,
+        "lastState": {k: {} for k in last},
     }
 
 
@@ -207,12 +226,62 @@ def started(pod: Pod) -> bool:
     return bool(statuses) and all(c.get("started") is True for c in statuses)
 
 
-def created_at(pod: Pod) -> datetime | None:
-    raw = (pod.get("metadata") or {}).get("creationTimestamp")
+def _timestamp(raw: object) -> datetime | None:
     try:
         return datetime.fromisoformat(str(raw)) if raw else None
     except ValueError:
         return None
+
+
+def created_at(pod: Pod) -> datetime | None:
+    return _timestamp((pod.get("metadata") or {}).get("creationTimestamp"))
+
+
+class PrefetchState(StrEnum):
+    NONE = "None"  # the pod stages no weights (no model.weightCache.prefetch)
+    WAITING = "Waiting"  # not run yet: Pending, pulling the image
+    RUNNING = "Running"  # downloading, or failed and restarted: not finished successfully yet
+    DONE = "Done"  # exited 0: the node holds the complete copy
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    state: PrefetchState
+    finished_at: datetime | None = None  # when DONE: the kubelet's finishedAt (None if unreadable)
+
+
+def _prefetch_spec(pod: Pod) -> list[Mapping[str, Any]]:
+    inits = (pod.get("spec") or {}).get("initContainers") or ()
+    return [c for c in inits if c.get("name") == PREFETCH_CONTAINER]
+
+
+def _prefetch_statuses(pod: Pod) -> list[Mapping[str, Any]]:
+    inits = (pod.get("status") or {}).get("initContainerStatuses") or ()
+    return [c for c in inits if c.get("name") == PREFETCH_CONTAINER]
+
+
+def prefetch(pod: Pod) -> Prefetch:
+    """Where the pod's weight prefetch init container (``naming.PREFETCH_CONTAINER``) stands.
+
+    It has run once the kubelet reports it running or terminated now, or terminated before (``lastState``, a
+    restart count): a failed download is restarted by the kubelet and is still RUNNING here, bounded by
+    ``lifecycle.weightDownloadDeadlineSeconds``; only exit code 0 is DONE, from which the start deadline counts.
+    """
+    if not _prefetch_spec(pod):
+        return Prefetch(PrefetchState.NONE)
+    status = next(iter(_prefetch_statuses(pod)), {})
+    state = status.get("state") or {}
+    terminated = state.get("terminated")
+    if terminated is not None and terminated.get("exitCode") == 0:
+        return Prefetch(PrefetchState.DONE, _timestamp(terminated.get("finishedAt")))
+    ran = "running" in state or terminated is not None or "terminated" in (status.get("lastState") or {})
+    return Prefetch(PrefetchState.RUNNING if ran or status.get("restartCount", 0) > 0 else PrefetchState.WAITING)
+
+
+def staged_nodes(pods: Iterable[Pod]) -> frozenset[str]:
+    """The nodes on which a pod's prefetch finished successfully: they hold the complete copy of its weights."""
+    nodes = ((p.get("spec") or {}).get("nodeName") for p in pods if prefetch(p).state is PrefetchState.DONE)
+    return frozenset(n for n in nodes if n)
 
 
 def pod_health(

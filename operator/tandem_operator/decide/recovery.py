@@ -13,11 +13,21 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from tandem.registry import Role
-from tandem_operator.decide.observe import GroupKey, GroupState, GroupView, Pod, created_at, pod_facts, started
+from tandem_operator.decide.observe import (
+    GroupKey,
+    GroupState,
+    GroupView,
+    Pod,
+    PrefetchState,
+    created_at,
+    pod_facts,
+    prefetch,
+    started,
+)
 from tandem_operator.desired.naming import (
     ANNOTATION_EPOCH,
     ANNOTATION_FENCED,
@@ -132,25 +142,55 @@ def recovered(
     }
 
 
-def stuck_groups(
-    role: Role, views: Mapping[int, GroupView], pods: Mapping[str, Pod], now: datetime, deadline_s: float
-) -> dict[GroupKey, str]:
-    """Groups stuck Starting or Incomplete past ``deadline_s`` since their newest pod was created -> a member.
+@dataclass(frozen=True)
+class Stuck:
+    """A group past its deadline: the member that kept it from starting, and whether that member was still
+    staging its weights (``lifecycle.weightDownloadDeadlineSeconds`` ran out, not ``startDeadlineSeconds``)."""
 
-    A STARTING group whose members have all started (their startupProbe passed) is a loaded group that is merely
-    NotReady (busy): readiness only takes it out of rotation and liveness decides about it, so it is never stuck.
-    An INCOMPLETE group (a rank missing, e.g. unschedulable) or one with a member not started (Pending, pulling,
-    loading) is; the kubelet's startupProbe already bounds a load, so this catches what no probe sees.
+    pod: str
+    downloading: bool = False
+
+
+def _due(pod: Pod, start_s: float, download_s: float) -> datetime | None:
+    """When this member's time runs out: ``start_s`` after its prefetch finished (or, without one or before it
+    ran, after its creation); ``download_s`` after its creation while the prefetch runs."""
+    created, fetch = created_at(pod), prefetch(pod)
+    if fetch.state is PrefetchState.RUNNING:
+        return None if created is None else created + timedelta(seconds=download_s)
+    since = (fetch.finished_at or created) if fetch.state is PrefetchState.DONE else created
+    return None if since is None else since + timedelta(seconds=start_s)
+
+
+def stuck_groups(
+    role: Role,
+    views: Mapping[int, GroupView],
+    pods: Mapping[str, Pod],
+    now: datetime,
+    deadline_s: float,
+    download_deadline_s: float,
+) -> dict[GroupKey, Stuck]:
+    """Groups stuck Starting or Incomplete past their deadline -> the member that kept them.
+
+    A member's time runs out ``deadline_s`` (``lifecycle.startDeadlineSeconds``) after its weight prefetch finished,
+    or after its creation when it has none or has not run it yet (unschedulable, pulling); while the prefetch runs
+    (downloading, or restarted after a failure), ``download_deadline_s`` (``weightDownloadDeadlineSeconds``) after
+    its creation. The group is stuck once its newest member's time ran out. A STARTING group whose members have
+    all started (their startupProbe passed) is a loaded group that is merely NotReady (busy): readiness only
+    takes it out of rotation and liveness decides about it, so it is never stuck. An INCOMPLETE group (a rank
+    missing, e.g. unschedulable) or one with a member not started (Pending, pulling, downloading, loading) is; the
+    kubelet's startupProbe already bounds a load, so this catches what no probe sees.
     """
-    result: dict[GroupKey, str] = {}
+    result: dict[GroupKey, Stuck] = {}
     for index, view in views.items():
         if view.state not in (GroupState.STARTING, GroupState.INCOMPLETE):
             continue
         members = [pods[name] for name in view.pods if name in pods]
         if view.state is GroupState.STARTING and all(started(p) for p in members):
             continue
-        stamps = [t for t in (created_at(p) for p in members) if t is not None]
-        if stamps and (now - max(stamps)).total_seconds() > deadline_s:
-            waiting = next((p for p in members if not started(p)), members[0])
-            result[GroupKey(role, index)] = str(waiting["metadata"]["name"])
+        dues = [t for t in (_due(p, deadline_s, download_deadline_s) for p in members) if t is not None]
+        if not dues or now <= max(dues):
+            continue
+        downloading = [p for p in members if prefetch(p).state is PrefetchState.RUNNING]
+        waiting = next(iter(downloading), next((p for p in members if not started(p)), members[0]))
+        result[GroupKey(role, index)] = Stuck(str(waiting["metadata"]["name"]), bool(downloading))
     return result

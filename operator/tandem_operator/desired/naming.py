@@ -34,6 +34,16 @@ ANNOTATION_WEIGHT_SOURCE = f"{GROUP}/weight-source"
 ANNOTATION_WEIGHT_SEED = f"{GROUP}/weight-seed"
 # On a group's Service: the epoch of an incarnation that died loading from a peer (its successor reads the node's).
 ANNOTATION_PEER_LOAD_FAILED = f"{GROUP}/peer-load-failed"
+# The init container that stages the weights in the node's copy (model.weightCache.prefetch), and the node label the
+# operator sets once it finished there: ``weights.tandem.dev/<digest of what it staged and where>=staged``.
+PREFETCH_CONTAINER = "prefetch-weights"
+STAGED_LABEL_PREFIX = f"weights.{GROUP}/"
+STAGED_VALUE = "staged"
+# The staging Jobs of model.weightCache.stageNodes (desired/staging_jobs.py): labelled with the cluster and this
+# component (their pods carry no cluster label: they are no workers), annotated with the node they stage.
+LABEL_COMPONENT = "app.kubernetes.io/component"
+STAGING_COMPONENT = "weight-staging"
+ANNOTATION_STAGED_NODE = f"{GROUP}/node"
 COMMON_LABELS = {"app.kubernetes.io/name": "tandem-worker", "app.kubernetes.io/managed-by": FIELD_MANAGER}
 
 
@@ -116,9 +126,27 @@ def compat_revision(spec: PDClusterSpec) -> str:
 
 
 def _model(wire: dict[str, Any]) -> dict[str, Any]:
-    """The model as it reaches the workers: cachedNodeLabel is only a scheduling preference of new pods (it came
-    later, and setting or changing it rolls nothing)."""
-    return {k: v for k, v in wire["model"].items() if k != "cachedNodeLabel"}
+    """The model as it reaches the workers: cachedNodeLabel is only a scheduling preference of new pods, and
+    weightCache.stageNodes only whether Jobs stage the nodes ahead of them (both came later, and setting or
+    changing them rolls nothing)."""
+    model = {k: v for k, v in wire["model"].items() if k != "cachedNodeLabel"}
+    if "weightCache" in model:
+        model["weightCache"] = {k: v for k, v in model["weightCache"].items() if k != "stageNodes"}
+    return model
+
+
+def staged_label(spec: PDClusterSpec) -> str | None:
+    """The node label of a node whose prefetch of this model finished (None without ``weightCache.prefetch``).
+
+    One label per staged copy: the repo and revision the completion marker names, and the node directory it lies
+    in (two clusters of one model with different ``hostPath`` stage two copies). A sha256 prefix keeps the key's
+    name a valid label name (63 characters at most) whatever the repo is called.
+    """
+    cache = spec.model.weight_cache
+    if cache is None or not cache.prefetch:
+        return None
+    staged = f"{cache.repo}@{spec.model.revision or 'default'}:{cache.host_path}:{spec.model.path}"
+    return STAGED_LABEL_PREFIX + hashlib.sha256(staged.encode()).hexdigest()[:20]
 
 
 # What a pod carries that is no input of what it runs: the revision hash itself, and per-incarnation stamps.

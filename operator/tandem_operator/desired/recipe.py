@@ -14,6 +14,7 @@ from typing import Any
 from tandem.registry import Role
 from tandem_operator.api.pdcluster import DecodeSpec, PDClusterSpec, PrefillSpec, TransferProtocol
 from tandem_operator.api.recipe import MooncakeStoreSpec
+from tandem_operator.desired.naming import PREFETCH_CONTAINER, STAGED_VALUE, staged_label
 from tandem_operator.desired.security import init_security_context
 
 JIT_CACHE_DIR = "/var/cache/sglang"
@@ -146,7 +147,7 @@ def prefetch_containers(
     command = ["python3", "-c", _PREFETCH.strip(), cache.repo, spec.model.path, revision, PREFETCH_MARKER]
     return [
         {
-            "name": "prefetch-weights",
+            "name": PREFETCH_CONTAINER,
             "image": spec.images.worker,
             "imagePullPolicy": spec.images.pull_policy,
             "command": command,
@@ -158,12 +159,13 @@ def prefetch_containers(
     ]
 
 
-CACHED_NODE_WEIGHT = 100  # the only preferred node-affinity term of a worker: the scheduler normalises it anyway
+CACHED_NODE_WEIGHT = 100  # the scheduler normalises preferred weights anyway: the terms weigh the same
 
 
 def cached_weights_affinity(spec: PDClusterSpec) -> dict[str, Any]:
-    """A required node affinity for nodes labelled ``weightCache.nodeLabel`` (they hold the weight disk), and a
-    preferred one for nodes labelled ``model.cachedNodeLabel`` (they hold the weights already); empty without them.
+    """A required node affinity for nodes labelled ``weightCache.nodeLabel`` (they hold the weight disk), and
+    preferred ones for nodes that hold the weights already: those the operator labelled once a prefetch of this
+    copy finished there (``naming.staged_label``) and those labelled ``model.cachedNodeLabel``; empty without them.
     Preferred terms only score the nodes every required rule allows, so the preference never overrides placement
     (one pod per node, ``topologyKey``, ``fabric``, ``nodeSelector``)."""
     affinity: dict[str, Any] = {}
@@ -171,11 +173,16 @@ def cached_weights_affinity(spec: PDClusterSpec) -> dict[str, Any]:
     if cache is not None and cache.node_label is not None:  # only nodes with the weight disk (weightCache.nodeLabel)
         disk = {"matchExpressions": [{"key": cache.node_label, "operator": "Exists"}]}
         affinity["requiredDuringSchedulingIgnoredDuringExecution"] = {"nodeSelectorTerms": [disk]}
-    label = spec.model.cached_node_label
-    if label is not None:
-        cached = {"matchExpressions": [{"key": label, "operator": "Exists"}]}
-        term = {"weight": CACHED_NODE_WEIGHT, "preference": cached}
-        affinity["preferredDuringSchedulingIgnoredDuringExecution"] = [term]
+    preferred = []
+    staged = staged_label(spec)
+    if staged is not None:
+        match = {"matchExpressions": [{"key": staged, "operator": "In", "values": [STAGED_VALUE]}]}
+        preferred.append({"weight": CACHED_NODE_WEIGHT, "preference": match})
+    if spec.model.cached_node_label is not None:
+        match = {"matchExpressions": [{"key": spec.model.cached_node_label, "operator": "Exists"}]}
+        preferred.append({"weight": CACHED_NODE_WEIGHT, "preference": match})
+    if preferred:
+        affinity["preferredDuringSchedulingIgnoredDuringExecution"] = preferred
     return {"nodeAffinity": affinity} if affinity else {}
 
 

@@ -3,8 +3,9 @@
 Built on an explicit ``kopf.OperatorRegistry`` (no module-level globals), so ``main`` and the tests each get
 their own. PDCluster create/update/resume -> validate, apply the PDPools, (re)start the cluster's runtime; pods
 (label ``tandem.dev/cluster`` present) -> the fast fence path; PDPools -> a reconcile kick (``kubectl scale``);
-nodes -> their outages (``fencing.node_outage``), which each cluster's runtime weighs against its grace, and
-their cordons (``fencing.node_cordoned``), which each cluster's planner moves groups off.
+nodes -> their outages (``fencing.node_outage``), which each cluster's runtime weighs against its grace, their
+cordons (``fencing.node_cordoned``), which each cluster's planner moves groups off, and their staged-weights labels
+(``decide.staging``), which each cluster's reconcile sets and counts.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pydantic
 from tandem.registry import EtcdTLS
 from tandem.registry_signing import EndpointSigner
 from tandem_operator.act.k8s.kube import Kube
+from tandem_operator.act.k8s.nodes import StagedNodes
 from tandem_operator.act.registrar import Registrar
 from tandem_operator.api.common import GROUP, VERSION
 from tandem_operator.api.pdcluster import EtcdSpec, PDClusterSpec
@@ -44,6 +46,10 @@ class OperatorState:
     registrars: dict[tuple[str, ...], Registrar] = field(default_factory=dict)
     node_outages: dict[str, NodeOutage] = field(default_factory=dict)  # nodes not Ready (deleted or NotReady)
     cordoned: set[str] = field(default_factory=set)  # nodes with spec.unschedulable
+    staged: StagedNodes = field(init=False)  # nodes' staged-weights labels (decide.staging), from the node watch
+
+    def __post_init__(self) -> None:
+        self.staged = StagedNodes(self.kube)
 
     async def registrar(self, etcd: EtcdSpec) -> Registrar:
         endpoints, mooncake = tuple(self.etcd_override or etcd.endpoints), tuple(etcd.mooncake_endpoints)
@@ -65,7 +71,7 @@ class OperatorState:
         if runtime is None:
             registrar = await self.registrar(spec.etcd)
             outages, cordoned = (lambda: self.node_outages), (lambda: frozenset(self.cordoned))
-            runtime = ClusterRuntime(ref, spec, self.kube, registrar, self.options, outages, cordoned)
+            runtime = ClusterRuntime(ref, spec, self.kube, registrar, self.options, outages, cordoned, self.staged)
             self.runtimes[key] = runtime
             await runtime.start()
         return runtime
@@ -130,6 +136,7 @@ def build_registry(state: OperatorState) -> kopf.OperatorRegistry:
     async def node_event(event: kopf.RawEvent, **_: Any) -> None:
         node = event["object"]
         name = str((node.get("metadata") or {}).get("name", ""))
+        state.staged.observe(str(event["type"]), node)
         if node_cordoned(str(event["type"]), node) != (name in state.cordoned):
             cordoned = name not in state.cordoned
             (state.cordoned.add if cordoned else state.cordoned.discard)(name)

@@ -8,6 +8,7 @@ Services, decides per role (``observe.group_views`` -> ``recovery.apply_fences``
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -16,11 +17,12 @@ from typing import Any
 from tandem.registry import Endpoint, Role
 from tandem_operator.act.executor import Executor, bounded
 from tandem_operator.act.k8s.apply import INITIAL_SIZE_MANAGER, object_path
-from tandem_operator.act.k8s.kube import ConflictError, Kube
-from tandem_operator.act.k8s.nodes import NodeDomains
+from tandem_operator.act.k8s.kube import ConflictError, Kube, KubeError
+from tandem_operator.act.k8s.nodes import NodeDomains, StagedNodes
 from tandem_operator.act.outdated import OutdatedPods
 from tandem_operator.act.registrar import Registrar
 from tandem_operator.api.common import API_VERSION, Condition
+from tandem_operator.api.recipe import WeightsStatus
 from tandem_operator.api.upgrade import InvalidTriggerError, parse_trigger
 from tandem_operator.decide.fencing import Fence, FenceReason, NodeVerdicts, death_reason, groups_on_nodes
 from tandem_operator.decide.integrity import CONDITION_TYPE as INTEGRITY_CONDITION
@@ -29,6 +31,7 @@ from tandem_operator.decide.observe import GroupKey, GroupState, GroupView, grou
 from tandem_operator.decide.planner import CreatePods, DeletePods, DeleteReason, Observed, plan, seed_pool, steps
 from tandem_operator.decide.recovery import (
     FenceRecord,
+    Stuck,
     apply_fences,
     group_epochs,
     resumed_fences,
@@ -39,11 +42,14 @@ from tandem_operator.decide.recovery import (
 )
 from tandem_operator.decide.registration import desired_endpoints, leader_nodes
 from tandem_operator.decide.retry import reconcile_condition
+from tandem_operator.decide.staging import staging
 from tandem_operator.decide.state import ClusterState
 from tandem_operator.decide.status import Recovery, cluster_status, pool_status, role_status
 from tandem_operator.decide.upgrade import RoleUpgrade, gate, hold, pods_outdated_condition, restamp, trigger_done
 from tandem_operator.desired.naming import (
     LABEL_CLUSTER,
+    LABEL_COMPONENT,
+    STAGING_COMPONENT,
     OwnerRef,
     compat_revision,
     pool_name,
@@ -52,6 +58,9 @@ from tandem_operator.desired.naming import (
 )
 from tandem_operator.desired.pods import RoleContext
 from tandem_operator.desired.pools import pool_manifest
+from tandem_operator.desired.staging_jobs import staging_jobs
+
+log = logging.getLogger("tandem.operator")
 
 # Groups created concurrently in one pass (each applies its Service, then its pods PARALLEL_WRITES at a time):
 # one group after the other took 70 s for 100 four-node groups on a loaded API server (tandem bench operator). At
@@ -81,10 +90,12 @@ class Reconciler:
         registrar: Registrar,
         instance: str,
         nodes: Callable[[], NodeVerdicts],
+        staged: StagedNodes | None = None,
     ) -> None:
         self.state, self.kube, self.nodes = state, kube, nodes
         self.executor = Executor(state, kube, registrar, instance)
         self.node_domains = NodeDomains(kube)
+        self.staged = staged if staged is not None else StagedNodes(kube)  # the operator's, fed by the node watch
         self.outdated = OutdatedPods(kube, state.ref)
         self._pool_conditions: dict[Role, list[Condition]] = {}
         self._applied_status: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
@@ -201,7 +212,7 @@ class Reconciler:
             state.conditions,
             datetime.now(UTC),
         )
-        await self._write_status(roles[Role.PREFILL], roles[Role.DECODE], outdated)
+        await self._write_status(roles[Role.PREFILL], roles[Role.DECODE], outdated, await self._stage(pods))
         if trigger_done(trigger, upgrades.values()) and state.roll_trigger is not None:
             await self.outdated.clear_trigger(state.roll_trigger)
         return draining
@@ -232,7 +243,9 @@ class Reconciler:
         member on a node NotReady within its grace reads STARTING: not registered, not recreated."""
         state, spec = self.state, self.state.spec
         views = group_views(state.role_pods(role), spec.role(role).nodes_per_group, nodes.lost, nodes.unreachable)
-        stuck = stuck_groups(role, views, state.pods, datetime.now(UTC), spec.lifecycle.start_deadline_seconds)
+        lifecycle = spec.lifecycle
+        deadlines = (lifecycle.start_deadline_seconds, lifecycle.weight_download_deadline_seconds)
+        stuck = stuck_groups(role, views, state.pods, datetime.now(UTC), *deadlines)
         await self._fence(role, views, stuck, pod_epochs, nodes.lost)
         state.retiring -= {k for k in state.retiring if k.role is role and k.index not in views}
         return apply_fences(role, views, {k: r.epoch for k, r in state.fenced.items()}, pod_epochs)
@@ -256,7 +269,44 @@ class Reconciler:
             del self.state.draining[key]
             self.state.retiring.discard(key)
 
-    async def _write_status(self, prefill: Any, decode: Any, outdated: Condition) -> None:
+    async def _stage(self, pods: list[dict[str, Any]]) -> WeightsStatus | None:
+        """Label the nodes a prefetch or a staging Job finished on, and create the staging Jobs
+        ``weightCache.stageNodes`` asks for (``decide.staging``); the weights status after that. Staging never fails
+        a pass: a refused write is logged and tried again on the next."""
+        spec, staged = self.state.spec, self.staged
+        jobs = await self._staging_jobs()
+        keys = staged.keys if jobs is not None else None
+        plan = staging(spec, pods, staged.labels, keys, jobs or ())
+        if plan is None:
+            return None
+        created = []
+        for job in staging_jobs(self.state.ref, spec, plan.create_jobs):
+            try:
+                created.append(await self.kube.apply(job))
+            except KubeError as err:
+                log.warning("cannot create a staging Job", extra={"job": job["metadata"]["name"], "error": str(err)})
+        for node in sorted(plan.to_label):
+            await staged.label(node, plan.label)
+        if not (plan.to_label or created):
+            return plan.status
+        after = staging(spec, pods, staged.labels, keys, [*(jobs or ()), *created])
+        return None if after is None else after.status
+
+    async def _staging_jobs(self) -> list[dict[str, Any]] | None:
+        """The cluster's staging Jobs with ``weightCache.stageNodes``, else (or when they cannot be listed) None."""
+        ref, cache = self.state.ref, self.state.spec.model.weight_cache
+        if cache is None or not cache.stage_nodes:
+            return None
+        selector = selector_string({LABEL_CLUSTER: ref.name, LABEL_COMPONENT: STAGING_COMPONENT})
+        try:
+            return await self.kube.list("batch/v1", "Job", ref.namespace, selector)
+        except KubeError as err:
+            log.warning("cannot list the staging Jobs", extra={"error": str(err)})
+            return None
+
+    async def _write_status(
+        self, prefill: Any, decode: Any, outdated: Condition, weights: WeightsStatus | None
+    ) -> None:
         state = self.state
         cluster = cluster_status(
             generation=state.generation,
@@ -274,7 +324,7 @@ class Reconciler:
             conditions += [c for c in state.conditions if c.type == INTEGRITY_CONDITION]
         failed = reconcile_condition(state.reconcile_failure, state.conditions, state.generation, _now())
         conditions += [failed] if failed is not None else []
-        cluster = cluster.model_copy(update={"conditions": conditions})
+        cluster = cluster.model_copy(update={"conditions": conditions, "weights": weights})
         state.conditions = conditions
         body = _status_body("PDCluster", state.ref.name, state.ref.namespace, cluster.to_wire())
         await self._apply_status(body, state.ref.uid)
@@ -304,7 +354,7 @@ class Reconciler:
         self,
         role: Role,
         views: dict[int, GroupView],
-        stuck: dict[GroupKey, str],
+        stuck: dict[GroupKey, Stuck],
         pod_epochs: dict[GroupKey, int],
         lost: frozenset[str],
     ) -> None:
@@ -318,7 +368,8 @@ class Reconciler:
             if key in state.retiring or (record and record.epoch == epoch):
                 continue
             if key in stuck:
-                await self.executor.fence(Fence(key, epoch, FenceReason.START_DEADLINE, stuck[key]), time.monotonic())
+                why = FenceReason.DOWNLOAD_DEADLINE if stuck[key].downloading else FenceReason.START_DEADLINE
+                await self.executor.fence(Fence(key, epoch, why, stuck[key].pod), time.monotonic())
             elif view.state is GroupState.BROKEN:
                 members = [state.pods[name] for name in view.pods if name in state.pods]
                 reasons = [death_reason("MODIFIED", p, lost) for p in members]

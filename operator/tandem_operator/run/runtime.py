@@ -26,6 +26,7 @@ import pydantic
 from tandem.integrity_watch import IntegrityWatcher
 from tandem.registry import IntegrityReport
 from tandem_operator.act.k8s.kube import Kube, PermanentError
+from tandem_operator.act.k8s.nodes import StagedNodes
 from tandem_operator.act.registrar import Registrar
 from tandem_operator.api.pdcluster import PDClusterSpec, PDClusterStatus
 from tandem_operator.autoscale.loop import Autoscaler
@@ -70,11 +71,12 @@ class ClusterRuntime:
         options: RuntimeOptions,
         node_outages: Callable[[], Mapping[str, NodeOutage]],
         cordoned_nodes: Callable[[], Collection[str]] = frozenset,
+        staged_nodes: StagedNodes | None = None,
     ) -> None:
         self.options, self.registrar, self.node_outages = options, registrar, node_outages
         self.cordoned_nodes = cordoned_nodes
         self.state = ClusterState(ref, spec)
-        self.reconciler = Reconciler(self.state, kube, registrar, options.instance, self.node_verdicts)
+        self.reconciler = Reconciler(self.state, kube, registrar, options.instance, self.node_verdicts, staged_nodes)
         self._node_check: asyncio.TimerHandle | None = None
         self.executor = self.reconciler.executor
         self._kick = asyncio.Event()

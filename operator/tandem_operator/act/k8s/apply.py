@@ -25,6 +25,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("events.k8s.io/v1", "Event"): "events",
     ("coordination.k8s.io/v1", "Lease"): "leases",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("batch/v1", "Job"): "jobs",
     ("scheduling.volcano.sh/v1beta1", "PodGroup"): "podgroups",
     ("scheduling.x-k8s.io/v1alpha1", "PodGroup"): "podgroups",
     (API_VERSION, "PDCluster"): "pdclusters",
