@@ -7,15 +7,14 @@ import argparse
 from collections.abc import Sequence
 from enum import StrEnum
 from pathlib import Path
-from types import UnionType
-from typing import Any, Union, get_args, get_origin
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, Field, FilePath, field_validator, model_validator
-from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from tandem.registry import EtcdTLS
+from tandem import settings_flags
+from tandem.etcd_settings import EtcdClientSettings
 from tandem.registry_signing import EndpointVerifier
 from tandem_router.integrity.divergence import NEAR_TIE_NATS
 from tandem_router.policy.cache_aware import CacheAwareConfig
@@ -35,7 +34,10 @@ class PrefillSpec(BaseModel):
     attn_dp_size: int = Field(default=1, ge=1)
 
 
-class RouterSettings(BaseSettings):
+class RouterSettings(BaseSettings, EtcdClientSettings):
+    """Every setting of the router; the etcd client's TLS settings (``etcd_*_file``, ``etcd_server_name``) are
+    ``EtcdClientSettings``', shared with the operator."""
+
     model_config = SettingsConfigDict(env_prefix="TANDEM_ROUTER_", env_nested_delimiter="__", extra="forbid")
 
     host: str = Field(default="127.0.0.1", description="Address the router listens on.")
@@ -74,10 +76,6 @@ class RouterSettings(BaseSettings):
         default_factory=lambda: ["127.0.0.1:2379"],
         description="The registry etcd's client endpoints (repeat per member).",
     )
-    etcd_ca_file: FilePath | None = Field(default=None, description="CA of etcd's server certificates (turns TLS on).")
-    etcd_cert_file: FilePath | None = Field(default=None, description="Client certificate of the router's etcd user.")
-    etcd_key_file: FilePath | None = Field(default=None, description="Private key of etcd_cert_file.")
-    etcd_server_name: str | None = Field(default=None, description="Name etcd's certificate is checked against.")
     registry_verify_key: FilePath | None = Field(
         default=None,
         description="The operator's Ed25519 public key (PEM): registry endpoints without its valid signature are "
@@ -226,14 +224,8 @@ class RouterSettings(BaseSettings):
             self.cache_threshold, self.balance_abs_threshold, self.balance_rel_threshold, self.cache_max_tree_units
         )
 
-    @property
-    def etcd_tls(self) -> EtcdTLS:
-        files = {"ca_file": self.etcd_ca_file, "cert_file": self.etcd_cert_file, "key_file": self.etcd_key_file}
-        return EtcdTLS(**{k: str(v) for k, v in files.items() if v is not None}, server_name=self.etcd_server_name)
-
     @model_validator(mode="after")
-    def _tls_files(self) -> RouterSettings:
-        self.etcd_tls  # noqa: B018 -- raises on a certificate without its key, or without a CA
+    def _verify_key(self) -> RouterSettings:
         if self.registry_verify_key is not None:
             EndpointVerifier.from_file(self.registry_verify_key)  # raises ValueError naming a wrong key
         return self
@@ -263,44 +255,19 @@ _METAVARS = {"prefill": "URL [BOOTSTRAP_PORT]", "decode": "URL", "etcd_endpoints
 
 def flag_of(name: str) -> str:
     """The command-line flag of ``RouterSettings`` field ``name``."""
-    return _FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
-
-
-def _kind(annotation: Any) -> Any:
-    """``X`` of ``X | None``, else the annotation itself."""
-    args = [a for a in get_args(annotation) if a is not type(None)]
-    return args[0] if get_origin(annotation) in (UnionType, Union) and len(args) == 1 else annotation
-
-
-def _default(field: FieldInfo) -> str:
-    value = field.get_default(call_default_factory=True)
-    if value is None or value == []:
-        return ""
-    shown = value.value if isinstance(value, StrEnum) else value
-    return f" (default: {shown})"
+    return settings_flags.flag_of(name, _FLAG_NAMES)
 
 
 def parser() -> argparse.ArgumentParser:
-    """One flag per ``RouterSettings`` field, made from its type, description and default (repeated for lists,
-    ``--x/--no-x`` for booleans, the choices of an enum), plus ``--config`` and SGLang router's no-op
-    ``--pd-disaggregation``."""
+    """One flag per ``RouterSettings`` field (``tandem.settings_flags``; ``--prefill URL [BOOTSTRAP_PORT]``
+    repeated), plus ``--config`` and SGLang router's no-op ``--pd-disaggregation``."""
     p = argparse.ArgumentParser(prog="tandem router", description="OpenAI-compatible prefill/decode router.")
     p.add_argument("--config", type=Path, help="YAML file with RouterSettings fields (flags win)")
     p.add_argument("--pd-disaggregation", action="store_true", help="accepted for SGLang-router compatibility")
-    for name, field in RouterSettings.model_fields.items():
-        kind = _kind(field.annotation)
-        text = ((field.description or "") + _default(field)).replace("%", "%%")
-        flag = flag_of(name)
-        if name == "prefill":
-            p.add_argument(flag, dest=name, help=text, nargs="+", action="append", metavar=_METAVARS[name])
-        elif kind is bool:
-            p.add_argument(flag, dest=name, help=text, action=argparse.BooleanOptionalAction)
-        elif get_origin(kind) is list:
-            p.add_argument(flag, dest=name, help=text, action="append", metavar=_METAVARS.get(name, "VALUE"))
-        elif isinstance(kind, type) and issubclass(kind, StrEnum):
-            p.add_argument(flag, dest=name, help=text, choices=[x.value for x in kind])
-        else:
-            p.add_argument(flag, dest=name, help=text, type=kind if kind in (int, float) else str)
+    prefill = RouterSettings.model_fields["prefill"]
+    p.add_argument(flag_of("prefill"), dest="prefill", help=prefill.description, nargs="+", action="append",
+                   metavar=_METAVARS["prefill"])  # fmt: skip
+    settings_flags.add_flags(p, RouterSettings.model_fields, renamed=_FLAG_NAMES, metavars=_METAVARS, skip={"prefill"})
     return p
 
 

@@ -23,8 +23,8 @@ from typing import Any
 import kopf
 import pydantic
 
-from tandem import logs
-from tandem.registry import EtcdTLS
+from tandem import logs, settings_flags
+from tandem.etcd_settings import EtcdClientSettings
 from tandem.registry_signing import EndpointSigner
 from tandem_operator.act.k8s import credentials
 from tandem_operator.act.k8s.election import LeaderElector
@@ -54,10 +54,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--etcd-endpoints", default="", help="comma-separated etcd endpoints overriding spec.etcd.endpoints"
     )
-    parser.add_argument("--etcd-ca-file", help="CA of the etcd server certificates (turns TLS on)")
-    parser.add_argument("--etcd-cert-file", help="client certificate of the operator's etcd user (its CN)")
-    parser.add_argument("--etcd-key-file", help="private key of --etcd-cert-file")
-    parser.add_argument("--etcd-server-name", help="name to check etcd's certificate against (default: its host)")
+    settings_flags.add_flags(parser, EtcdClientSettings.model_fields)  # --etcd-ca-file ... as the router's
     parser.add_argument(
         "--registry-signing-key",
         help="Ed25519 private key (PEM) that signs every registry value; routers verify with its public key",
@@ -101,12 +98,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         if path is not None and not Path(path).is_file():
             parser.error(f"--{flag.replace('_', '-')}: no such file: {path}")
     try:
-        args.etcd_tls = EtcdTLS(
-            ca_file=args.etcd_ca_file,
-            cert_file=args.etcd_cert_file,
-            key_file=args.etcd_key_file,
-            server_name=args.etcd_server_name,
-        )
+        args.etcd_tls = EtcdClientSettings(
+            **{name: getattr(args, name) for name in EtcdClientSettings.model_fields}
+        ).etcd_tls
     except pydantic.ValidationError as err:
         parser.error(f"--etcd-*-file: {err.errors()[0]['msg']}")
     return args
