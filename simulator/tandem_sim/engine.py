@@ -103,16 +103,21 @@ class Engine:
 
     # -- admission -------------------------------------------------------------------------------------------
     async def admit(self, req: RunningRequest) -> None:
-        """Reserve pages for the prompt and every token it may generate; waits while the pool is full."""
+        """Reserve pages for the prompt and every token it may generate; waits while every running slot is taken
+        (``--max-running-requests``) or the pool is full. Pages are taken only with a slot (SGLang's decode
+        pre-allocates only for the requests the running batch has room for: ``DecodePreallocQueue.pop_preallocated``
+        in ``python/sglang/srt/disaggregation/decode.py``): taking them first and waiting for a slot leaked them, and
+        a full decode's pool filled up with pages nobody held (seen: 99.8 % KV usage, nothing running)."""
         tokens = req.prompt_len + req.params.max_new_tokens
         self._queued += 1
         self._gauges()
         try:
             async with self._pages_changed:
                 while True:
-                    pages = self.pool.alloc(tokens)
-                    if pages is not None and self._running < self.cfg.max_running_requests:
-                        break
+                    if self._running < self.cfg.max_running_requests:
+                        pages = self.pool.alloc(tokens)
+                        if pages is not None:
+                            break
                     await self._pages_changed.wait()
         finally:
             self._queued -= 1

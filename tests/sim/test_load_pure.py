@@ -9,8 +9,12 @@ import time
 
 import pytest
 
+from tandem_sim import model
 from tandem_sim.config import ConfigError, parse
+from tandem_sim.engine import Engine, RunningRequest
 from tandem_sim.main import main
+from tandem_sim.metrics import Metrics
+from tandem_sim.model import SamplingParams
 from tandem_sim.profiles import KIMI_PUBLISHED, PROFILES, SimProfile
 from tandem_sim.radix import RadixCache
 from tandem_sim.stepper import Stepper
@@ -141,3 +145,26 @@ def test_impossible_combinations_exit_2_naming_the_flag(
         parse([*MODEL, *flags])
     assert main([*MODEL, *flags]) == 2
     assert named in capsys.readouterr().err
+
+
+async def test_a_request_waiting_for_a_running_slot_holds_no_pages() -> None:
+    """Admission at ``--max-running-requests``: the waiting request takes pages only with its slot, so a decode
+    whose running slots are all taken does not fill its pool with pages nobody holds."""
+    cfg = parse([*MODEL, "--disaggregation-mode", "decode", "--max-running-requests", "1", "--page-size", "4"])
+    engine = Engine(cfg, Metrics("sim/model"), cfg.kv_layout)
+    params = SamplingParams(max_new_tokens=8)
+    first, second = (RunningRequest(rid, model.tokenize("a short prompt"), params) for rid in ("a", "b"))
+    await engine.admit(first)
+    used = engine.pool.used_tokens
+    waiting = asyncio.create_task(engine.admit(second))
+    for _ in range(5):  # wake the waiter a few times: pages freed by others, its slot still taken
+        async with engine._pages_changed:
+            engine._pages_changed.notify_all()
+        await asyncio.sleep(0)
+    assert not waiting.done()
+    assert engine.pool.used_tokens == used  # nothing taken while it waits
+    await engine.release(first)
+    await asyncio.wait_for(waiting, 5)
+    await engine.release(second)
+    assert engine.pool.used_tokens == 0
+    assert engine.running == 0
