@@ -10,7 +10,8 @@ streaming, ``/generate``, answers of 24-48 tokens, clients spread over the route
 * **phase A (clean)**: probing requests per second summed over the routers (``tandem_integrity_probes_total``)
   and the share of the cluster's capacity they held (``tandem_integrity_probe_seconds_total`` per second over
   ``tandem_integrity_probe_capacity_requests``), against the budget (``..._probe_budget_requests`` over the
-  capacity). The same two figures as the workers saw them (the router's ``canary-*`` request ids, over the fleet's
+  capacity, summed over the routers: each router's budget is its weight's part of the one cluster budget). The same
+  two figures as the workers saw them (the router's ``canary-*`` request ids, over the fleet's
   true capacity), so the measure does not rest on the router's own accounting, and works with a router that does
   not export those metrics yet (they read as 0 there). Target: 0 clean pairs quarantined (``GET /integrity``).
 * **phase B (a decode garbles)**: the last decode switched to the offload race at runtime; the time until every
@@ -49,7 +50,7 @@ SIZES = ((1, 1), (8, 8), (125, 125))
 QUICK_SIZES = ((1, 1), (8, 8))
 ROUTERS = 4
 CLEAN_S, QUICK_CLEAN_S = 60.0, 15.0  # full: two canary rounds (30 s apart on the wall clock)
-WARMUP_S = 10.0
+WARMUP_S = 40.0  # the routers' first rounds and the first allowance of their budgets (up to 60 s of it) are spent
 WATCH_S, QUICK_WATCH_S = 60.0, 30.0
 OUT_WITHIN_S = 10.0
 BUDGET_SHARE = RouterSettings.model_fields["probe_budget_share"].default  # the router's default, for the note
@@ -246,7 +247,7 @@ async def measure(cluster: Cluster, size: str, clean_s: float, watch_s: float) -
         work = bodies(400, seed=40, tokens=(24, 48))
         load_task = asyncio.create_task(run_load(sess, cluster.routers, work, clients, stop))
         try:
-            await asyncio.sleep(WARMUP_S)  # the routers' first rounds (at start, not on the wall-clock grid) are over
+            await asyncio.sleep(WARMUP_S)  # phase A measures the steady state
             before = await _snapshot(sess, cluster)
             print(f"#   {size}: phase A, {clients} clients for {clean_s:.0f}s", flush=True)
             await asyncio.sleep(clean_s)
@@ -277,7 +278,7 @@ async def measure(cluster: Cluster, size: str, clean_s: float, watch_s: float) -
         (after.probes - before.probes) / dt, _diff(after, before, "canary_requests") / dt,
         (after.probe_seconds - before.probe_seconds) / dt / true_capacity * 100,
         _diff(after, before, "canary_seconds") / dt / true_capacity * 100,
-        sum(budgets) / len(budgets) if budgets else "not exported", quarantine, first, since_first,
+        sum(budgets) if budgets else "not exported", quarantine, first, since_first,
         len(outcome.clean_quarantined), int(float(final.fleet.get("garbled", 0.0)) - garbled_before),
     ]  # fmt: skip
 

@@ -1,4 +1,5 @@
-"""The probing budget: canaries, bursts and confirmations together use at most ``share`` of the cluster's capacity.
+"""The probing budget: canaries, bursts, confirmations and race bursts use at most ``share`` of the cluster's
+capacity together.
 
 Capacity is counted in requests at once (what the decodes run together), so the budget is in *request-seconds per
 second*: a probe that takes 0.8 s holds one of the cluster's request slots for 0.8 s. With ``share`` 1 % and 1,000
@@ -12,8 +13,12 @@ smaller.
 Shadows and probation mirrors are not counted here: they re-run a share of live traffic (``--shadow-rate``) or
 mirror it to pairs on probation, so they scale with the traffic, not with the fleet.
 
+The routers of a cluster split the one budget: each router's bucket fills at ``share x capacity x weight``, where
+``weight`` (from outside) is its share of the probing work, the decodes whose race bursts it sends
+(``race_plan.budget_weight``); the weights of a cluster's routers sum to 1, so adding routers adds no probing.
+
 The capacity comes from outside (``capacity()``): the capacity flow control learned from the decodes' gauges when
-known, else a lower bound (what the decodes run now, at least one each), so the budget errs towards less probing.
+known, else an estimate from the decodes' gauges (``probes.hooks.probing_capacity``).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ MIN_PROBES = 3  # the bucket holds at least this many probes: three answers have
 
 class ProbeKind(StrEnum):
     CANARY = "canary"  # rotation rounds
-    BURST = "burst"  # concurrent canaries through a pair on probation
+    BURST = "burst"  # concurrent canaries through a pair on probation, or staggered through a decode (``race_plan``)
     CONFIRMATION = "confirmation"  # a burst that confirms a detector finding
 
 
@@ -56,7 +61,7 @@ class ProbeMetrics:
         )
         self.budget = Gauge(
             "tandem_integrity_probe_budget_requests",
-            "Requests at once the probing budget allows on average (share x capacity).",
+            "Requests at once this router's probing budget allows on average (share x capacity x its weight).",
             registry=registry,
         )
         self.capacity = Gauge(
@@ -74,8 +79,10 @@ class ProbeBudget:
         metrics: ProbeMetrics,
         clock: Callable[[], float] = time.monotonic,
         depth_s: float = DEPTH_S,
+        weight: Callable[[], float] = lambda: 1.0,
     ) -> None:
         self.share, self.capacity, self.metrics, self.clock, self.depth_s = share, capacity, metrics, clock, depth_s
+        self.weight = weight
         self.expected_s = FIRST_GUESS_S
         self._rate = 0.0
         self._tokens = 0.0
@@ -84,10 +91,11 @@ class ProbeBudget:
     def _refill(self) -> None:
         now = self.clock()
         slots = max(0.0, self.capacity())
-        self._rate = self.share * slots
+        self._rate = self.share * slots * max(0.0, self.weight())
         self.metrics.capacity.set(slots)
         self.metrics.budget.set(self._rate)
-        depth = max(self._rate * self.depth_s, MIN_PROBES * self.expected_s)
+        # A router without a share of the work (weight 0) gets no floor either: its floor would be probing on top.
+        depth = max(self._rate * self.depth_s, MIN_PROBES * self.expected_s) if self._rate > 0 else 0.0
         if self._at is None:
             self._tokens = depth  # a new router may probe one full allowance at once
         else:
@@ -105,6 +113,18 @@ class ProbeBudget:
             self.metrics.denied.labels(kind.value).inc(wanted - granted)
         self.metrics.probes.labels(kind.value).inc(granted)
         return granted
+
+    def refresh(self) -> None:
+        """Refill now: the gauges follow the capacity and the weight even while nothing is asked of the budget."""
+        self._refill()
+
+    def wait_s(self, probes: int) -> float:
+        """Seconds until ``probes`` probes are affordable (at the current rate and estimate; inf at rate 0)."""
+        self._refill()
+        short = probes * self.expected_s - self._tokens
+        if short <= 0:
+            return 0.0
+        return short / self._rate if self._rate > 0 else math.inf
 
     def affordable(self) -> int:
         """How many probes ``grant`` would grant now (nothing reserved): for probes that are worth sending only

@@ -37,6 +37,7 @@ from tandem_router.integrity.probe_budget import ProbeBudget, ProbeKind
 from tandem_router.integrity.probe_plan import DEFAULT_SAMPLE, plan_round, round_number, rounds_to_cover
 from tandem_router.pool import Pair
 from tandem_router.probes.pair_request import answers_from_pair
+from tandem_router.probes.race import RaceProber
 from tandem_router.transport import Transport
 
 log = logging.getLogger("tandem.router.canary")
@@ -87,7 +88,9 @@ class CanaryProber:
         rng: random.Random | None = None,
         concurrency: Callable[[PairKey], int] = lambda pair: 1,
         wall_clock: Callable[[], float] = time.time,
+        race: RaceProber | None = None,
     ) -> None:
+        self.race = race  # its sweep runs alongside the rounds (``run``)
         self.monitor = monitor
         self.transport = transport
         self.pairs = pairs
@@ -106,7 +109,11 @@ class CanaryProber:
     async def run(self, stop: asyncio.Event) -> None:
         """A round at start, then at each multiple of ``interval_s`` of the wall clock; in between (every 0.5 s)
         quarantined pairs whose wait is over go on probation, and pairs on probation without comparisons for
-        ``probation_idle_s`` get a canary burst."""
+        ``probation_idle_s`` get a canary burst. The race bursts' sweep runs alongside, until ``stop``."""
+        if self.race is not None:
+            task = asyncio.create_task(self.race.run(stop))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         next_round = 0.0
         loop = asyncio.get_running_loop()
         while not stop.is_set():
@@ -211,6 +218,8 @@ class CanaryProber:
     async def probation_bursts(self) -> None:
         """A burst at the pool's live concurrency through each pair on probation that mirroring left idle."""
         due = set(self.monitor.idle_probations(self.cfg.probation_idle_s))
+        if not due:
+            return  # listing the pool's pairs twice a second costs a fleet's router real CPU (P x D of them)
         pairs = [p for p in self.pairs() if p.key in due]
         await asyncio.gather(*(self.burst(pair, self.concurrency(pair.key), ProbeKind.BURST) for pair in pairs))
 
@@ -251,6 +260,8 @@ class CanaryProber:
 
     async def drain(self) -> None:
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.race is not None:
+            await self.race.drain()
 
     async def burst(self, pair: Pair, size: int, kind: ProbeKind) -> None:
         """``size`` concurrent canaries (known references, cycled; as many as the budget grants) through ``pair``;
