@@ -5,15 +5,18 @@ separate so they are tested without etcd or a cluster."""
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import Mapping
+import contextlib
+import functools
+import os
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from tandem.kube import credentials
+from tandem.kube.rest import RestClient
+from tandem.kube.watch import list_then_watch
 from tandem.registry import Role
 from tandem_router.config import RouterSettings
 from tandem_router.pool import WorkerPool, WorkerSpec
-
-log = logging.getLogger("tandem.router.discovery")
 
 BOOTSTRAP_PORT_ANNOTATION = "sglang.ai/bootstrap-port"
 REVISION_LABEL = "tandem.dev/revision"  # the operator's compatibility revision on every worker pod
@@ -63,12 +66,16 @@ class StaticDiscovery:
 
 
 class KubernetesDiscovery:
-    """Lists, then watches, the pods matching the prefill and decode label selectors (kubernetes_asyncio).
+    """Lists, then watches, the pods matching the prefill and decode label selectors (``tandem.kube.watch``, the
+    client the operator uses too).
 
     Every (re)connection starts with a listing that replaces the role's workers (``resync``), then watches from
-    the listing's resourceVersion. A watch that ends or fails -- a dropped connection, an API server restart, a
-    ``410 Gone`` for an expired resourceVersion -- is followed by a new listing, so pods deleted during the gap
-    leave the pool: no DELETED event will ever come for them (client-go's reflector does the same).
+    the listing's resourceVersion. A watch that fails -- a dropped connection, an API server restart, a ``410
+    Gone`` for an expired resourceVersion -- is followed by a new listing, so pods deleted during the gap leave
+    the pool: no DELETED event will ever come for them (client-go's reflector does the same). A watch the server
+    ends (after ``watch_timeout_s``) is no gap: the next starts from the last version seen. Credentials: the
+    ``kubeconfig`` given, else ``KUBECONFIG``, else the pod's ServiceAccount, else ``~/.kube/config`` (as the
+    operator's ``--kubeconfig``).
     """
 
     def __init__(
@@ -84,30 +91,32 @@ class KubernetesDiscovery:
         self.listings = 0  # (re-)listings done: one per role at start, one more after every watch gap
         self._tasks: list[asyncio.Task[None]] = []
         self._seen: dict[Role, dict[str, str]] = {Role.PREFILL: {}, Role.DECODE: {}}
-        self._config: Any = None
+        self._client = contextlib.AsyncExitStack()
 
     async def start(self) -> None:
-        from kubernetes_asyncio import client
-        from kubernetes_asyncio import config as k8s_config
-
-        self._config = client.Configuration()
-        if self.kubeconfig is not None:
-            await k8s_config.load_kube_config(config_file=self.kubeconfig, client_configuration=self._config)
-        else:
-            try:
-                k8s_config.load_incluster_config(client_configuration=self._config)  # type: ignore[no-untyped-call]
-            except k8s_config.ConfigException:
-                await k8s_config.load_kube_config(client_configuration=self._config)
+        login = credentials.load(self.kubeconfig or os.environ.get("KUBECONFIG"))
+        rest = await self._client.enter_async_context(RestClient(login, user_agent="tandem-router"))
+        path = f"/api/v1/namespaces/{self.settings.k8s_namespace}/pods"
         for role, selector in (
             (Role.PREFILL, self.settings.k8s_prefill_selector),
             (Role.DECODE, self.settings.k8s_decode_selector),
         ):
-            self._tasks.append(asyncio.create_task(self._watch(role, selector)))
+            watching = list_then_watch(
+                rest,
+                path,
+                selector,
+                resync=functools.partial(self._relisted, role),
+                apply=functools.partial(self.apply, role),
+                watch_timeout_s=self.watch_timeout_s,
+                retry_s=self.retry_s,
+            )
+            self._tasks.append(asyncio.create_task(watching))
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._client.aclose()
 
     def apply(self, role: Role, event_type: str, pod: Mapping[str, Any]) -> None:
         """One watch event: ADDED/MODIFIED upserts or (not ready) removes; DELETED removes."""
@@ -120,7 +129,7 @@ class KubernetesDiscovery:
             self._seen[role][name] = spec.key
             self.pool.upsert(spec)
 
-    def resync(self, role: Role, pods: list[Mapping[str, Any]]) -> None:
+    def resync(self, role: Role, pods: Sequence[Mapping[str, Any]]) -> None:
         """A (re-)listing: the role's workers become exactly the listed pods that may get traffic."""
         listed = {str((pod.get("metadata") or {}).get("name", "")): pod for pod in pods}
         for gone in self._seen[role].keys() - listed.keys():
@@ -128,34 +137,9 @@ class KubernetesDiscovery:
         for pod in listed.values():
             self.apply(role, "MODIFIED", pod)
 
-    async def _watch(self, role: Role, selector: str) -> None:
-        from kubernetes_asyncio import client, watch
-
-        namespace = self.settings.k8s_namespace
-        async with client.ApiClient(configuration=self._config) as api:
-            core = client.CoreV1Api(api)
-            while True:
-                try:
-                    listing = await core.list_namespaced_pod(namespace, label_selector=selector, _request_timeout=30)
-                    self.resync(role, [api.sanitize_for_serialization(pod) for pod in listing.items])
-                    self.listings += 1
-                    async with watch.Watch() as pods:
-                        stream = pods.stream(
-                            core.list_namespaced_pod,
-                            namespace,
-                            label_selector=selector,
-                            resource_version=listing.metadata.resource_version,
-                            timeout_seconds=self.watch_timeout_s,
-                            _request_timeout=self.watch_timeout_s + 30,
-                        )
-                        async for event in stream:
-                            self.apply(role, event["type"], api.sanitize_for_serialization(event["object"]))
-                    continue  # the server ended the watch (its timeout): list again at once
-                except asyncio.CancelledError:
-                    raise
-                except Exception as err:
-                    log.warning("pod watch failed; re-listing", extra={"role": role.value, "error": repr(err)})
-                await asyncio.sleep(self.retry_s)
+    def _relisted(self, role: Role, pods: Sequence[Mapping[str, Any]]) -> None:
+        self.resync(role, pods)
+        self.listings += 1
 
 
 def make_discovery(pool: WorkerPool, settings: RouterSettings) -> Discovery:

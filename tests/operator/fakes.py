@@ -6,8 +6,8 @@ import builtins
 from collections.abc import Callable
 from typing import Any
 
+from tandem.kube.rest import Request
 from tandem.registry import Endpoint
-from tandem_operator.act.k8s.apply import Request
 from tandem_operator.act.k8s.kube import Kube
 from tandem_operator.act.registrar import Registrar
 from tandem_operator.decide.fencing import StaleKeys

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tandem_operator.act.k8s.credentials import ConfigError, Credentials, from_kubeconfig, in_cluster, load
+from tandem.kube.credentials import ConfigError, Credentials, from_kubeconfig, in_cluster, load
+from tandem_operator.act.k8s.login import connection_info
 
 PEM = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
 
@@ -48,7 +49,7 @@ def test_data_fields_and_a_token(tmp_path: Path) -> None:
     cluster = {"server": "https://k", "certificate-authority-data": data, "insecure-skip-tls-verify": True}
     creds = from_kubeconfig(write(tmp_path / "c", kubeconfig({"token": "abc"}, cluster)))
     assert (creds.ca_data, creds.ca_path, creds.insecure, creds.bearer_token()) == (data, None, True, "abc")
-    info = creds.connection_info()
+    info = connection_info(creds)
     assert (info.server, info.scheme, info.token, info.default_namespace) == ("https://k", "Bearer", "abc", "ops")
 
 
@@ -58,7 +59,7 @@ def test_a_token_file_is_read_for_every_request(tmp_path: Path) -> None:
     assert creds.bearer_token() == "one"
     (tmp_path / "token").write_text("two")  # the kubelet rotated it
     assert creds.bearer_token() == "two"
-    assert creds.connection_info().token == "two"
+    assert connection_info(creds).token == "two"
     (tmp_path / "token").write_text("")
     with pytest.raises(ConfigError, match="is empty"):
         creds.bearer_token()

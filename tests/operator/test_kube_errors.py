@@ -7,9 +7,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tandem_operator.act.k8s.apply import Request
+from tandem.kube.rest import ApiError, Request
 from tandem_operator.act.k8s.kube import ConflictError, Kube, PermanentError, TemporaryError
-from tandem_operator.act.k8s.rest import ApiError
 
 
 class ScriptedApi:

@@ -80,5 +80,5 @@ finally:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     loaded = set(json.loads(result.stderr.splitlines()[-1]))
-    assert {"kopf", "aiohttp", "tandem_operator.run.main", "tandem_operator.act.k8s.rest"} <= loaded
+    assert {"kopf", "aiohttp", "tandem_operator.run.main", "tandem.kube.rest"} <= loaded
     assert not {name for name in loaded if name.split(".")[0] == "kubernetes_asyncio"}

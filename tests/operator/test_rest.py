@@ -15,13 +15,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from tandem.kube.credentials import Credentials, from_kubeconfig
+from tandem.kube.rest import ApiError, RestClient
 from tandem_dev.devcluster import pki
 from tandem_dev.devcluster.kubeconfig import kubeconfig, write_kubeconfig
 from tandem_dev.procs import free_port
 from tandem_operator.act.k8s.apply import apply_request
-from tandem_operator.act.k8s.credentials import Credentials, from_kubeconfig
 from tandem_operator.act.k8s.kube import Kube, NotFoundError, TemporaryError
-from tandem_operator.act.k8s.rest import ApiError, RestClient
 
 
 @dataclass

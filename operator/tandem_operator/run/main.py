@@ -25,11 +25,12 @@ import pydantic
 
 from tandem import logs, settings_flags
 from tandem.etcd_settings import EtcdClientSettings
+from tandem.kube import credentials
+from tandem.kube.rest import RestClient
 from tandem.registry_signing import EndpointSigner
-from tandem_operator.act.k8s import credentials
 from tandem_operator.act.k8s.election import LeaderElector
 from tandem_operator.act.k8s.kube import Kube
-from tandem_operator.act.k8s.rest import RestClient
+from tandem_operator.act.k8s.login import connection_info as login_info
 from tandem_operator.act.metrics import KUBE_REQUESTS, LEADER, serve
 from tandem_operator.run.handlers import OperatorState, build_registry
 from tandem_operator.run.runtime import RuntimeOptions
@@ -132,7 +133,7 @@ async def run(args: argparse.Namespace) -> int:
     login = credentials.load(args.kubeconfig)
     http = await serve(args.metrics_host, args.metrics_port) if args.metrics_port else None
     try:
-        async with RestClient(login) as rest:
+        async with RestClient(login, user_agent="tandem-operator") as rest:
             kube = Kube(rest, on_request=lambda method: KUBE_REQUESTS.labels(method).inc())
             return await _run_operator(args, login, kube)
     finally:
@@ -171,7 +172,7 @@ async def _run_operator(args: argparse.Namespace, login: credentials.Credentials
 
     @kopf.on.login(registry=registry)
     def connection_info(**_: Any) -> kopf.ConnectionInfo:
-        return login.connection_info()  # called again after a 401: a ServiceAccount token file is read afresh
+        return login_info(login)  # called again after a 401: a ServiceAccount token file is read afresh
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:

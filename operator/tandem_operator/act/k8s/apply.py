@@ -1,6 +1,6 @@
 """Server-side apply with the ``tandem-operator`` field manager, and plain creates.
 
-``apply_request`` / ``create_request`` are pure (tested without a cluster); ``k8s.rest.RestClient`` sends a
+``apply_request`` / ``create_request`` are pure (tested without a cluster); ``tandem.kube.rest.RestClient`` sends a
 ``Request`` (``kube.Kube`` maps its errors and retries). Apply always forces: the operator is
 the only writer of the fields it applies (pool replicas excepted: they are never in an apply, see
 ``desired.pools``), so a conflict means a human edited a managed field and the spec must win.
@@ -8,9 +8,9 @@ the only writer of the fields it applies (pool replicas excepted: they are never
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+from tandem.kube.rest import Request
 from tandem_operator.api.common import API_VERSION
 from tandem_operator.desired.naming import FIELD_MANAGER
 
@@ -31,15 +31,6 @@ PLURALS: dict[tuple[str, str], str] = {
     (API_VERSION, "PDCluster"): "pdclusters",
     (API_VERSION, "PDPool"): "pdpools",
 }
-
-
-@dataclass(frozen=True)
-class Request:
-    method: str
-    path: str
-    query: tuple[tuple[str, str], ...]
-    headers: dict[str, str]
-    body: dict[str, Any] | None
 
 
 def collection_path(api_version: str, kind: str, namespace: str) -> str:

@@ -1,4 +1,4 @@
-"""A thin Kubernetes REST adapter over the operator's ``k8s.rest.RestClient``: list, get, delete, apply, create.
+"""A thin Kubernetes REST adapter over the shared ``tandem.kube.rest.RestClient``: list, get, delete, apply, create.
 
 API errors are mapped to the adapter's own exceptions, so callers never see the client library's:
 ``NotFoundError`` (404; ``get``, ``delete`` and ``merge_patch`` treat it as "already gone"), ``ConflictError`` (409),
@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from tandem_operator.act.k8s.apply import Request, apply_request, collection_path, create_request
-from tandem_operator.act.k8s.rest import ApiError
+from tandem.kube.rest import ApiError, Request
+from tandem_operator.act.k8s.apply import apply_request, collection_path, create_request
 
 JSON = "application/json"
 MERGE_PATCH = "application/merge-patch+json"
@@ -30,7 +30,7 @@ log = logging.getLogger("tandem.operator.kube")
 
 
 class Sender(Protocol):
-    """What sends a request (``k8s.rest.RestClient``): raises ``ApiError``, ``aiohttp.ClientError`` or
+    """What sends a request (``tandem.kube.rest.RestClient``): raises ``ApiError``, ``aiohttp.ClientError`` or
     ``TimeoutError``."""
 
     async def send(self, request: Request) -> Any: ...

@@ -1,23 +1,26 @@
 """Where the API server is and how to authenticate: a kubeconfig's current context, or the pod's ServiceAccount.
 
-The operator's own REST client (``k8s.rest``) and kopf (``kopf.on.login``, ``connection_info``) use the same
-``Credentials``, so the operator needs no Kubernetes client library (kubernetes_asyncio alone cost ~40 MiB of RSS
-in imports). What is understood, as client-go does: a kubeconfig (``KUBECONFIG`` may list several files, merged,
-the first value wins) with a server, a CA (file or ``-data``) or ``insecure-skip-tls-verify``, and a client
-certificate and key (files or ``-data``), a ``token`` or a ``tokenFile``; relative paths are relative to the file
-that names them. In a pod: ``KUBERNETES_SERVICE_HOST``/``_PORT`` with the mounted token and CA. A token file is
-read for every request (the kubelet rotates a ServiceAccount token, replacing the file atomically). Exec plugins,
-auth providers and basic auth are refused with a ``ConfigError`` naming them.
+The shared client (``tandem.kube.rest``) and the operator's kopf login (``tandem_operator.act.k8s.login``) use the
+same ``Credentials``, so neither the operator nor the router needs a Kubernetes client library (kubernetes_asyncio
+alone cost ~40 MiB of RSS in imports). What is understood, as client-go does: a kubeconfig (``KUBECONFIG`` may list
+several files, merged, the first value wins) with a server, a CA (file or ``-data``) or
+``insecure-skip-tls-verify``, and a client certificate and key (files or ``-data``), a ``token`` or a ``tokenFile``;
+relative paths are relative to the file that names them. In a pod: ``KUBERNETES_SERVICE_HOST``/``_PORT`` with the
+mounted token and CA. A token file is read for every request (the kubelet rotates a ServiceAccount token, replacing
+the file atomically). Exec plugins, auth providers and basic auth are refused with a ``ConfigError`` naming them.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import os
+import ssl
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import kopf
 import yaml
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -54,21 +57,34 @@ class Credentials:
             raise ConfigError(f"token file {self.token_path} is empty")
         return token
 
-    def connection_info(self) -> kopf.ConnectionInfo:
-        """For kopf's own API calls (its login handler); ``as_ssl_context`` also serves ``k8s.rest``."""
-        return kopf.ConnectionInfo(
-            server=self.server,
-            ca_path=self.ca_path,
-            ca_data=self.ca_data,
-            insecure=self.insecure,
-            scheme="Bearer" if self.token or self.token_path else None,
-            token=self.bearer_token(),
-            certificate_path=self.certificate_path,
-            certificate_data=self.certificate_data,
-            private_key_path=self.private_key_path,
-            private_key_data=self.private_key_data,
-            default_namespace=self.namespace,
-        )
+    def ssl_context(self) -> ssl.SSLContext:
+        """The CA to verify the server with and the client certificate, as kopf's ``ConnectionInfo.as_ssl_context``
+        builds them (which the operator used before): ``-data`` fields go through a temporary file for a moment,
+        since :mod:`ssl` loads a certificate chain from files only."""
+        with contextlib.ExitStack() as stack:
+
+            def path(file_path: str | None, data: str | None) -> str | None:
+                if file_path or not data:
+                    return file_path
+                file = stack.enter_context(tempfile.NamedTemporaryFile(buffering=0))
+                file.write(_pem(data).encode("ascii"))
+                return file.name
+
+            cadata = _pem(self.ca_data) if self.ca_data is not None else None
+            context = ssl.create_default_context(purpose=ssl.Purpose.SERVER_AUTH, cafile=self.ca_path, cadata=cadata)
+            certificate = path(self.certificate_path, self.certificate_data)
+            key = path(self.private_key_path, self.private_key_data)
+            if certificate and key:
+                context.load_cert_chain(certfile=certificate, keyfile=key)
+        if self.insecure:
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        return context
+
+
+def _pem(data: str) -> str:
+    """A kubeconfig's ``-data`` field: PEM, or base64 of PEM."""
+    return data if data.startswith("-----BEGIN ") else base64.b64decode(data).decode("ascii")
 
 
 def in_cluster(directory: Path = SERVICE_ACCOUNT, env: dict[str, str] | None = None) -> Credentials | None:
