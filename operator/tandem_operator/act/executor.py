@@ -67,18 +67,18 @@ class Executor:
         a peer) and remove stale Mooncake metadata."""
         state = self.state
         was_registered = decision.group in state.registered
-        state.fenced[decision.group] = FenceRecord(decision.epoch, decision.reason.value, received)
+        state.fenced_group(decision.group, FenceRecord(decision.epoch, decision.reason.value, received))
         await self.unregister(decision.group)
         fenced_s, fenced_at = time.monotonic() - received, time.time()
         peer_failed = died_loading_from_peer([*state.members(decision.group), *extra], was_registered)
         if peer_failed:
-            state.peer_load_failed[decision.group] = decision.epoch
+            state.died_loading_from_peer(decision.group, decision.epoch)
         self._background_task(self._record_fence(decision, peer_failed))
         stale = await self.clean([*state.members(decision.group), *extra])
         timing = FenceTiming(
             decision.group, decision.reason.value, fenced_s, time.monotonic() - received, stale, received
         )
-        state.fence_timings.append(timing)
+        state.fence_timed(timing)
         FENCES.labels(decision.reason.value).inc()
         FENCE_SECONDS.observe(fenced_s)
         log.warning(
@@ -114,8 +114,7 @@ class Executor:
 
     async def unregister(self, group: GroupKey) -> None:
         async with self.registry_lock:
-            self.state.registered.pop(group, None)
-            self.state.adopted.pop(group, None)
+            self.state.unregistered(group)
             await self.registrar.fence(self._ns, self.state.ref.name, group)
 
     async def _record_fence(self, decision: Fence, peer_load_failed: bool = False) -> None:
@@ -140,13 +139,13 @@ class Executor:
     async def delete(self, step: DeletePods) -> bool:
         """Carry out a delete step; False while its group is still draining (pods kept, call again later)."""
         if step.unregister:
-            self.state.retiring.add(step.group)
+            self.state.retired(step.group)
             await self.unregister(step.group)
         if step.drain is not None and not await self._drained(step.group, step.drain):
             return False
-        self.state.draining.pop(step.group, None)
+        self.state.drain_ended(step.group)
         if step.delete_service:
-            self.state.fenced.pop(step.group, None)  # a group that is going away will not recover
+            self.state.going_away(step.group)
             await self.kube.delete(object_path(step.service))
             await bounded([self.kube.delete(object_path(extra)) for extra in step.extras])
         elif step.stamp_service:
@@ -163,7 +162,7 @@ class Executor:
     async def _drained(self, group: GroupKey, drain: Drain) -> bool:
         now = time.monotonic()
         if group not in self.state.draining:
-            self.state.draining[group] = now
+            self.state.drain_started(group, now)
             self.emit(Reason.DRAINING, f"group {group.name}: unregistered; waiting for in-flight work to end", "Drain")
         elapsed = now - self.state.draining[group]
         count = await self.worker_metrics.in_flight(drain.metrics_url)
@@ -197,20 +196,17 @@ class Executor:
                 if record is not None and record.epoch >= endpoint.epoch:
                     continue  # fenced while this pass ran
                 await self.registrar.put(self._ns, state.ref.name, endpoint)
-                state.registered[key] = endpoint
+                state.registered_endpoint(key, endpoint)
             put.append(f"group {key.name} epoch {endpoint.epoch} at {endpoint.url}")
         for key in [*changes.remove, *stale_adopted]:
             await self.unregister(key)
-        state.adopted.clear()
+        state.adoption_over()
         if put:  # one Event per pass: a ramp registers hundreds of groups in a few passes
             note = put[0] if len(put) == 1 else f"{len(put)} groups registered: " + "; ".join(put)
             self.emit(Reason.REGISTERED, note, "Register")
         done = recovered(state.fenced, {k: e.epoch for k, e in state.registered.items()}, time.monotonic())
         for key, seconds in done.items():
-            del state.fenced[key]
-            state.recoveries += 1
-            state.last_recovery_s = round(seconds, 3)
-            state.recovery_timings.append((key, seconds))
+            state.recovered_group(key, seconds)
             RECOVERY_SECONDS.observe(seconds)
             self.emit(Reason.GROUP_READY, f"group {key.name} recovered in {seconds:.2f}s (registered again)", "Recover")
 

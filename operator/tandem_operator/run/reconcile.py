@@ -137,10 +137,10 @@ class Reconciler:
         selector = selector_string({LABEL_CLUSTER: ref.name})
         pods = await self.kube.list("v1", "Pod", ref.namespace, selector, keep=slim_pod)
         services = await self.kube.list("v1", "Service", ref.namespace, selector)
-        state.pods = {p["metadata"]["name"]: p for p in pods}
+        state.pods_listed(pods)
         svc_epochs, pod_epochs = service_epochs(services), group_epochs(pods)
         for key, (epoch, reason) in resumed_fences(service_fences(services), state.fenced, pod_epochs).items():
-            state.fenced[key] = FenceRecord(epoch, reason, time.monotonic())  # fenced before this operator started
+            state.fenced_group(key, FenceRecord(epoch, reason, time.monotonic()))  # before this operator started
         nodes = self.nodes()
         observed = {role: await self._observe(role, pod_epochs, nodes) for role in Role}
         desired: dict[GroupKey, Endpoint] = {}
@@ -247,7 +247,7 @@ class Reconciler:
         deadlines = (lifecycle.start_deadline_seconds, lifecycle.weight_download_deadline_seconds)
         stuck = stuck_groups(role, views, state.pods, datetime.now(UTC), *deadlines)
         await self._fence(role, views, stuck, pod_epochs, nodes.lost)
-        state.retiring -= {k for k in state.retiring if k.role is role and k.index not in views}
+        state.retired_gone(role, views.keys())
         return apply_fences(role, views, {k: r.epoch for k, r in state.fenced.items()}, pod_epochs)
 
     def _serving(self, role: Role, cordoned: frozenset[int]) -> frozenset[int]:
@@ -266,8 +266,7 @@ class Reconciler:
         """A group drained for a deletion the plan no longer wants (scaled back up) serves again: it is no longer
         retiring, so it is registered again (its pods were never touched)."""
         for key in [k for k in self.state.draining if k.role is role and k not in deleting]:
-            del self.state.draining[key]
-            self.state.retiring.discard(key)
+            self.state.drain_abandoned(key)
 
     async def _stage(self, pods: list[dict[str, Any]]) -> WeightsStatus | None:
         """Label the nodes a prefetch or a staging Job finished on, and create the staging Jobs
@@ -325,7 +324,7 @@ class Reconciler:
         failed = reconcile_condition(state.reconcile_failure, state.conditions, state.generation, _now())
         conditions += [failed] if failed is not None else []
         cluster = cluster.model_copy(update={"conditions": conditions, "weights": weights})
-        state.conditions = conditions
+        state.conditions_written(conditions)
         body = _status_body("PDCluster", state.ref.name, state.ref.namespace, cluster.to_wire())
         await self._apply_status(body, state.ref.uid)
 
@@ -337,7 +336,7 @@ class Reconciler:
         if failed is None:
             return
         conditions = [*(c for c in state.conditions if c.type != failed.type), failed]
-        state.conditions = conditions
+        state.conditions_written(conditions)
         path = object_path(_status_body("PDCluster", state.ref.name, state.ref.namespace, {})) + "/status"
         await self.kube.merge_patch(path, {"status": {"conditions": [c.to_wire() for c in conditions]}})
 

@@ -99,23 +99,21 @@ class ClusterRuntime:
         state = self.state
         if generation != state.generation:
             self._new_generation.set()
-        state.spec, state.generation = spec, generation
+        state.spec_changed(spec, generation)
         if not state.conditions and status:
             with contextlib.suppress(pydantic.ValidationError):
                 previous = PDClusterStatus.model_validate(status)
-                state.conditions = list(previous.conditions)
-                state.recoveries = max(state.recoveries, previous.recoveries)
-                state.last_recovery_s = state.last_recovery_s or previous.last_recovery_seconds
+                state.status_restored(previous.conditions, previous.recoveries, previous.last_recovery_seconds)
         self.kick()
 
     def set_roll_trigger(self, value: str | None) -> None:
         """The PDCluster's ``tandem.dev/roll`` annotation (an annotation changes no generation: no update event)."""
         if value != self.state.roll_trigger:
-            self.state.roll_trigger = value
+            self.state.roll_trigger_seen(value)
             self.kick()
 
     async def start(self) -> None:
-        self.state.adopted = await self.registrar.list_endpoints(self.ref.namespace, self.ref.name)
+        self.state.adopt(await self.registrar.list_endpoints(self.ref.namespace, self.ref.name))
         self.registrar.on_lease_lost(self.executor.reregister)
         self._task = asyncio.create_task(self._loop(), name=f"reconcile-{self.ref.namespace}/{self.ref.name}")
         self._autoscale_task = asyncio.create_task(self.autoscaler.run(), name=f"autoscale-{self.ref.name}")
@@ -144,10 +142,7 @@ class ClusterRuntime:
         state = self.state
         pod = slim_pod(pod)
         name = pod["metadata"].get("name", "")
-        if event_type == "DELETED":
-            state.pods.pop(name, None)
-        else:
-            state.pods[name] = pod
+        state.pod_seen(name, None if event_type == "DELETED" else pod)
         nodes = self.node_verdicts()
         fenced = {k: r.epoch for k, r in state.fenced.items()}
         decision = fence_decision(event_type, pod, lost_nodes=nodes.lost, fenced=fenced, retiring=state.retiring)
@@ -204,7 +199,7 @@ class ClusterRuntime:
             state.generation,
             datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         )
-        state.integrity_reports = reports
+        state.integrity_listed(reports)
         for event in decision.events:
             type_ = EventType.WARNING if event.warning else EventType.NORMAL
             action = event.transition.value.removeprefix("Pair")
@@ -252,7 +247,7 @@ class ClusterRuntime:
             self._kick.clear()
             self._new_generation.clear()
             began = time.monotonic()
-            failure, self.state.reconcile_failure = self.state.reconcile_failure, None  # this pass writes False
+            failure = self.state.pass_failed(None)  # this pass writes False
             try:
                 if await self.reconciler.reconcile_once():  # groups still draining: look again soon
                     asyncio.get_running_loop().call_later(DRAIN_POLL_S, self.kick)
@@ -272,7 +267,7 @@ class ClusterRuntime:
         cluster = f"{self.ref.namespace}/{self.ref.name}"
         self._failures += 1
         failure = ReconcileFailure(isinstance(err, PermanentError), str(err) or repr(err))
-        self.state.reconcile_failure = failure
+        self.state.pass_failed(failure)
         delay = retry_delay(self._failures, failure)
         log.exception("reconcile failed", extra={"cluster": cluster, "retry_in_s": delay, "reason": failure.reason})
         if before is None or before.message != failure.message:
