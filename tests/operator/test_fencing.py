@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -18,6 +19,7 @@ from tandem_operator.decide.fencing import (
     fence_decision,
     node_outage,
     node_verdicts,
+    pod_event,
     stale_mooncake_keys,
     unroute_decision,
 )
@@ -38,9 +40,9 @@ SPEC = kimi_spec(transfer={"protocol": "tcp"})
 DECODE_0 = GroupKey(Role.DECODE, 0)
 
 
-def decide(event: str, pod: dict[str, Any], **kwargs: Any) -> Fence | None:
-    args: dict[str, Any] = {"lost_nodes": (), "fenced": {}, "retiring": ()}
-    return fence_decision(event, pod, **{**args, **kwargs})
+def decide(event: str, pod: dict[str, Any], lost_nodes: Collection[str] = (), **kwargs: Any) -> Fence | None:
+    args: dict[str, Any] = {"fenced": {}, "retiring": ()}
+    return fence_decision(pod_event(event, pod, lost_nodes), **{**args, **kwargs})
 
 
 def test_pod_facts_of_a_worker_pod() -> None:
@@ -99,7 +101,7 @@ def test_healthy_starting_or_notready_pods_fence_nothing() -> None:
 
 def test_a_notready_member_of_a_registered_group_only_unroutes_it() -> None:
     def unroute(pod: dict[str, Any], registered: dict[GroupKey, int]) -> GroupKey | None:
-        return unroute_decision("MODIFIED", pod, lost_nodes=(), registered=registered)
+        return unroute_decision(pod_event("MODIFIED", pod, ()), registered=registered)
 
     assert unroute(_dead("notready"), {DECODE_0: 0}) == DECODE_0
     assert unroute(live_pod(SPEC, Role.DECODE, 0, 1), {DECODE_0: 0}) is None  # Ready
@@ -172,9 +174,8 @@ def test_a_member_on_an_unreachable_node_unroutes_its_group_and_fences_nothing()
     pod = live_pod(SPEC, Role.DECODE, 0, 1, node="gpu-7")  # its own Ready condition still True
 
     def unroute(pod: dict[str, Any], unreachable: set[str], lost: set[str] | None = None) -> GroupKey | None:
-        return unroute_decision(
-            "MODIFIED", pod, lost_nodes=lost or set(), registered={DECODE_0: 0}, unreachable_nodes=unreachable
-        )
+        event = pod_event("MODIFIED", pod, lost or set())
+        return unroute_decision(event, registered={DECODE_0: 0}, unreachable_nodes=unreachable)
 
     assert unroute(pod, {"gpu-7"}) == DECODE_0
     assert unroute(pod, {"gpu-8"}) is None

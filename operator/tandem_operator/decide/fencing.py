@@ -68,49 +68,50 @@ def death_reason(event_type: str, pod: Pod, lost_nodes: Collection[str]) -> Fenc
     return None
 
 
-def fence_decision(
-    event_type: str,
-    pod: Pod,
-    *,
-    lost_nodes: Collection[str],
-    fenced: Mapping[GroupKey, int],
-    retiring: Collection[GroupKey],
-) -> Fence | None:
+@dataclass(frozen=True)
+class PodEvent:
+    """One pod event, parsed once for both deciders (``fence_decision``, ``unroute_decision``): the member it is
+    (None: not a group member of ours), why it can no longer serve (None: alive) and whether it is Ready."""
+
+    facts: PodFacts | None
+    death: FenceReason | None
+    ready: bool
+
+
+def pod_event(event_type: str, pod: Pod, lost_nodes: Collection[str]) -> PodEvent:
+    facts = pod_facts(pod)
+    death = death_reason(event_type, pod, lost_nodes) if facts is not None else None
+    return PodEvent(facts, death, is_ready(pod))
+
+
+def fence_decision(event: PodEvent, *, fenced: Mapping[GroupKey, int], retiring: Collection[GroupKey]) -> Fence | None:
     """The fence one pod event calls for.
 
     ``fenced``: group -> epoch already fenced (one fence per incarnation); ``retiring``: groups the operator is
     deleting on purpose.
     """
-    facts = pod_facts(pod)
-    if facts is None or facts.group in retiring:
+    facts = event.facts
+    if facts is None or facts.group in retiring or event.death is None:
         return None
     if fenced.get(facts.group) == facts.epoch:
         return None
-    reason = death_reason(event_type, pod, lost_nodes)
-    if reason is None:
-        return None
-    return Fence(facts.group, facts.epoch, reason, facts.name)
+    return Fence(facts.group, facts.epoch, event.death, facts.name)
 
 
 def unroute_decision(
-    event_type: str,
-    pod: Pod,
-    *,
-    lost_nodes: Collection[str],
-    registered: Mapping[GroupKey, int],
-    unreachable_nodes: Collection[str] = (),
+    event: PodEvent, *, registered: Mapping[GroupKey, int], unreachable_nodes: Collection[str] = ()
 ) -> GroupKey | None:
     """The registered group to take out of rotation because this live member turned NotReady or its node did
     (``unreachable_nodes``: NotReady within the grace), else None.
 
     Readiness only gates routing: the group keeps its pods and epoch, and is registered again once Ready.
     """
-    facts = pod_facts(pod)
+    facts = event.facts
     if facts is None or registered.get(facts.group) != facts.epoch:
         return None  # not serving at this incarnation (still starting, or an older one)
-    if death_reason(event_type, pod, lost_nodes) is not None:
+    if event.death is not None:
         return None
-    if is_ready(pod) and facts.node not in unreachable_nodes:
+    if event.ready and facts.node not in unreachable_nodes:
         return None
     return facts.group
 

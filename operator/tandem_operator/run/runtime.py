@@ -38,6 +38,7 @@ from tandem_operator.decide.fencing import (
     NodeVerdicts,
     fence_decision,
     node_verdicts,
+    pod_event,
     unroute_decision,
 )
 from tandem_operator.decide.integrity import integrity_decision, integrity_recreations
@@ -145,11 +146,10 @@ class ClusterRuntime:
         state.pod_seen(name, None if event_type == "DELETED" else pod)
         nodes = self.node_verdicts()
         fenced = {k: r.epoch for k, r in state.fenced.items()}
-        decision = fence_decision(event_type, pod, lost_nodes=nodes.lost, fenced=fenced, retiring=state.retiring)
+        event = pod_event(event_type, pod, nodes.lost)
+        decision = fence_decision(event, fenced=fenced, retiring=state.retiring)
         registered = {k: e.epoch for k, e in state.registered.items()}
-        unrouted = unroute_decision(
-            event_type, pod, lost_nodes=nodes.lost, registered=registered, unreachable_nodes=nodes.unreachable
-        )
+        unrouted = unroute_decision(event, registered=registered, unreachable_nodes=nodes.unreachable)
         if decision is not None:
             await self.executor.fence(decision, received, extra=[pod])
         elif unrouted is not None:
