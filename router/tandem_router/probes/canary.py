@@ -36,7 +36,7 @@ from tandem_router.integrity.monitor import IntegrityMonitor, PairKey
 from tandem_router.integrity.probe_budget import ProbeBudget, ProbeKind
 from tandem_router.integrity.probe_plan import DEFAULT_SAMPLE, plan_round, round_number, rounds_to_cover
 from tandem_router.pool import Pair
-from tandem_router.probes.pair_request import answers_from_pair
+from tandem_router.probes.pair_request import known_answer
 from tandem_router.probes.race import RaceProber
 from tandem_router.transport import Transport
 
@@ -293,18 +293,13 @@ class CanaryProber:
     async def probe(self, pair: Pair, prompt: str) -> Answer | None:
         """The decode's answer (text and logprobs) for ``prompt`` through exactly this pair, or None if the pair
         could not answer."""
-        params = {
-            "temperature": 0.0,
-            "max_new_tokens": self.cfg.max_new_tokens,
-            "sampling_seed": self.cfg.seed,  # SGLang 0.5.23 SamplingParams
-        }
-        answers = await answers_from_pair(
+        return await known_answer(
             self.transport,
             pair,
-            "/generate",
-            {"text": prompt, "sampling_params": params},
+            prompt,
+            max_new_tokens=self.cfg.max_new_tokens,
+            seed=self.cfg.seed,
             rng=self.rng,
-            request_id=f"canary-{self.rng.getrandbits(48):x}",
+            label="canary",
             timeout_s=self.cfg.timeout_s,
         )
-        return answers[0] if answers is not None and len(answers) == 1 else None

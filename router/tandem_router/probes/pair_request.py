@@ -58,3 +58,29 @@ async def answers_from_pair(
     if p_status != 200 or d_status != 200:
         return None
     return body_answers(path, d_body)
+
+
+async def known_answer(
+    transport: Transport,
+    pair: Pair,
+    prompt: str,
+    *,
+    max_new_tokens: int,
+    seed: int,
+    rng: random.Random,
+    label: str,
+    timeout_s: float,
+) -> Answer | None:
+    """A known-answer probe (canaries, race bursts): ``prompt`` through SGLang's ``/generate`` at temperature 0 with
+    a fixed ``sampling_seed`` (SGLang 0.5.23 SamplingParams); the decode's one answer, or None."""
+    params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "sampling_seed": seed}
+    answers = await answers_from_pair(
+        transport,
+        pair,
+        "/generate",
+        {"text": prompt, "sampling_params": params},
+        rng=rng,
+        request_id=f"{label}-{rng.getrandbits(48):x}",
+        timeout_s=timeout_s,
+    )
+    return answers[0] if answers is not None and len(answers) == 1 else None

@@ -26,7 +26,7 @@ from tandem_router.integrity.divergence import Answer, Kind, compare
 from tandem_router.integrity.monitor import IntegrityMonitor
 from tandem_router.integrity.probe_budget import ProbeBudget, ProbeKind
 from tandem_router.pool import Pair
-from tandem_router.probes.pair_request import answers_from_pair
+from tandem_router.probes.pair_request import known_answer
 from tandem_router.transport import Transport
 
 log = logging.getLogger("tandem.router.race")
@@ -199,14 +199,13 @@ class RaceProber:
         return min(self._times, default=FIRST_GUESS_S)
 
     async def probe(self, pair: Pair, prompt: str) -> Answer | None:
-        params = {"temperature": 0.0, "max_new_tokens": race_plan.TOKENS, "sampling_seed": SEED}
-        answers = await answers_from_pair(
+        return await known_answer(
             self.transport,
             pair,
-            "/generate",
-            {"text": prompt, "sampling_params": params},
+            prompt,
+            max_new_tokens=race_plan.TOKENS,
+            seed=SEED,
             rng=self.rng,
-            request_id=f"canary-race-{self.rng.getrandbits(48):x}",
+            label="canary-race",
             timeout_s=self.timeout_s,
         )
-        return answers[0] if answers is not None and len(answers) == 1 else None
