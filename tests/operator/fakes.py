@@ -7,11 +7,15 @@ from collections.abc import Callable
 from typing import Any
 
 from tandem.kube.rest import Request
-from tandem.registry import Endpoint
+from tandem.registry import Endpoint, Role
+from tandem_operator.act.k8s.apply import object_path
 from tandem_operator.act.k8s.kube import Kube
 from tandem_operator.act.registrar import Registrar
+from tandem_operator.api.pdcluster import PDClusterSpec
 from tandem_operator.decide.fencing import StaleKeys
 from tandem_operator.decide.observe import GroupKey
+from tandem_operator.desired.naming import ClusterRef
+from tandem_operator.desired.pools import pool_manifest
 
 Trim = Callable[[dict[str, Any]], dict[str, Any]]  # Kube.list's ``keep``
 
@@ -21,6 +25,14 @@ class NoServer:
 
     async def send(self, request: Request) -> Any:
         raise AssertionError(f"FakeKube sent {request.method} {request.path}")
+
+
+def with_pools(kube: FakeKube, ref: ClusterRef, spec: PDClusterSpec) -> None:
+    """The cluster's PDPools exist (with uids), as after the operator's first pass: a pass goes on to the groups."""
+    for role in Role:
+        pool = pool_manifest(ref, spec, role, create=True)
+        pool["metadata"]["uid"] = f"uid-{role.value}"
+        kube.objects[object_path(pool)] = pool
 
 
 class FakeKube(Kube):

@@ -19,12 +19,11 @@ from tandem_operator.decide.observe import GroupKey, GroupState, GroupView
 from tandem_operator.decide.recovery import Stuck, stuck_groups
 from tandem_operator.desired.naming import ClusterRef
 from tandem_operator.desired.pods import RoleContext, group_pod
-from tandem_operator.desired.pools import pool_manifest
 from tandem_operator.desired.probes import GENERATION_CHECK_TIMEOUT_S, LONGEST_FORWARD_S
 from tandem_operator.run.runtime import ClusterRuntime, RuntimeOptions
 from tandem_sim.profiles import PROFILES
 from tests.operator.conftest import kimi_spec
-from tests.operator.fakes import FakeKube, FakeRegistrar
+from tests.operator.fakes import FakeKube, FakeRegistrar, with_pools
 from tests.operator.workers import CLUSTER, POOL, live_pod
 
 SPEC = kimi_spec(transfer={"protocol": "tcp"})
@@ -109,10 +108,7 @@ def test_stuck_groups(state: GroupState, started: bool | None, age_s: int, stuck
 def _cluster() -> tuple[ClusterRuntime, FakeKube, FakeRegistrar]:
     kube, registrar = FakeKube(), FakeRegistrar()
     ref = ClusterRef(CLUSTER.name, CLUSTER.namespace, CLUSTER.uid)
-    for role in Role:
-        pool = pool_manifest(ref, SPEC, role, create=True)
-        pool["metadata"]["uid"] = f"uid-{role.value}"
-        kube.objects[object_path(pool)] = pool
+    with_pools(kube, ref, SPEC)
     for role, groups in ((Role.PREFILL, SPEC.prefill.groups), (Role.DECODE, SPEC.decode.groups)):
         for group in range(groups):
             for rank in range(SPEC.role(role).nodes_per_group):

@@ -23,11 +23,10 @@ from tandem_operator.api.pdcluster import PDClusterSpec
 from tandem_operator.decide.fencing import NodeOutage
 from tandem_operator.decide.observe import GroupKey
 from tandem_operator.desired.naming import ClusterRef
-from tandem_operator.desired.pools import pool_manifest
 from tandem_operator.run.render import InvalidClusterError, render
 from tandem_operator.run.runtime import ClusterRuntime, RuntimeOptions
 from tests.operator.conftest import kimi_spec, role_hash
-from tests.operator.fakes import FakeKube, FakeRegistrar
+from tests.operator.fakes import FakeKube, FakeRegistrar, with_pools
 from tests.operator.workers import CLUSTER, live_pod
 from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
@@ -46,10 +45,8 @@ def _cluster(
 ) -> tuple[ClusterRuntime, FakeKube, FakeRegistrar, dict[str, NodeOutage]]:
     kube, registrar, outages = FakeKube(), FakeRegistrar(), dict[str, NodeOutage]()
     ref = ClusterRef(CLUSTER.name, CLUSTER.namespace, CLUSTER.uid)
+    with_pools(kube, ref, spec)
     for role in Role:
-        pool = pool_manifest(ref, spec, role, create=True)
-        pool["metadata"]["uid"] = f"uid-{role.value}"
-        kube.objects[object_path(pool)] = pool
         for group in range(spec.role(role).groups):
             for rank in range(spec.role(role).nodes_per_group):
                 ip = f"10.0.{group}.{rank + (10 if role is Role.DECODE else 0)}"

@@ -33,11 +33,10 @@ from tandem_operator.decide.planner import (
 )
 from tandem_operator.desired.naming import ANNOTATION_EPOCH, ClusterRef, compat_revision
 from tandem_operator.desired.pods import RoleContext, group_pod
-from tandem_operator.desired.pools import pool_manifest
 from tandem_operator.run.render import InvalidClusterError, render
 from tandem_operator.run.runtime import ClusterRuntime, RuntimeOptions
 from tests.operator.conftest import kimi_spec, role_hash
-from tests.operator.fakes import FakeKube, FakeRegistrar
+from tests.operator.fakes import FakeKube, FakeRegistrar, with_pools
 from tests.operator.workers import CLUSTER, POOL, live_pod
 
 SPEC = kimi_spec(transfer={"protocol": "tcp"})
@@ -53,10 +52,8 @@ def _node(role: Role, group: int, rank: int) -> str:
 def _cluster(spec: PDClusterSpec = SPEC) -> tuple[ClusterRuntime, FakeKube, FakeRegistrar, set[str]]:
     kube, registrar, cordoned = FakeKube(), FakeRegistrar(), set[str]()
     ref = ClusterRef(CLUSTER.name, CLUSTER.namespace, CLUSTER.uid)
+    with_pools(kube, ref, spec)
     for role in Role:
-        pool = pool_manifest(ref, spec, role, create=True)
-        pool["metadata"]["uid"] = f"uid-{role.value}"
-        kube.objects[object_path(pool)] = pool
         for group in range(spec.role(role).groups):
             for rank in range(spec.role(role).nodes_per_group):
                 ip = f"10.0.{group}.{rank + (10 if role is Role.DECODE else 0)}"

@@ -10,8 +10,6 @@ from typing import Any
 
 import pytest
 
-from tandem.registry import Role
-from tandem_operator.act.k8s.apply import object_path
 from tandem_operator.act.k8s.kube import PermanentError
 from tandem_operator.api.common import Condition, ConditionStatus
 from tandem_operator.decide.retry import (
@@ -22,10 +20,9 @@ from tandem_operator.decide.retry import (
     retry_delay,
 )
 from tandem_operator.desired.naming import ClusterRef
-from tandem_operator.desired.pools import pool_manifest
 from tandem_operator.run.runtime import ClusterRuntime, RuntimeOptions
 from tests.operator.conftest import kimi_spec
-from tests.operator.fakes import FakeKube, FakeRegistrar
+from tests.operator.fakes import FakeKube, FakeRegistrar, with_pools
 from tests.operator.workers import CLUSTER
 from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
@@ -84,10 +81,7 @@ def _failed(kube: FakeKube) -> Condition | None:
 async def test_an_invalid_pod_is_not_retried_every_second_and_a_new_generation_retries_at_once() -> None:
     kube, registrar = RefusingKube(), FakeRegistrar()
     ref = ClusterRef(CLUSTER.name, CLUSTER.namespace, CLUSTER.uid)
-    for role in Role:  # the pools exist (with their uids): the pass goes on to create the groups' pods
-        pool = pool_manifest(ref, SPEC, role, create=True)
-        pool["metadata"]["uid"] = f"uid-{role.value}"
-        kube.objects[object_path(pool)] = pool
+    with_pools(kube, ref, SPEC)  # the pools exist (with their uids): the pass goes on to create the groups' pods
     runtime = ClusterRuntime(ref, SPEC, kube, registrar, RuntimeOptions("test"), dict)
     loop = asyncio.create_task(runtime._loop())  # the reconcile loop alone (start() would also watch etcd)
     runtime.kick()

@@ -14,11 +14,10 @@ from tandem_operator.act.k8s.apply import object_path
 from tandem_operator.api.pdcluster import PDClusterSpec
 from tandem_operator.decide.staging import JobState, job_state, staging
 from tandem_operator.desired.naming import compat_revision, staged_label
-from tandem_operator.desired.pools import pool_manifest
 from tandem_operator.desired.staging_jobs import staging_job_name, staging_jobs
 from tandem_operator.run.runtime import ClusterRuntime, RuntimeOptions
 from tests.operator.conftest import kimi_spec, role_hash
-from tests.operator.fakes import FakeKube, FakeRegistrar
+from tests.operator.fakes import FakeKube, FakeRegistrar, with_pools
 from tests.operator.workers import CLUSTER
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -102,10 +101,7 @@ async def test_the_reconcile_creates_the_jobs_then_labels_the_nodes_they_staged(
     label = staged_label(s)
     kube, registrar = FakeKube(), FakeRegistrar()
     runtime = ClusterRuntime(CLUSTER, s, kube, registrar, RuntimeOptions("test"), dict)
-    for role in Role:
-        pool = pool_manifest(CLUSTER, s, role, create=True)
-        pool["metadata"]["uid"] = f"uid-{role.value}"
-        kube.objects[object_path(pool)] = pool
+    with_pools(kube, CLUSTER, s)
     staged = runtime.reconciler.staged
     for name, labels in (("gpu-1", {DISK: ""}), ("gpu-2", {DISK: ""}), ("cpu-1", {})):
         staged.observe("ADDED", {"metadata": {"name": name, "labels": labels}})

@@ -21,11 +21,10 @@ from tandem_operator.decide.observe import slim_pod
 from tandem_operator.decide.staging import node_staged_labels, staging
 from tandem_operator.desired.naming import ClusterRef, OwnerRef, canonical_pod, staged_label
 from tandem_operator.desired.pods import RoleContext, group_pod
-from tandem_operator.desired.pools import pool_manifest
 from tandem_operator.desired.recipe import PREFETCH_MARKER
 from tandem_operator.run.runtime import ClusterRuntime, RuntimeOptions
 from tests.operator.conftest import kimi_spec
-from tests.operator.fakes import FakeKube, FakeRegistrar
+from tests.operator.fakes import FakeKube, FakeRegistrar, with_pools
 from tests.operator.workers import CLUSTER, live_pod
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -188,10 +187,7 @@ async def test_the_reconcile_labels_the_node_and_reports_it_in_the_status() -> N
     spec = staged_spec()
     kube, registrar = FakeKube(), FakeRegistrar()
     runtime = ClusterRuntime(CLUSTER, spec, kube, registrar, RuntimeOptions("test"), dict)
-    for role in Role:
-        pool = pool_manifest(CLUSTER, spec, role, create=True)
-        pool["metadata"]["uid"] = f"uid-{role.value}"
-        kube.objects[object_path(pool)] = pool
+    with_pools(kube, CLUSTER, spec)
     pod = live_pod(spec, Role.DECODE, 0, 0, node="gpu-7")
     pod["status"]["initContainerStatuses"] = [{"name": "prefetch-weights", "state": {"terminated": {"exitCode": 0}}}]
     kube.objects[object_path(pod)] = pod
