@@ -24,7 +24,7 @@ from tandem_router.pool import Pair
 from tandem_router.resume import Refusal, ResumeConfig, StreamLedger
 from tandem_router.schema import Route, stream_error_event
 from tandem_router.server import ResponseStream, ServerRequest
-from tandem_router.transport import WorkerError
+from tandem_router.transport import WorkerError, WorkerResponse
 
 log = logging.getLogger("tandem.router.proxy")
 
@@ -74,7 +74,7 @@ class StreamRelay:
         try:
             try:
                 await out.prepare()
-                await out.write(self._client_bytes(first))
+                ended = await self._forward(out, resp, first)
             except ConnectionResetError:
                 client_gone = True
                 return out
@@ -83,29 +83,25 @@ class StreamRelay:
             itl = metrics.route_itl(route)
             while True:
                 error: WorkerError | None = None
-                while True:  # the decode's chunks, read directly (no async generator between it and the client)
+                while not ended:  # the decode's chunks, read directly (no async generator between it and the client)
                     try:
                         chunk = await resp.next_chunk()
                     except WorkerError as err:
                         error = err
                         break
-                    if not chunk:
-                        break
                     try:
-                        await out.write(self._client_bytes(chunk))
+                        ended = await self._forward(out, resp, chunk)
                     except ConnectionResetError:
                         client_gone = True  # the client left: stop the decode (closing its connection aborts it)
                         return out
-                    now = time.monotonic()
-                    itl.observe(now - last)
-                    last = now
+                    if chunk:
+                        now = time.monotonic()
+                        itl.observe(now - last)
+                        last = now
                 if error is None:
                     ok = True
                     if self.texts is not None:
                         dispatch.report_texts(pair, req, self.texts.texts())
-                    if self.shaped is not None:
-                        with contextlib.suppress(ConnectionResetError):
-                            await out.write(self.shaped.flush())
                     break
                 metrics.pair_failure(pair, "decode_stream_broken")
                 log.warning(
@@ -125,18 +121,36 @@ class StreamRelay:
                 pair, resp, first = opened.pair, opened.resp, opened.first
                 settled = False
                 try:
-                    await out.write(self._client_bytes(first))
+                    ended = await self._forward(out, resp, first)
                 except ConnectionResetError:
                     client_gone = True
                     return out
                 last = time.monotonic()
             with contextlib.suppress(ConnectionResetError):
-                await out.write_eof()
+                await out.write_eof()  # after an error event (a stream that ended has ended its response)
             return out
         finally:
             if not settled:  # a client that left (also: its request cancelled) says nothing about the pair
                 dispatch.settle(opened, ok=ok, client_gone=client_gone or out.client_gone)
             metrics.route_e2e(route).observe(time.monotonic() - req.started)
+
+    async def _forward(self, out: ResponseStream, resp: WorkerResponse, raw: bytes) -> bool:
+        """Relay the worker's bytes ``raw`` to the client; True: the worker's stream is over, and so is the response.
+
+        When the worker's response has already ended (its last bytes and its end arrived together, or the whole
+        stream at once), the client's last bytes and the end of the response go out in one write: one send instead
+        of two, and nothing is held back. The worker's stream was read to its end then, so a client that left
+        during that write does not fail it (``ConnectionResetError`` is raised only for bytes the worker has more
+        of)."""
+        data = self._client_bytes(raw) if raw else b""
+        if not resp.ended:
+            await out.write(data)
+            return False
+        if self.shaped is not None:
+            data += self.shaped.flush()
+        with contextlib.suppress(ConnectionResetError):
+            await out.write_eof(data)
+        return True
 
     async def _resume(self, failed: Pair, broke_at: float) -> Opened | None:
         """A fresh pair's continuation of the stream (its response and first chunk), or None: give up."""

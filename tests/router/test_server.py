@@ -13,7 +13,7 @@ import orjson
 import pytest
 import uvloop
 
-from tandem_router.server import HttpServer, Limits, Reply, Response, ServerRequest
+from tandem_router.server import HttpServer, Limits, Reply, Response, ResponseStream, ServerRequest
 
 pytestmark = pytest.mark.netns
 
@@ -238,3 +238,34 @@ def test_a_burst_of_connections_is_accepted_at_once_on_a_busy_uvloop() -> None:
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         assert runner.run(burst()) < 5.0
+
+
+class _Sent:
+    """A channel that records each send (one send: one write syscall on the client's socket)."""
+
+    lost = False
+    paused = False
+
+    def __init__(self) -> None:
+        self.sends: list[bytes] = []
+
+    def send(self, data: bytes) -> None:
+        self.sends.append(data)
+
+    async def drain(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize(("chunked", "end"), [(True, b"4\r\nlast\r\n0\r\n\r\n"), (False, b"last")])
+async def test_a_streams_last_bytes_and_its_end_go_out_in_one_send(chunked: bool, end: bytes) -> None:
+    channel = _Sent()
+    out = ResponseStream(channel, 200, (), chunked=chunked, keep_alive=True)
+    await out.write(b"first")
+    await out.write_eof(b"last")
+    await out.write_eof(b"again")  # ended: nothing more goes out
+    assert channel.sends[1:] == [end]
+    assert channel.sends[0].endswith(b"\r\n\r\n5\r\nfirst\r\n" if chunked else b"\r\n\r\nfirst")
+    whole = _Sent()  # a whole stream at once: head, bytes and end in one send
+    await ResponseStream(whole, 200, (), chunked=True, keep_alive=True).write_eof(b"all")
+    assert len(whole.sends) == 1
+    assert whole.sends[0].endswith(b"\r\n\r\n3\r\nall\r\n0\r\n\r\n")

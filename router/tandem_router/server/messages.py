@@ -120,14 +120,20 @@ class ResponseStream:
         if channel.paused:
             await channel.drain()
 
-    async def write_eof(self) -> None:
+    async def write_eof(self, data: bytes = b"") -> None:
+        """End the response; ``data``, its last bytes, go out with the end in one write (one send, not two)."""
         if self.ended:
             return
         self.ended = True
         channel = self._channel
         if channel.lost:
             raise ConnectionResetError("the client disconnected")
-        tail = b"0\r\n\r\n" if self._chunked else b""
+        if not self._chunked:
+            tail = data
+        elif data:
+            tail = b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data)
+        else:
+            tail = b"0\r\n\r\n"
         if self._head is not None:
             tail = self._head + tail
             self._head = None

@@ -70,6 +70,11 @@ class WorkerResponse:
         self.headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in conn.raw_headers}
         self._released = False
 
+    @property
+    def ended(self) -> bool:
+        """The body was read to its end (the worker's stream is over; the next chunk is b"")."""
+        return self._conn.drained
+
     async def read(self) -> bytes:
         parts = []
         while chunk := await self._conn.next_chunk():

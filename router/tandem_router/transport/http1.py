@@ -93,6 +93,11 @@ class Connection(asyncio.Protocol):
             await self._wait()
 
     @property
+    def drained(self) -> bool:
+        """The body ended and was read to its end: ``next_chunk`` returns b"" without waiting."""
+        return self.complete and not self._body
+
+    @property
     def reusable(self) -> bool:
         return self.complete and self.keep_alive and self.error is None and not self.closing and not self._body
 
