@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tandem_router.openai.requests import output_limit
 from tandem_router.schema import Route
 
 CHARS_PER_TOKEN = 4
@@ -16,11 +17,7 @@ def asked_priority(body: dict[str, Any]) -> int | None:
 
 def estimated_tokens(route: Route, body: dict[str, Any], prompt_chars: int) -> float:
     """Prompt characters / 4 plus the output limit the request sets (none set: the prompt alone)."""
-    if route is Route.GENERATE:
-        params = body.get("sampling_params")
-        limit = params.get("max_new_tokens") if isinstance(params, dict) else None
-    else:
-        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    limit = output_limit(route, body)
     output = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else 0
     choices = body.get("n")
     n = choices if isinstance(choices, int) and not isinstance(choices, bool) and choices > 1 else 1

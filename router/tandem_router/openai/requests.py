@@ -11,7 +11,7 @@ What neither SGLang nor Tandem can honour is refused here with a 400 that names 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,22 @@ INTEGER_FIELDS: dict[Route, tuple[str, ...]] = {
     Route.CHAT: ("n", "max_tokens", "max_completion_tokens", "seed", "top_logprobs"),
     Route.COMPLETIONS: ("n", "max_tokens", "seed", "logprobs", "best_of"),
 }
+# Where each route's output-token limit is, most binding first: the one table the router reads it from (flow
+# control's estimate, stream resume's shrinking, naming the field a worker's context-length error is about). A chat
+# request's max_completion_tokens goes before its deprecated max_tokens; /generate's is in sampling_params.
+OUTPUT_LIMITS: dict[Route, tuple[str, ...]] = {
+    Route.CHAT: ("max_completion_tokens", "max_tokens"),
+    Route.COMPLETIONS: ("max_tokens",),
+    Route.GENERATE: ("max_new_tokens",),
+}
+
+
+def output_limit(route: Route, body: Mapping[str, Any]) -> Any:
+    """The output-token limit the request sets, as sent (None: not set): the route's first limit field present."""
+    fields = body.get("sampling_params") if route is Route.GENERATE else body
+    if not isinstance(fields, Mapping):
+        return None
+    return next((fields[name] for name in OUTPUT_LIMITS[route] if name in fields), None)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,9 @@ import copy
 from abc import abstractmethod
 from typing import Any
 
+from tandem_router.openai.requests import OUTPUT_LIMITS, output_limit
 from tandem_router.resume.ledger import NOT_COUNTED, Refusal, StreamLedger, shrink
+from tandem_router.schema import Route
 
 REASONING_SENT = Refusal(
     "reasoning",
@@ -30,7 +32,7 @@ REASONING_SENT = Refusal(
     "shown where it stopped)",
 )
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # SGLang 0.5.23 protocol.py: CompletionRequest.max_tokens = 16
-_LIMITS = ("max_completion_tokens", "max_tokens")
+_LIMITS = OUTPUT_LIMITS[Route.CHAT]  # both OpenAI routes' limit fields (the completions route has max_tokens)
 
 
 class _OpenAIStreamLedger(StreamLedger):
@@ -107,7 +109,7 @@ class _OpenAIStreamLedger(StreamLedger):
         return True
 
     def _limit(self) -> int | None:
-        limit = self.body.get("max_completion_tokens", self.body.get("max_tokens"))
+        limit = output_limit(Route.CHAT, self.body)
         return limit if isinstance(limit, int) else None
 
     def _remaining_tokens(self) -> int | None:
@@ -178,7 +180,7 @@ class CompletionLedger(_OpenAIStreamLedger):
         return True
 
     def _limit(self) -> int | None:
-        limit = self.body.get("max_tokens")
+        limit = output_limit(Route.COMPLETIONS, self.body)
         return COMPLETIONS_DEFAULT_MAX_TOKENS if limit is None else limit if isinstance(limit, int) else None
 
     def continuation(self) -> dict[str, Any]:
