@@ -28,19 +28,10 @@ from tandem_router.health import HealthChecker
 from tandem_router.integrity.monitor import IntegrityConfig, IntegrityMonitor
 from tandem_router.integrity.quarantine import QuarantinePolicy
 from tandem_router.metrics import RouterMetrics
+from tandem_router.openai.openapi import document
 from tandem_router.openai.requests import canonical, param_path, refusal
-from tandem_router.openapi import document
-from tandem_router.policy.breaker import BreakerConfig
-from tandem_router.policy.retry import RetryConfig
-from tandem_router.pool import PairGate, WorkerPool
-from tandem_router.probes.canary import CanaryConfig, ProbeScope
-from tandem_router.probes.hooks import IntegrityHooks, build_hooks, probing_capacity
-from tandem_router.probes.members import RouterMembers, router_id
-from tandem_router.probes.publisher import IntegrityPublisher, integrity_document
-from tandem_router.proxy import Proxy
-from tandem_router.resume import ResumeConfig
-from tandem_router.schema import (
-    REQUEST_MODELS,
+from tandem_router.openai.schema import (
+    ROUTES,
     ErrorType,
     ModelCard,
     ModelList,
@@ -50,6 +41,15 @@ from tandem_router.schema import (
     prompt_text,
     routing_key,
 )
+from tandem_router.policy.breaker import BreakerConfig
+from tandem_router.policy.retry import RetryConfig
+from tandem_router.pool import PairGate, WorkerPool
+from tandem_router.probes.canary import CanaryConfig, ProbeScope
+from tandem_router.probes.hooks import IntegrityHooks, build_hooks, probing_capacity
+from tandem_router.probes.members import RouterMembers, router_id
+from tandem_router.probes.publisher import IntegrityPublisher, integrity_document
+from tandem_router.proxy import Proxy
+from tandem_router.resume import ResumeConfig
 from tandem_router.server import HttpServer, Limits, Reply, Response, ServerRequest
 from tandem_router.tenants import client_identity
 from tandem_router.transport import Transport, TransportConfig
@@ -287,7 +287,7 @@ def _authorized(request: ServerRequest, settings: RouterSettings) -> bool:
 
 def _proxied(state: RouterState, route: Route) -> Endpoint:
     """The handler of a proxied route (the request body's size limit is the server's: ``Limits``)."""
-    model_cls = REQUEST_MODELS[route]
+    model_cls = ROUTES[route].model
 
     async def handle(request: ServerRequest) -> Response:
         s = state

@@ -23,9 +23,9 @@ import orjson
 from tandem.registry import Role
 from tandem_router.metrics import RouterMetrics
 from tandem_router.openai.errors import stream_error_status
+from tandem_router.openai.schema import Route
 from tandem_router.policy import bootstrap, retry
 from tandem_router.pool import Lease, Pair, WorkerPool
-from tandem_router.schema import Route
 from tandem_router.transport import Request, Transport, WorkerError, WorkerResponse
 
 log = logging.getLogger("tandem.router.proxy")

@@ -27,8 +27,8 @@ from tandem_router.config import RouterSettings
 from tandem_router.flow.capacity import CapacityLearner
 from tandem_router.flow.fair import FairQueue, Pending, Reason, Rejection
 from tandem_router.flow.limits import FlowLimits, LimitsError, load_limits
+from tandem_router.openai.schema import ErrorType, error_body
 from tandem_router.pool import WorkerPool
-from tandem_router.schema import ErrorType, error_body
 from tandem_router.server import Reply
 
 log = logging.getLogger("tandem.router.flow")

@@ -13,10 +13,10 @@ from prometheus_client.registry import Collector
 
 from tandem.registry import Role
 from tandem.registry_versions import SCHEMA_VERSION, Refusal, SchemaCensus
+from tandem_router.openai.schema import Route
 from tandem_router.policy.breaker import BreakerState
 from tandem_router.pool import Pair, WorkerPool
 from tandem_router.registry_guard import RegistryGuard
-from tandem_router.schema import Route
 
 # Fine (bounds 1.2-1.5x apart) where SLO targets and the autoscaler's scale-down thresholds (``scaleDownBelow`` x
 # target) sit: TTFT 0.25-10 s, gaps 10-250 ms. ``histogram_quantile`` interpolates inside a bucket, so an interval whose

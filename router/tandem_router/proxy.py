@@ -22,10 +22,10 @@ from tandem_router.integrity.textextract import body_texts
 from tandem_router.metrics import RouterMetrics
 from tandem_router.openai.errors import client_error_body
 from tandem_router.openai.responses import conform_body
+from tandem_router.openai.schema import ErrorType, error_body
 from tandem_router.policy import retry
 from tandem_router.pool import Pair, WorkerPool
 from tandem_router.resume import RESUME_OFF, Refusal, ResumeConfig, StreamLedger, new_ledger
-from tandem_router.schema import ErrorType, error_body
 from tandem_router.server import Reply, Response, ServerRequest
 from tandem_router.stream_relay import StreamRelay
 from tandem_router.transport import Transport

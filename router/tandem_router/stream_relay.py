@@ -20,9 +20,9 @@ import time
 from tandem_router.dispatch import Dispatch, Opened, ProxyRequest
 from tandem_router.integrity.textextract import StreamTexts
 from tandem_router.openai.responses import StreamConformer, conformed
+from tandem_router.openai.schema import Route, stream_error_event
 from tandem_router.pool import Pair
 from tandem_router.resume import Refusal, ResumeConfig, StreamLedger
-from tandem_router.schema import Route, stream_error_event
 from tandem_router.server import ResponseStream, ServerRequest
 from tandem_router.transport import WorkerError, WorkerResponse
 

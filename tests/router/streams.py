@@ -16,7 +16,7 @@ import openai
 import orjson
 
 from tandem_dev.local_stack import MODEL
-from tandem_router.schema import Route
+from tandem_router.openai.schema import Route
 
 
 @dataclass

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from tandem.registry import Role
+from tandem_router.openai.schema import Route, routing_key
 from tandem_router.policy import cache_aware as ca
 from tandem_router.policy import selection as sel
 from tandem_router.policy.prefix_tree import PrefixTree, RoutingKey
 from tandem_router.pool import WorkerPool, WorkerSpec
-from tandem_router.schema import Route, routing_key
 
 CFG = ca.CacheAwareConfig()
 V = ca.PrefillView

@@ -21,7 +21,7 @@ from schemathesis.core.result import Ok
 from schemathesis.schemas import APIOperation
 
 from tandem_dev.procs import ManagedProcess, free_port
-from tandem_router.openapi import document
+from tandem_router.openai.openapi import document
 from tests.router.helpers import start_instant_workers
 
 pytestmark = pytest.mark.procs

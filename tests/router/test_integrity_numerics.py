@@ -18,11 +18,11 @@ from tandem_router.integrity.divergence import NEAR_TIE_NATS, Answer
 from tandem_router.integrity.monitor import IntegrityConfig, IntegrityMonitor
 from tandem_router.integrity.probe_budget import ProbeKind
 from tandem_router.integrity.quarantine import QuarantinePolicy
+from tandem_router.openai.schema import Route
 from tandem_router.pool import Pair, WorkerPool, WorkerSpec
 from tandem_router.probes.canary import CanaryProber
 from tandem_router.probes.probation import ProbationMirror
 from tandem_router.probes.shadow import ShadowSampler
-from tandem_router.schema import Route
 from tandem_router.transport import Request, Transport
 from tests.router.helpers import ample_budget, lone_router
 from tests.router.test_integrity_divergence import FLIP, REF, Step, answer, generate_doc, sure, text_of, tied

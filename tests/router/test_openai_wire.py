@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from tandem_router.openai import errors, requests, responses
-from tandem_router.schema import Route
+from tandem_router.openai.schema import Route
 from tests.router.openai_spec import violations
 
 

@@ -8,12 +8,12 @@ from collections import Counter
 import pytest
 
 from tandem.registry import Role
+from tandem_router.openai.schema import Route, item_count, prompt_text
 from tandem_router.policy import bootstrap, retry
 from tandem_router.policy import breaker as br
 from tandem_router.policy import selection as sel
 from tandem_router.policy.load import WorkerLoad, parse_sglang_metrics
 from tandem_router.pool import Pair, WorkerPool, WorkerSpec
-from tandem_router.schema import Route, item_count, prompt_text
 
 C = sel.Candidate
 

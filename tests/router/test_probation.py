@@ -13,9 +13,9 @@ from tandem.registry import Role
 from tandem_router.dispatch import ProxyRequest
 from tandem_router.integrity.monitor import IntegrityConfig, IntegrityMonitor
 from tandem_router.integrity.quarantine import QuarantinePolicy
+from tandem_router.openai.schema import Route
 from tandem_router.pool import Pair, WorkerPool, WorkerSpec
 from tandem_router.probes.probation import ProbationMirror, load_target, mirror_targets
-from tandem_router.schema import Route
 from tandem_router.transport import Request, Transport
 
 P = [WorkerSpec(Role.PREFILL, f"http://p{i}:1", 8998) for i in range(2)]

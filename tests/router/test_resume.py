@@ -11,11 +11,11 @@ import pytest
 from tandem.registry import Role
 from tandem_router.dispatch import Dispatch, Failure, Opened, ProxyRequest
 from tandem_router.metrics import RouterMetrics
+from tandem_router.openai.schema import Route
 from tandem_router.policy.selection import Policy
 from tandem_router.pool import Pair, WorkerPool, WorkerSpec
 from tandem_router.resume import ResumeConfig
 from tandem_router.resume.openai_streams import ChatLedger
-from tandem_router.schema import Route
 from tandem_router.server import ServerRequest
 from tandem_router.stream_relay import StreamRelay
 from tandem_router.transport import WorkerResponse

@@ -22,7 +22,7 @@ import pytest
 from tandem.registry import Role
 from tandem_dev.local_stack import LocalStack
 from tandem_dev.stack_fixture import running_stack
-from tandem_router.schema import Route
+from tandem_router.openai.schema import Route
 from tandem_sim import model
 from tandem_sim.calibration import off_path
 from tests.plumbing.routermetrics import scrape

@@ -22,8 +22,8 @@ import pytest
 from tandem.registry import Role
 from tandem_dev.local_stack import LocalStack
 from tandem_dev.stack_fixture import running_stack
+from tandem_router.openai.schema import Route
 from tandem_router.resume import MANY_CHOICES, TOOLS, Refusal
-from tandem_router.schema import Route
 from tests.plumbing.routermetrics import scrape
 from tests.router.streams import Outcome, reference, stream
 from tests.router.test_chaos_sim import FAST_PD_ENV, slow_sim

@@ -7,10 +7,10 @@ from typing import Any
 import orjson
 import pytest
 
+from tandem_router.openai.schema import Route
 from tandem_router.resume import Refusal, StreamLedger, new_ledger
 from tandem_router.resume.generate import GenerateLedger
 from tandem_router.resume.openai_streams import ChatLedger, CompletionLedger
-from tandem_router.schema import Route
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
 COMPLETION = {"prompt": "Once upon a", "stream": True, "max_tokens": 10, "min_tokens": 3, "seed": 5}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from tandem_router.openai.requests import output_limit
-from tandem_router.schema import Route
+from tandem_router.openai.schema import Route
 
 CHARS_PER_TOKEN = 4
 

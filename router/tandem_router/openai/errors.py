@@ -16,8 +16,7 @@ from typing import Any
 
 import orjson
 
-from tandem_router.openai.requests import OUTPUT_LIMITS
-from tandem_router.schema import ErrorType, Route, error_body
+from tandem_router.openai.schema import ROUTES, ErrorType, Route, error_body
 
 _TYPES = {
     401: ErrorType.AUTHENTICATION,
@@ -66,7 +65,7 @@ def param_named(message: str, body: dict[str, Any]) -> str | None:
         return loc.group(1)
     prompt = next((p for p in ("prompt", "messages") if p in body), None)
     if "maximum context length" in message:
-        return next((p for p in OUTPUT_LIMITS[Route.CHAT] if p in body), prompt)  # both OpenAI routes' names
+        return next((p for p in ROUTES[Route.CHAT].output_limits if p in body), prompt)  # both OpenAI routes' names
     if "longer than the model's context length" in message:
         return prompt
     lead = _LEADING_NAME.match(message)

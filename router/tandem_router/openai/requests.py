@@ -15,21 +15,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tandem_router.schema import Route
+from tandem_router.openai.schema import ROUTES, Route
 
 _INT64 = 2**63  # a JSON integer beyond 64 bits reaches the router as a float (orjson): it is refused, not rounded
-INTEGER_FIELDS: dict[Route, tuple[str, ...]] = {
-    Route.CHAT: ("n", "max_tokens", "max_completion_tokens", "seed", "top_logprobs"),
-    Route.COMPLETIONS: ("n", "max_tokens", "seed", "logprobs", "best_of"),
-}
-# Where each route's output-token limit is, most binding first: the one table the router reads it from (flow
-# control's estimate, stream resume's shrinking, naming the field a worker's context-length error is about). A chat
-# request's max_completion_tokens goes before its deprecated max_tokens; /generate's is in sampling_params.
-OUTPUT_LIMITS: dict[Route, tuple[str, ...]] = {
-    Route.CHAT: ("max_completion_tokens", "max_tokens"),
-    Route.COMPLETIONS: ("max_tokens",),
-    Route.GENERATE: ("max_new_tokens",),
-}
 
 
 def output_limit(route: Route, body: Mapping[str, Any]) -> Any:
@@ -37,7 +25,7 @@ def output_limit(route: Route, body: Mapping[str, Any]) -> Any:
     fields = body.get("sampling_params") if route is Route.GENERATE else body
     if not isinstance(fields, Mapping):
         return None
-    return next((fields[name] for name in OUTPUT_LIMITS[route] if name in fields), None)
+    return next((fields[name] for name in ROUTES[route].output_limits if name in fields), None)
 
 
 @dataclass(frozen=True)
@@ -53,7 +41,7 @@ def canonical(route: Route, body: dict[str, Any]) -> dict[str, Any]:
     if route is Route.GENERATE:
         return body
     out = {key: value for key, value in body.items() if value is not None}
-    for name in INTEGER_FIELDS[route]:
+    for name in ROUTES[route].integers:
         value = out.get(name)
         if isinstance(value, float) and value.is_integer() and -_INT64 <= value < _INT64:
             out[name] = int(value)
@@ -62,7 +50,7 @@ def canonical(route: Route, body: dict[str, Any]) -> dict[str, Any]:
 
 def refusal(route: Route, body: dict[str, Any]) -> Refusal | None:
     """Why Tandem refuses this (canonical, otherwise valid) request, naming the parameter; None to serve it."""
-    for name in INTEGER_FIELDS.get(route, ()):
+    for name in ROUTES[route].integers:
         value = body.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             return Refusal(name, f"{name} must be an integer of at most 64 bits, got {value!r}")

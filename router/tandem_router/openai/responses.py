@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from tandem_router.schema import Route
+from tandem_router.openai.schema import Route
 
 _EVENT_END = b"\n\n"
 _DATA = b"data: "

@@ -23,10 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tandem_router.openai.schema import Route
 from tandem_router.resume.generate import GenerateLedger
 from tandem_router.resume.ledger import Refusal, StreamLedger
 from tandem_router.resume.openai_streams import ChatLedger, CompletionLedger
-from tandem_router.schema import Route
 
 __all__ = ["RESUME_OFF", "Refusal", "ResumeConfig", "StreamLedger", "new_ledger"]
 

@@ -22,9 +22,9 @@ import copy
 from abc import abstractmethod
 from typing import Any
 
-from tandem_router.openai.requests import OUTPUT_LIMITS, output_limit
+from tandem_router.openai.requests import output_limit
+from tandem_router.openai.schema import ROUTES, Route
 from tandem_router.resume.ledger import NOT_COUNTED, Refusal, StreamLedger, shrink
-from tandem_router.schema import Route
 
 REASONING_SENT = Refusal(
     "reasoning",
@@ -32,7 +32,7 @@ REASONING_SENT = Refusal(
     "shown where it stopped)",
 )
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # SGLang 0.5.23 protocol.py: CompletionRequest.max_tokens = 16
-_LIMITS = OUTPUT_LIMITS[Route.CHAT]  # both OpenAI routes' limit fields (the completions route has max_tokens)
+_LIMITS = ROUTES[Route.CHAT].output_limits  # both OpenAI routes' limit fields (the completions route has max_tokens)
 
 
 class _OpenAIStreamLedger(StreamLedger):

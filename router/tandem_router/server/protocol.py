@@ -24,7 +24,7 @@ from urllib.parse import unquote
 
 import httptools
 
-from tandem_router.schema import ErrorType, error_body
+from tandem_router.openai.schema import ErrorType, error_body
 from tandem_router.server.messages import Reply, Response, ResponseStream, ServerRequest, head
 
 log = logging.getLogger("tandem.router.server")

@@ -1,4 +1,4 @@
-"""Request models and OpenAI error bodies: the router's API contract, with no I/O.
+"""Request models, the per-route table and OpenAI error bodies: the router's API contract, with no I/O.
 
 The models validate what the router must understand (model name, messages, prompt, stream flag, ``n``) and
 *allow* every other field, so tool calls, reasoning options and SGLang sampling parameters pass through to the
@@ -7,6 +7,7 @@ workers untouched. Handlers forward the client's own JSON object, never a re-dum
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -74,10 +75,29 @@ class GenerateRequest(_Passthrough):
     rid: StrictStr | list[StrictStr] | None = None
 
 
-REQUEST_MODELS: dict[Route, type[_Passthrough]] = {
-    Route.CHAT: ChatCompletionRequest,
-    Route.COMPLETIONS: CompletionRequest,
-    Route.GENERATE: GenerateRequest,
+@dataclass(frozen=True)
+class RouteFields:
+    """What the router reads of one route's request body: the model it validates (unknown fields forwarded), the
+    integer fields OpenAI's server also takes as whole floats (``requests.canonical``), and where the output-token
+    limit is, most binding first (flow control's estimate, stream resume, naming a worker's context-length error)."""
+
+    model: type[_Passthrough]
+    integers: tuple[str, ...]
+    output_limits: tuple[str, ...]
+
+
+# The one table of per-route fields. A chat request's max_completion_tokens binds before its deprecated max_tokens;
+# /generate's limit is sampling_params.max_new_tokens.
+ROUTES: dict[Route, RouteFields] = {
+    Route.CHAT: RouteFields(
+        ChatCompletionRequest,
+        ("n", "max_tokens", "max_completion_tokens", "seed", "top_logprobs"),
+        ("max_completion_tokens", "max_tokens"),
+    ),
+    Route.COMPLETIONS: RouteFields(
+        CompletionRequest, ("n", "max_tokens", "seed", "logprobs", "best_of"), ("max_tokens",)
+    ),
+    Route.GENERATE: RouteFields(GenerateRequest, (), ("max_new_tokens",)),
 }
 
 

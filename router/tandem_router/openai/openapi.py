@@ -9,7 +9,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 from tandem import __version__
-from tandem_router.schema import REQUEST_MODELS, ErrorResponse, ModelList, Route
+from tandem_router.openai.schema import ROUTES, ErrorResponse, ModelList, Route
 
 _SUMMARIES = {
     Route.CHAT: "OpenAI chat completion (stream with SSE when stream=true)",
@@ -19,7 +19,7 @@ _SUMMARIES = {
 
 
 def document(title: str = "Tandem router", version: str = __version__) -> dict[str, Any]:
-    models: list[tuple[type[BaseModel], JsonSchemaMode]] = [(m, "validation") for m in REQUEST_MODELS.values()]
+    models: list[tuple[type[BaseModel], JsonSchemaMode]] = [(f.model, "validation") for f in ROUTES.values()]
     models += [
         (ErrorResponse, "serialization"),
         (ModelList, "serialization"),
@@ -38,14 +38,14 @@ def document(title: str = "Tandem router", version: str = __version__) -> dict[s
         )
     }
     paths: dict[str, Any] = {}
-    for route, model in REQUEST_MODELS.items():
+    for route, fields in ROUTES.items():
         paths[route.value] = {
             "post": {
                 "summary": _SUMMARIES[route],
                 "operationId": route.name.lower(),
                 "requestBody": {
                     "required": True,
-                    "content": {"application/json": {"schema": refs[(model, "validation")]}},
+                    "content": {"application/json": {"schema": refs[(fields.model, "validation")]}},
                 },
                 "responses": {
                     "200": {
