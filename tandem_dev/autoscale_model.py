@@ -1,6 +1,6 @@
 """The autoscale bench's model of one cluster (pure but for a seeded generator): latency distributions and gauges.
 
-A model, not a measurement. Groups serve with the simulator's ``kimi-k2.6-h200`` profile (``tandem_sim.profiles``:
+A model, not a measurement. Groups serve with the simulator's ``kimi-k2.6-h200`` profile (``tandem_sim.model.profiles``:
 prefill ``per_token`` x prompt, decode step ``base + (per_seq + per_kv_token x context) x batch``); the load spreads
 evenly over the ready groups of each role. One second at a time:
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tandem_sim.profiles import PROFILES
+from tandem_sim.model.profiles import PROFILES
 
 PROFILE = PROFILES["kimi-k2.6-h200"]
 PROMPT, OUTPUT = 4096, 500  # tokens per request

@@ -28,8 +28,8 @@ from tandem_operator.decide.recovery import stamp_epoch
 from tandem_operator.desired.naming import ClusterRef, OwnerRef, group_name
 from tandem_operator.desired.pods import RoleContext, group_pod
 from tandem_operator.desired.seeding import Seed, weight_source
-from tandem_sim.profiles import KIMI_LOAD
-from tandem_sim.weights import LoadSettings, phases
+from tandem_sim.model.profiles import KIMI_LOAD
+from tandem_sim.model.weights import LoadSettings, phases
 
 RECIPE = Path(__file__).resolve().parents[1] / "deploy" / "kimi-k26-h200.yaml"
 CLUSTER = ClusterRef("kimi-k26", "serving", "bench")
@@ -51,7 +51,7 @@ class Group:
 
 
 def modelled_times(spec: PDClusterSpec, role: Role) -> StartTimes:
-    """``tandem_sim.weights.phases`` of the ``kimi-k2.6-h200`` profile (``KIMI_LOAD``) for the role's layout, plus
+    """``tandem_sim.model.weights.phases`` of the ``kimi-k2.6-h200`` profile (``KIMI_LOAD``) for the role's layout, plus
     the warm-up request. Every pod starts as a seed (the operator's ``SEED_FLAG``), so one that reads the node's copy
     also registers its weights; a prefill server captures no decode CUDA graphs."""
     layout = spec.role(role)

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from tandem.sglang_args import SGLANG_VERSION, add_sglang_flags
-from tandem_sim.model import MIN_KV_BYTES
-from tandem_sim.numerics import DETERMINISTIC_OVERHEAD, Numerics, decode_capture_sizes, default_decode_max_bs
-from tandem_sim.profiles import DEFAULT_PROFILE, NO_LOAD, PROFILES, SimProfile
-from tandem_sim.ranks import KVLayout, Topology, check_parallel_flags, layout_error
-from tandem_sim.weights import LoadSettings, resolve_load
+from tandem_sim.model.model import MIN_KV_BYTES
+from tandem_sim.model.numerics import DETERMINISTIC_OVERHEAD, Numerics, decode_capture_sizes, default_decode_max_bs
+from tandem_sim.model.profiles import DEFAULT_PROFILE, NO_LOAD, PROFILES, SimProfile
+from tandem_sim.model.ranks import KVLayout, Topology, check_parallel_flags, layout_error
+from tandem_sim.model.weights import LoadSettings, resolve_load
 
 HICACHE_BACKENDS_SIMULATED = ("file", "mooncake")
 # Mooncake 0.3.13's own RPC port range when ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT`` are unset or invalid.
@@ -140,12 +140,12 @@ class SimConfig:
     offload: bool
     hicache_storage_backend: str | None
     hicache_file_dir: str | None  # shared L3 pages (file backend): decode offload writes, prefill reads/writes
-    # prefill HiCache on the mooncake backend: the Store's env (tandem_sim.mooncake_store), opened by every rank
+    # prefill HiCache on the mooncake backend: the Store's env (tandem_sim.pd.mooncake_store), opened by every rank
     mooncake_store_env: Mapping[str, str] | None
     pd_ib_device: str  # the PD engine's device string (SGLang: "" under MC_FORCE_TCP=1)
     enable_metrics: bool
     profile: SimProfile  # step times (x 1.3435 with --enable-deterministic-inference)
-    # --enable-deterministic-inference: batch-invariant kernels, so no batch-variant numerics (numerics.py)
+    # --enable-deterministic-inference: batch-invariant kernels, so no batch-variant numerics (model/numerics.py)
     deterministic_inference: bool
     decode_cuda_graph_bs: tuple[int, ...]  # decode batch sizes are padded up to these (empty: no padding)
     kv_bytes_per_token: int
@@ -155,7 +155,7 @@ class SimConfig:
     slow_health_s: float  # /health answers this much later while requests run (a health check queued under load)
     hang_after_s: float | None  # the schedulers stop this long after start (--sim-inject-hang-after-s)
     pd: PdEnv
-    load: LoadSettings  # where the weights come from (weights.py)
+    load: LoadSettings  # where the weights come from (model/weights.py)
     server_args: Mapping[str, Any]  # every SGLang flag's resolved value, shown in /server_info
 
     @property
@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--sim-profile",
         choices=sorted(PROFILES),
         default=DEFAULT_PROFILE,
-        help="timing constants of the simulated GPU (tandem_sim/profiles.py); the --sim-*-ms flags override them",
+        help="timing constants of the simulated GPU (tandem_sim/model/profiles.py); the --sim-*-ms flags override them",
     )
     sim.add_argument("--sim-time-factor", type=float, default=None, help="multiply every simulated time by this")
     sim.add_argument("--sim-prefill-ms-per-token", type=float, default=None, help="prefill time per uncached token")
@@ -223,8 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--sim-load-phases",
         action="store_true",
-        help="start-up takes the profile's load phases (weights.py: download or read or peer pull, JIT, CUDA graphs) "
-        "x --sim-time-factor; without it they take no time (kimi-k2.6-h200 would take 1.5-10 min)",
+        help="start-up takes the profile's load phases (model/weights.py: download or read or peer pull, JIT, "
+        "CUDA graphs) x --sim-time-factor; without it they take no time (kimi-k2.6-h200 would take 1.5-10 min)",
     )
     sim.add_argument(
         "--sim-weight-mb",

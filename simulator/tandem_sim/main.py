@@ -17,18 +17,18 @@ from aiohttp import web
 
 from tandem import logs
 from tandem.sglang_args import SGLANG_HTTP_BACKLOG
-from tandem_sim.bootstrap import BootstrapServer
 from tandem_sim.config import ConfigError, SimConfig, parse
-from tandem_sim.loader import Loader, LoadError
+from tandem_sim.http.server import Server, cancel_all
 from tandem_sim.metrics import Metrics
-from tandem_sim.mooncake_ports import RDMA_NO_PORT, rdma_ranks_that_start
-from tandem_sim.multinode import GroupError, Rendezvous, split_addr
-from tandem_sim.prefill import PrefillSide
-from tandem_sim.rankserver import RankServer
-from tandem_sim.seed import PORT_IN_USE, EngineInfoBootstrap
-from tandem_sim.server import Server, cancel_all
-from tandem_sim.transfer import INIT_FAILED, TransferEngineError
-from tandem_sim.weights import LoadFlagError
+from tandem_sim.model.weights import LoadFlagError
+from tandem_sim.pd.bootstrap import BootstrapServer
+from tandem_sim.pd.loader import Loader, LoadError
+from tandem_sim.pd.mooncake_ports import RDMA_NO_PORT, rdma_ranks_that_start
+from tandem_sim.pd.multinode import GroupError, Rendezvous, split_addr
+from tandem_sim.pd.prefill import PrefillSide
+from tandem_sim.pd.rankserver import RankServer
+from tandem_sim.pd.seed import PORT_IN_USE, EngineInfoBootstrap
+from tandem_sim.pd.transfer import INIT_FAILED, TransferEngineError
 from tandem_sim.worker import RankStartError, Worker
 
 log = logging.getLogger("tandem_sim")
@@ -126,7 +126,7 @@ def _rdma_ports_ok(cfg: SimConfig, host: str) -> bool:
 
 
 async def _load(cfg: SimConfig, loader: Loader, stop: asyncio.Event) -> SimConfig | None:
-    """The node's load phases (``loader.py``); None (after SGLang's error log) when a rank fails to load, or when
+    """The node's load phases (``pd/loader.py``); None (after SGLang's error log) when a rank fails to load, or when
     the process is stopped meanwhile."""
     try:
         loader.start_engines()
@@ -171,7 +171,7 @@ def _background(worker: Worker) -> list[asyncio.Task[None]]:
 
 
 async def _seed_bootstrap(cfg: SimConfig) -> web.AppRunner | None:
-    """A seed's engine-info bootstrap server, on node 0 before the schedulers start (``seed.py``); None after
+    """A seed's engine-info bootstrap server, on node 0 before the schedulers start (``pd/seed.py``); None after
     SGLang's error when its port is taken."""
     try:
         return await _site(EngineInfoBootstrap().app(), cfg.host, cfg.load.engine_info_bootstrap_port)

@@ -1,9 +1,9 @@
 """One simulated SGLang server node: runs a parsed request in aggregated, prefill or decode mode over its GPU ranks.
 
 ``Worker.run`` is the whole life of a request (admission, prompt KV, decode loop, release); the HTTP layer
-(``server.py``) only parses bodies and formats responses.
+(``http/server.py``) only parses bodies and formats responses.
 
-SGLang's process model (``ranks.py``): the node runs ``tp_size / nnodes`` ranks. Ranks are grouped into
+SGLang's process model (``model/ranks.py``): the node runs ``tp_size / nnodes`` ranks. Ranks are grouped into
 attention-DP groups; each group has one KV pool sharded over its attention-TP ranks (one ``Engine``) and, in PD
 mode, every rank has its own Mooncake engine (own session id) and its own ``PrefillSide``/``DecodeSide``. A prefill
 request runs on DP group ``room % attn_dp_size`` (``follow_bootstrap_room``, SGLang's prefill default), a decode or
@@ -22,20 +22,20 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from tandem_sim import model
+from tandem_sim.api.requests import GenerateInput
+from tandem_sim.api.responses import Outcome
 from tandem_sim.config import SimConfig
-from tandem_sim.decode import DecodeSide, KVTransferError, SchedulerCrashError
-from tandem_sim.engine import Engine, RunningRequest
-from tandem_sim.kvpool import OutOfPagesError
+from tandem_sim.engine.engine import Engine, RunningRequest
+from tandem_sim.engine.kvpool import OutOfPagesError
 from tandem_sim.metrics import Metrics
-from tandem_sim.mooncake_store import MooncakeL3, open_store
-from tandem_sim.multinode import Rendezvous
-from tandem_sim.numerics import PrefillVariant
-from tandem_sim.prefill import PrefillSide, TransferFailedError
-from tandem_sim.ranks import Topology
-from tandem_sim.requests import GenerateInput
-from tandem_sim.responses import Outcome
-from tandem_sim.transfer import MooncakeTransfer
+from tandem_sim.model import model
+from tandem_sim.model.numerics import PrefillVariant
+from tandem_sim.model.ranks import Topology
+from tandem_sim.pd.decode import DecodeSide, KVTransferError, SchedulerCrashError
+from tandem_sim.pd.mooncake_store import MooncakeL3, open_store
+from tandem_sim.pd.multinode import Rendezvous
+from tandem_sim.pd.prefill import PrefillSide, TransferFailedError
+from tandem_sim.pd.transfer import MooncakeTransfer
 
 
 class GenerationError(RuntimeError):

@@ -23,7 +23,7 @@ What is modelled:
 * A decode's time and capacity: one token every ``--step-ms`` per running request, at most ``--max-running``
   requests at once, the rest queued; ``sglang:num_running_reqs``, ``num_queue_reqs`` and ``token_usage``
   (running / max running) on ``/metrics``, so the router's capacity learner sees a saturated decode.
-* The upstream decode KV-offload race 1, as the simulator models it (simulator/tandem_sim/engine.py,
+* The upstream decode KV-offload race 1, as the simulator models it (simulator/tandem_sim/engine/engine.py,
   ``_maybe_offload`` with ``offload_race``): on a request's first offload (its page holding the prompt's end
   fills, pages of ``PAGE_TOKENS`` = 16 tokens as the integrity stack's decodes use, not SGLang's 64, so that
   short answers reach it) its full prompt pages go back to the allocator while it still attends to them. The

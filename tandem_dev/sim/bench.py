@@ -22,8 +22,8 @@ import numpy as np
 from tandem_dev.bench import BenchArgs, Table
 from tandem_dev.sim.bench_ranks import rank_transfer_table
 from tandem_dev.sim.testing import SimWorker, pd_fields, start_decode, start_prefill, start_worker
-from tandem_sim import model
-from tandem_sim.transfer import MooncakeTransfer
+from tandem_sim.model import model
+from tandem_sim.pd.transfer import MooncakeTransfer
 
 CONCURRENCY = 32
 

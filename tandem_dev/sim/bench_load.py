@@ -27,7 +27,7 @@ import numpy as np
 
 from tandem_dev.bench import BenchArgs, Plot, Table
 from tandem_dev.sim.testing import SimWorker, pd_fields, start_decode, start_prefill, start_worker
-from tandem_sim.profiles import KIMI_PUBLISHED
+from tandem_sim.model.profiles import KIMI_PUBLISHED
 
 LEVELS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 QUICK_LEVELS = (1, 4, 16)

@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tandem_dev.bench import Table
-from tandem_sim.transfer import MooncakeTransfer
+from tandem_sim.pd.transfer import MooncakeTransfer
 
 MAX_SEGMENTS = 256  # Mooncake's TCP transport resets connections on batches of thousands of segments
 

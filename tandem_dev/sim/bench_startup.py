@@ -26,8 +26,8 @@ from tandem_dev.procs import free_port
 from tandem_dev.scaleout import StartTimes, modelled_times, recipe_spec, scale_out
 from tandem_dev.sim.testing import HOST, start_worker
 from tandem_sim.config import parse
-from tandem_sim.profiles import KIMI_LOAD
-from tandem_sim.weights import phases, physical_bound_s
+from tandem_sim.model.profiles import KIMI_LOAD
+from tandem_sim.model.weights import phases, physical_bound_s
 
 GOAL_S = 90.0
 NODE, PEER = "node copy (NVMe)", "peer (Mooncake)"
@@ -83,7 +83,7 @@ def run(args: BenchArgs) -> list[Table]:
     table.notes += [
         f"--sim-time-factor {factor:g}; measured = (start to /health 200 - {baseline:.2f} s without load phases) / "
         "factor; modelled adds the warm-up request (status Starting) to the phases",
-        "profile kimi-k2.6-h200 (tandem_sim/profiles.py: KIMI_LOAD): 600 GB, hub 1.25 GB/s (estimate), node copy "
+        "profile kimi-k2.6-h200 (tandem_sim/model/profiles.py: KIMI_LOAD): 600 GB, hub 1.25 GB/s (estimate), node copy "
         "12 GB/s (a published SGLang log), peer 190 GB/s (Mooncake, 8x400G RoCE, published), JIT 20 s and init "
         "15 s (estimates), CUDA graphs 12 s (a published log)",
     ]
@@ -108,7 +108,7 @@ def scale_out_table(measured: StartTimes, start: int = 1, target: int = 4) -> Ta
         "deploy/kimi-k26-h200.yaml (decode: 1 node, TP 8), spec.peerLoading {enabled, maxLoadsPerSeed: 2} (default "
         "limit); the operator's seed_pool + steps (decide/planner.py) pick each group's source at the scale-up; a "
         "group that loaded from a peer never seeds, so the one past the seed's limit reads the node's copy",
-        f"modelled: tandem_sim.weights phases + warm-up with the seed flag every operator pod has (node copy "
+        f"modelled: tandem_sim.model.weights phases + warm-up with the seed flag every operator pod has (node copy "
         f"{modelled.node_s:.1f} s: +{KIMI_LOAD.register_s:g} s register over the table above; peer "
         f"{modelled.peer_s:.1f} s); measured: the table above's times per source; each pull timed as if alone "
         "(a seed's egress shared by 2 pulls adds ~3 s), no pod scheduling or image pull",

@@ -1,8 +1,8 @@
 """The simulator parses requests as SGLang 0.5.23 does, checked against SGLang's own code from the pinned wheel.
 
-- The field sets of tandem_sim.sglang_fields equal SGLang's request models (read from the wheel with ast), and
+- The field sets of tandem_sim.api.sglang_fields equal SGLang's request models (read from the wheel with ast), and
   none of those models forbids extra fields (so unknown fields are ignored, as the simulator does).
-- The simulator's ``/generate`` contract gate (tandem_sim.contract) gives SGLang's own decoder's verdict and
+- The simulator's ``/generate`` contract gate (tandem_sim.api.contract) gives SGLang's own decoder's verdict and
   message on a corpus of good and bad bodies (SGLang's decoder runs in the ``sglang-parser`` peer venv).
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tandem_dev import peers
-from tandem_sim import contract, sglang_fields
+from tandem_sim.api import contract, sglang_fields
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(300)]  # the peer venv imports torch (10-60 s on a loaded machine)
 CONTRACT = Path(__file__).with_name("sglang_contract.py")

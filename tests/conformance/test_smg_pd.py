@@ -6,7 +6,7 @@ exactly what an aggregated simulator answers at temperature 0, and the prefills'
 must grow by exactly the prompt's KV bytes (prompt tokens x ``--sim-kv-bytes-per-token``, default 256).
 
 What smg does that SGLang serves (``shared/reference/fidelity.md``): it sends ``model`` and ``background`` in
-``/generate`` bodies (SGLang ignores unknown fields: tandem_sim.sglang_fields), tries HTTP/2 prior knowledge and
+``/generate`` bodies (SGLang ignores unknown fields: tandem_sim.api.sglang_fields), tries HTTP/2 prior knowledge and
 falls back to HTTP/1.1, and tries to download a tokenizer for the model name (offline: a warning).
 """
 

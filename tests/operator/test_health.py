@@ -21,7 +21,7 @@ from tandem_operator.desired.naming import ClusterRef
 from tandem_operator.desired.pods import RoleContext, group_pod
 from tandem_operator.desired.probes import GENERATION_CHECK_TIMEOUT_S, LONGEST_FORWARD_S
 from tandem_operator.run.runtime import ClusterRuntime, RuntimeOptions
-from tandem_sim.profiles import PROFILES
+from tandem_sim.model.profiles import PROFILES
 from tests.operator.conftest import kimi_spec
 from tests.operator.fakes import FakeKube, FakeRegistrar, with_pools
 from tests.operator.workers import CLUSTER, POOL, live_pod

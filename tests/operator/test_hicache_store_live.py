@@ -1,6 +1,6 @@
 """The K2.6 recipe's shape with HiCache on the Mooncake Store, on the dev cluster: the operator renders the pods,
 the pod runner runs each pod's ``tandem sim`` in the pod's own network namespace with the rendered env, and every
-prefill rank opens the real Store client (``tandem_sim.mooncake_store``) against a real ``mooncake_master`` run as
+prefill rank opens the real Store client (``tandem_sim.pd.mooncake_store``) against a real ``mooncake_master`` run as
 the chart runs it (HA on its own etcd, ``--cluster_id=tandem``), both reached at the pod network's gateway.
 
 - With the env the operator renders, the 8-rank prefill serves through the router and a repeated prompt is read

@@ -36,7 +36,7 @@ from tandem.registry import Role
 from tandem_dev.devcluster.probes import LIVENESS, READINESS, Probe, ProbeTarget, ProbeTracker, check
 from tandem_dev.sim.testing import HOST, SimWorker, start_worker
 from tandem_operator.desired.pods import RoleContext, group_pod
-from tandem_sim.profiles import PROFILES
+from tandem_sim.model.profiles import PROFILES
 from tests.operator.conftest import kimi_spec
 from tests.operator.workers import CLUSTER, POOL
 

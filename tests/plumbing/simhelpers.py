@@ -12,7 +12,7 @@ import aiohttp
 
 from tandem_dev.procs import free_port
 from tandem_dev.sim.testing import HOST, SimWorker, pd_fields, start_worker
-from tandem_sim import model
+from tandem_sim.model import model
 
 # Rare words only: the simulated model never makes these up, so one in an output was copied from some context.
 WORDS = model.vocabulary()[model.COMMON_WORDS_END :]

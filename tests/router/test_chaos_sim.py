@@ -33,7 +33,7 @@ from tandem.registry import Role
 from tandem_dev.local_stack import LocalStack, Worker, sim_worker_argv
 from tandem_dev.stack_fixture import running_stack
 from tandem_router.openai.schema import Route
-from tandem_sim.model import COMMON_WORDS_END, VOCAB_SIZE, tokenize, vocabulary
+from tandem_sim.model.model import COMMON_WORDS_END, VOCAB_SIZE, tokenize, vocabulary
 from tests.plumbing.routermetrics import RouterMetrics, scrape
 from tests.router.streams import Outcome, reference, stream
 

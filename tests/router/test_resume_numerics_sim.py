@@ -5,7 +5,7 @@ other batches than the uninterrupted answer would have, and a near-tied token ma
 guarantee, checked on every stream by its output token ids: no error, one stream id, a token count equal to the
 ids relayed, no repeated or missing token at the seam, and a text the model would produce: every token is the
 step's top-1 or, at a near-tie, its runner-up, given the prompt and the tokens before it
-(``tandem_sim.calibration.off_path``, the simulator's own model evaluated in the test).
+(``tandem_sim.model.calibration.off_path``, the simulator's own model evaluated in the test).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from tandem.registry import Role
 from tandem_dev.local_stack import LocalStack
 from tandem_dev.stack_fixture import running_stack
 from tandem_router.openai.schema import Route
-from tandem_sim import model
-from tandem_sim.calibration import off_path
+from tandem_sim.model import model
+from tandem_sim.model.calibration import off_path
 from tests.plumbing.routermetrics import scrape
 from tests.router.streams import Outcome, stream
 from tests.router.test_chaos_sim import FAST_PD_ENV, MAX_TOKENS, default_numerics_sim, time_to_kill
@@ -78,7 +78,7 @@ async def _scenario(stack: LocalStack) -> None:
         output = model.from_ids(out.output_ids)
         assert out.completion_tokens == len(out.output_ids), i
         # the text is exactly the relayed tokens, seam included; the prompt ends in a word, so the output continues
-        # it with a separator (``tandem_sim.requests.Request.continues_text``, SGLang's incremental detokenizer)
+        # it with a separator (``tandem_sim.api.requests.Request.continues_text``, SGLang's incremental detokenizer)
         assert out.text == "".join(f" {word}" for word in output.words), i
         params = model.SamplingParams(max_new_tokens=MAX_TOKENS, temperature=0.0)
         assert off_path(_prompt(_body(i)), output, params) is None, (i, off_path(_prompt(_body(i)), output, params))

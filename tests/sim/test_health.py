@@ -1,4 +1,4 @@
-"""SGLang 0.5.23's health endpoints in ``tandem sim`` (``tandem_sim/health.py``): ``/health`` waits for the
+"""SGLang 0.5.23's health endpoints in ``tandem sim`` (``tandem_sim/http/health.py``): ``/health`` waits for the
 scheduler's next output (503 past ``SGLANG_HEALTH_CHECK_TIMEOUT``), ``/ready`` reports the last check's verdict,
 a hung scheduler (``--sim-inject-hang-after-s``) fails them while ``/metrics`` still answers, and
 ``--sim-slow-health-s`` delays ``/health`` under load."""

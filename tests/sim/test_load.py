@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from tandem_dev.sim.testing import SimWorker, pd_fields, start_decode, start_prefill, start_worker
-from tandem_sim import model
+from tandem_sim.model import model
 from tests.plumbing.simhelpers import REAL_WORDS, bounded, metric_sum, prompts
 
 pytestmark = pytest.mark.procs

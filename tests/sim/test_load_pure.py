@@ -1,5 +1,5 @@
-"""The simulator under load, in-process: continuous batching (``stepper.py``), the radix prefix cache
-(``radix.py``), profiles and the flag checks. No processes; times are simulated GPU times of a few ms."""
+"""The simulator under load, in-process: continuous batching (``engine/stepper.py``), the radix prefix cache
+(``engine/radix.py``), profiles and the flag checks. No processes; times are simulated GPU times of a few ms."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import time
 
 import pytest
 
-from tandem_sim import model
 from tandem_sim.config import ConfigError, parse
-from tandem_sim.engine import Engine, RunningRequest
+from tandem_sim.engine.engine import Engine, RunningRequest
+from tandem_sim.engine.radix import RadixCache
+from tandem_sim.engine.stepper import Stepper
 from tandem_sim.main import main
 from tandem_sim.metrics import Metrics
-from tandem_sim.model import SamplingParams
-from tandem_sim.profiles import KIMI_PUBLISHED, PROFILES, SimProfile
-from tandem_sim.radix import RadixCache
-from tandem_sim.stepper import Stepper
+from tandem_sim.model import model
+from tandem_sim.model.model import SamplingParams
+from tandem_sim.model.profiles import KIMI_PUBLISHED, PROFILES, SimProfile
 
 MODEL = ["--model-path", "sim/model"]
 

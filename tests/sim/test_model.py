@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tandem_router.integrity.detectors import PromptLeakIndex, find_bad_text, find_repetition_loop
-from tandem_sim import model
+from tandem_sim.model import model
 
 W = model.weights(0, 256)
 

@@ -1,6 +1,6 @@
 """A K2.6-shaped prefill (8 ranks in one process, HiCache on the Mooncake Store) against the real Store: a real
 ``mooncake_master`` in HA mode on etcd (as the chart runs it, ``--cluster_id=tandem``) and the simulator opening the
-real Store client per rank (``tandem_sim.mooncake_store``), with the env the operator renders for the pod.
+real Store client per rank (``tandem_sim.pd.mooncake_store``), with the env the operator renders for the pod.
 
 - The env the operator rendered before this change (TE metadata in etcd, no local hostname, no Store cluster id,
   a window sized for the PD engines alone) fails at start-up with SGLang's error, as the review found on H200s.

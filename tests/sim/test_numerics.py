@@ -1,4 +1,4 @@
-"""Batch-variant GPU numerics of the simulated model (``tandem_sim/numerics.py``, issue #33). Pure.
+"""Batch-variant GPU numerics of the simulated model (``tandem_sim/model/numerics.py``, issue #33). Pure.
 
 Deterministic inference gives the same answer under any batch mix; the default flips greedy steps only at
 near-ties (margin below sigma), to the runner-up, which then sees the top-1 as its own runner-up; the calibration
@@ -16,10 +16,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem_sim import config, model, numerics, responses
-from tandem_sim.calibration import calibrate, off_path
-from tandem_sim.contract import ContractError, check_generate
-from tandem_sim.numerics import (
+from tandem_sim import config
+from tandem_sim.api import responses
+from tandem_sim.api.contract import ContractError, check_generate
+from tandem_sim.api.openai_requests import parse_openai
+from tandem_sim.api.requests import parse_generate
+from tandem_sim.model import model, numerics
+from tandem_sim.model.calibration import calibrate, off_path
+from tandem_sim.model.numerics import (
     SIGMA,
     DecodeVariant,
     Numerics,
@@ -30,8 +34,6 @@ from tandem_sim.numerics import (
     default_decode_max_bs,
     padded_batch_size,
 )
-from tandem_sim.openai_requests import parse_openai
-from tandem_sim.requests import parse_generate
 
 W = model.weights(0, 256)
 CAPTURE = decode_capture_sizes(256)

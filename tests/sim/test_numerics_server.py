@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from tandem_dev.sim.testing import SimWorker, pd_fields, start_decode, start_prefill, start_worker
-from tandem_sim.numerics import SIGMA
+from tandem_sim.model.numerics import SIGMA
 from tests.plumbing.simhelpers import REAL_WORDS
 
 pytestmark = pytest.mark.procs

@@ -24,8 +24,8 @@ import pytest
 
 from tandem_dev.procs import ManagedProcess, free_port
 from tandem_dev.sim.testing import HOST, SimWorker, pd_fields, start_decode, start_worker
-from tandem_sim.mooncake_ports import RDMA_NO_PORT
-from tandem_sim.transfer import INIT_FAILED
+from tandem_sim.pd.mooncake_ports import RDMA_NO_PORT
+from tandem_sim.pd.transfer import INIT_FAILED
 from tests.plumbing.simhelpers import pd_generate, prompts, start_group
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]

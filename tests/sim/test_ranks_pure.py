@@ -1,4 +1,4 @@
-"""SGLang's process model as data (``tandem_sim.ranks``): rank layout, the decode-to-prefill rank mapping, head
+"""SGLang's process model as data (``tandem_sim.model.ranks``): rank layout, the decode-to-prefill rank mapping, head
 slices, the sharded KV pool and the flag checks. Pure: no processes."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from tandem_sim.config import ConfigError, MooncakeEnv, parse
-from tandem_sim.kvpool import ShardedPool
-from tandem_sim.prefill import RowSlice, transfer_segments
-from tandem_sim.ranks import KVLayout, RankMapping, Topology, head_slice, heads_of_rank, rank_mapping
+from tandem_sim.engine.kvpool import ShardedPool
+from tandem_sim.model.ranks import KVLayout, RankMapping, Topology, head_slice, heads_of_rank, rank_mapping
+from tandem_sim.pd.prefill import RowSlice, transfer_segments
 
 
 def test_kimi_layout_tp16_over_two_nodes_with_attention_dp() -> None:

@@ -1,4 +1,4 @@
-"""The simulated server loads its weights (``tandem_sim/loader.py``, ``seed.py``): the load phases take the
+"""The simulated server loads its weights (``tandem_sim/pd/loader.py``, ``pd/seed.py``): the load phases take the
 profile's time, the server answers as SGLang 0.5.23 does meanwhile, a peer pulls real bytes from a serving seed
 over the Mooncake transfer engine, and a seed killed mid-pull fails the peer's load as SGLang's would.
 Real processes in a loopback-only network namespace."""
@@ -18,7 +18,7 @@ import pytest
 
 from tandem_dev.procs import free_port
 from tandem_dev.sim.testing import HOST, SimWorker, start_prefill, start_worker
-from tandem_sim.profiles import KIMI_LOAD
+from tandem_sim.model.profiles import KIMI_LOAD
 
 pytestmark = [pytest.mark.netns, pytest.mark.procs, pytest.mark.timeout(180)]
 

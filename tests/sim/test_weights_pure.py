@@ -1,4 +1,4 @@
-"""The simulator's load model without processes (``tandem_sim/weights.py``, ``profiles.LoadProfile``): SGLang's
+"""The simulator's load model without processes (``tandem_sim/model/weights.py``, ``profiles.LoadProfile``): SGLang's
 load-flag resolution, the phases and their times for the K2.6 profile, the default profile's zero load."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tandem_sim.config import build_parser
-from tandem_sim.profiles import KIMI_LOAD, NO_LOAD, PROFILES
-from tandem_sim.weights import (
+from tandem_sim.model.profiles import KIMI_LOAD, NO_LOAD, PROFILES
+from tandem_sim.model.weights import (
     INCOMPLETE,
     INCOMPLETE_NCCL,
     LoadFlagError,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from tandem.registry import Role
 from tandem_dev.scaleout import Fleet, StartTimes, modelled_times, recipe_spec, scale_out
-from tandem_sim.profiles import KIMI_LOAD
+from tandem_sim.model.profiles import KIMI_LOAD
 
 TIMES = StartTimes(node_s=100.0, peer_s=50.0)
 

@@ -17,7 +17,7 @@ What SGLang 0.5.23 offers (``sglang/srt/entrypoints/http_server.py``: ``health_g
   ``/health``, ``/health_generate`` and ``/ping``, always 200; no ``/ready``.
 
 Budgets. The longest batch the simulator's ``kimi-k2.6-h200`` profile allows is a whole 256K-token prompt in one
-forward (``--chunked-prefill-size -1``): 262,144 tokens x 0.153 ms (1000 / 6537, ``tandem_sim/profiles.py``) =
+forward (``--chunked-prefill-size -1``): 262,144 tokens x 0.153 ms (1000 / 6537, ``tandem_sim/model/profiles.py``) =
 **40.1 s** (with the recipe's 16384-token chunks a batch is 2.5 s, the whole prompt the same 40.1 s). The operator
 sets ``SGLANG_HEALTH_CHECK_TIMEOUT`` to ``GENERATION_CHECK_TIMEOUT_S`` = 45 s unless a role's env sets it, so a
 generation check, whoever sends it, fails only when the scheduler put out nothing for longer than any forward can

@@ -19,7 +19,7 @@ from kubernetes_asyncio import client
 
 from tandem_dev.devcluster.podrunner import PodRunner
 from tandem_dev.devcluster.podstatus import ContainerView, Terminated, status_patch
-from tandem_sim.transfer import INIT_FAILED
+from tandem_sim.pd.transfer import INIT_FAILED
 from tests.tandem_dev.devcluster.devcluster_fixtures import create, eventually
 
 pytestmark = [pytest.mark.k8s, pytest.mark.netns, pytest.mark.timeout(240)]

@@ -22,14 +22,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from tandem_sim import model
 from tandem_sim.config import SimConfig
-from tandem_sim.hicache import FileStore, L3Store, page_keys
-from tandem_sim.kvpool import PagedPool
+from tandem_sim.engine.hicache import FileStore, L3Store, page_keys
+from tandem_sim.engine.kvpool import PagedPool
 from tandem_sim.metrics import Metrics
-from tandem_sim.numerics import PrefillVariant
-from tandem_sim.ranks import KVLayout, Rank, head_slice
-from tandem_sim.transfer import MooncakeTransfer
+from tandem_sim.model import model
+from tandem_sim.model.numerics import PrefillVariant
+from tandem_sim.model.ranks import KVLayout, Rank, head_slice
+from tandem_sim.pd.transfer import MooncakeTransfer
 
 log = logging.getLogger("tandem_sim.prefill")
 

@@ -6,7 +6,7 @@ The decode's KV offload writes the pages it copied device->host; a prefill with 
 pages through and, on a later request with the same prefix (the next turn of a conversation), reads the longest
 run of cached pages back instead of computing them. A page whose offload copy was poisoned (the second upstream
 race) therefore turns into wrong text on that next turn. The ``mooncake`` backend of a prefill's HiCache is
-the real Mooncake Store (``tandem_sim.mooncake_store``); decode offload to it is host memory only.
+the real Mooncake Store (``tandem_sim.pd.mooncake_store``); decode offload to it is host memory only.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
-from tandem_sim import model
+from tandem_sim.model import model
 
 DEFAULT_FILE_DIR = "/tmp/hicache"
 
@@ -46,7 +46,8 @@ def page_keys(tokens: model.Tokens, page_size: int, seed: int) -> list[str]:
 
 
 class L3Store(Protocol):
-    """HiCache's L3 as the prefill uses it: the file backend, or the Mooncake Store (``tandem_sim.mooncake_store``)."""
+    """HiCache's L3 as the prefill uses it: the file backend, or the Mooncake Store
+    (``tandem_sim.pd.mooncake_store``)."""
 
     def put(self, key: str, rows: np.ndarray) -> None: ...
 

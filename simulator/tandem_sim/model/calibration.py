@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tandem_sim import model
-from tandem_sim.numerics import (
+from tandem_sim.model import model
+from tandem_sim.model.numerics import (
     SIGMA,
     Numerics,
     PrefillVariant,

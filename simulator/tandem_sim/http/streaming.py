@@ -6,9 +6,9 @@ from typing import Any
 
 from aiohttp import web
 
-from tandem_sim import responses
-from tandem_sim.openai_requests import OpenAIRequest
-from tandem_sim.responses import Outcome
+from tandem_sim.api import responses
+from tandem_sim.api.openai_requests import OpenAIRequest
+from tandem_sim.api.responses import Outcome
 from tandem_sim.worker import OnProgress
 
 

@@ -27,11 +27,11 @@ import aiohttp
 import orjson
 
 from tandem_sim.config import SimConfig
-from tandem_sim.kvpool import PagedPool
+from tandem_sim.engine.kvpool import PagedPool
 from tandem_sim.metrics import Metrics
-from tandem_sim.numerics import PrefillVariant
-from tandem_sim.ranks import KVLayout, Rank, RankMapping, rank_mapping
-from tandem_sim.transfer import MooncakeTransfer
+from tandem_sim.model.numerics import PrefillVariant
+from tandem_sim.model.ranks import KVLayout, Rank, RankMapping, rank_mapping
+from tandem_sim.pd.transfer import MooncakeTransfer
 
 log = logging.getLogger("tandem_sim.decode")
 PD_PATH = "/tandem/pd"

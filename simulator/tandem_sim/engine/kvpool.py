@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from tandem_sim.ranks import KVLayout
+from tandem_sim.model.ranks import KVLayout
 
 
 class OutOfPagesError(RuntimeError):

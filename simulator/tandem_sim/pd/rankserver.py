@@ -19,8 +19,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from tandem_sim.decode import MAX_MESSAGE, PD_PATH
-from tandem_sim.prefill import DecodeRegistration, HandOver, PrefillSide, RoomExpiredError
+from tandem_sim.pd.decode import MAX_MESSAGE, PD_PATH
+from tandem_sim.pd.prefill import DecodeRegistration, HandOver, PrefillSide, RoomExpiredError
 
 
 def _json(doc: Any, status: int = 200) -> web.Response:
@@ -89,7 +89,8 @@ class RankServer:
 
     async def channel(self, request: web.Request) -> web.WebSocketResponse:
         """One decode rank's hand-over channel: hand-overs in, ``{room, status[, reason | first_token_variant]}``
-        out (a success carries the variant of the prefill batch that computed the first token: ``numerics.py``)."""
+        out (a success carries the variant of the prefill batch that computed the first token:
+        ``model/numerics.py``)."""
         ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE, heartbeat=None)
         await ws.prepare(request)
         tasks: set[asyncio.Task[None]] = set()

@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from tandem_sim.numerics import StepLogprobs
+from tandem_sim.model.numerics import StepLogprobs
 
 LogprobEntry = tuple[float, int, str]  # (logprob, token id, token text): SGLang's triple
 

@@ -1,4 +1,4 @@
-"""The start-up of one simulated SGLang 0.5.23 node: the load phases of ``weights.py`` in wall time, and for
+"""The start-up of one simulated SGLang 0.5.23 node: the load phases of ``model/weights.py`` in wall time, and for
 ``--load-format remote_instance`` the rank-by-rank pull of real bytes from a running seed over the Mooncake
 transfer engine (protocol: ``seed.py``).
 
@@ -29,11 +29,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from tandem_sim import seed, weights
 from tandem_sim.config import SimConfig
-from tandem_sim.multinode import split_addr
-from tandem_sim.ranks import Rank
-from tandem_sim.transfer import MooncakeTransfer
+from tandem_sim.model import weights
+from tandem_sim.model.ranks import Rank
+from tandem_sim.pd import seed
+from tandem_sim.pd.multinode import split_addr
+from tandem_sim.pd.transfer import MooncakeTransfer
 
 log = logging.getLogger("tandem_sim.loader")
 LOAD_FAILED = "Failed to load weights from remote instance via transfer engine."

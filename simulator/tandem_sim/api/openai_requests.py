@@ -18,8 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tandem_sim import model
-from tandem_sim.requests import (
+from tandem_sim.api.requests import (
     BadRequestError,
     GenerateInput,
     bootstrap_list,
@@ -28,7 +27,8 @@ from tandem_sim.requests import (
     routed_dp_rank,
     sampling_params,
 )
-from tandem_sim.sglang_fields import CHAT_FIELDS, COMPLETION_FIELDS, ignored_fields
+from tandem_sim.api.sglang_fields import CHAT_FIELDS, COMPLETION_FIELDS, ignored_fields
+from tandem_sim.model import model
 
 _SAMPLING = (
     ("temperature", "temperature"),

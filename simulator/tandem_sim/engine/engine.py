@@ -22,15 +22,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tandem_sim import hicache, model
 from tandem_sim.config import SimConfig
-from tandem_sim.hicache import FileStore
-from tandem_sim.kvpool import PagedPool, ShardedPool
+from tandem_sim.engine import hicache
+from tandem_sim.engine.hicache import FileStore
+from tandem_sim.engine.kvpool import PagedPool, ShardedPool
+from tandem_sim.engine.radix import RadixCache
+from tandem_sim.engine.stepper import Stepper
 from tandem_sim.metrics import Metrics
-from tandem_sim.numerics import PrefillVariant, StepLogprobs, Variant
-from tandem_sim.radix import RadixCache
-from tandem_sim.ranks import KVLayout
-from tandem_sim.stepper import Stepper
+from tandem_sim.model import model
+from tandem_sim.model.numerics import PrefillVariant, StepLogprobs, Variant
+from tandem_sim.model.ranks import KVLayout
 
 # Simulated device->host(+storage backend) copy time per page: not instantaneous, which is the races' window.
 OFFLOAD_COPY_S = 0.05

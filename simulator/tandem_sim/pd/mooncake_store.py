@@ -35,8 +35,8 @@ import numpy.typing as npt
 
 if TYPE_CHECKING:
     from tandem_sim.config import SimConfig
-    from tandem_sim.ranks import Rank
-    from tandem_sim.transfer import MooncakeTransfer
+    from tandem_sim.model.ranks import Rank
+    from tandem_sim.pd.transfer import MooncakeTransfer
 
 log = logging.getLogger("tandem_sim")
 

@@ -10,13 +10,13 @@ Modelled on SGLang 0.5.23's scheduler loop (``managers/scheduler.py``: ``Schedul
 - otherwise one decode step runs for every sequence that asked for its next token; sequences that ask during a
   step join the next one (requests join and leave the running batch between steps).
 
-A step's duration comes from the profile (``profiles.py``): prefill ``base + per_token * tokens``; decode
+A step's duration comes from the profile (``model/profiles.py``): prefill ``base + per_token * tokens``; decode
 ``base + per_seq * B + per_kv_token * sum(context)``. The stepper decides *when* a request's work is done, and
-tells it what the kernels saw (``numerics.py``): a decode step returns its ``DecodeVariant`` (the batch size padded
-to its CUDA graph), a prefill the ``PrefillVariant`` of the batch that finished the prompt; without
+tells it what the kernels saw (``model/numerics.py``): a decode step returns its ``DecodeVariant`` (the batch size
+padded to its CUDA graph), a prefill the ``PrefillVariant`` of the batch that finished the prompt; without
 ``--enable-deterministic-inference`` those change the greedy output at near-ties, as on a GPU.
 
-Health (``health.py``): every finished batch is scheduler output (``next_batch`` resolves), which is what SGLang's
+Health (``http/health.py``): every finished batch is scheduler output (``next_batch`` resolves), which is what SGLang's
 ``/health`` waits for; a scheduler that is not fully idle answers a health check after its next batch
 (``Scheduler.maybe_send_health_check_signal``), an idle one runs the check's one-token batch (``health_batch``).
 ``hang()`` stops the loop where it is, as a scheduler stuck in a kernel or a collective: the batch in flight never
@@ -30,8 +30,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tandem_sim.numerics import DecodeVariant, Numerics, PrefillVariant
-from tandem_sim.profiles import SimProfile
+from tandem_sim.model.numerics import DecodeVariant, Numerics, PrefillVariant
+from tandem_sim.model.profiles import SimProfile
 
 GATHER_TURNS = 64  # event-loop turns a step waits for running sequences to ask for their next token
 

@@ -36,7 +36,7 @@ import itertools
 from collections.abc import Callable
 from enum import Enum
 
-from tandem_sim.stepper import Stepper
+from tandem_sim.engine.stepper import Stepper
 
 
 class ServerStatus(Enum):

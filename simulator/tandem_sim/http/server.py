@@ -3,9 +3,9 @@
 Native ``/generate``; OpenAI ``/v1/completions``, ``/v1/chat/completions`` (streaming, ``usage``),
 ``/v1/models``; ``/health``, ``/health_generate``, ``/ready``, ``/model_info``, ``/server_info`` (+ ``/get_*``),
 ``/flush_cache``, ``/abort_request``, ``/metrics``, a seed's ``/remote_instance_transfer_engine_info``
-(``seed.py``). ``/tandem/sim/faults`` changes fault injection at runtime.
+(``pd/seed.py``). ``/tandem/sim/faults`` changes fault injection at runtime.
 The health endpoints and the server status are SGLang's (``health.py``)
-Each prefill rank serves its PD hand-over on its own port (``rankserver.py``).
+Each prefill rank serves its PD hand-over on its own port (``pd/rankserver.py``).
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ import orjson
 from aiohttp import web
 
 from tandem.sglang_args import SGLANG_VERSION
-from tandem_sim import responses
+from tandem_sim.api import responses
+from tandem_sim.api.contract import ContractError
+from tandem_sim.api.openai_requests import parse_openai
+from tandem_sim.api.requests import BadRequestError, GenerateInput, parse_generate
+from tandem_sim.api.responses import Outcome
 from tandem_sim.config import SimConfig
-from tandem_sim.contract import ContractError
-from tandem_sim.health import Health
-from tandem_sim.openai_requests import parse_openai
-from tandem_sim.requests import BadRequestError, GenerateInput, parse_generate
-from tandem_sim.responses import Outcome
-from tandem_sim.seed import info_handler
-from tandem_sim.streaming import OpenAIStream
+from tandem_sim.http.health import Health
+from tandem_sim.http.streaming import OpenAIStream
+from tandem_sim.pd.seed import info_handler
 from tandem_sim.worker import GenerationError, OnProgress, Worker, run_together
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -38,7 +38,7 @@ log = logging.getLogger("tandem_sim.server")
 
 
 def _log_ignored(path: str, ignored: tuple[str, ...]) -> None:
-    """SGLang ignores request fields it does not know (tandem_sim.sglang_fields); so do we, at debug level."""
+    """SGLang ignores request fields it does not know (tandem_sim.api.sglang_fields); so do we, at debug level."""
     if ignored:
         log.debug("ignoring unknown field(s) in %s request: %s", path, ", ".join(ignored))
 
@@ -55,7 +55,7 @@ class Server:
         self.worker = worker
         self.ready = ready
         self.created = int(time.time())
-        self.weights: dict[str, Any] = {}  # the load report (loader.py), under /server_info's tandem_sim
+        self.weights: dict[str, Any] = {}  # the load report (pd/loader.py), under /server_info's tandem_sim
         self.health_state = Health(
             [engine.stepper for engine in worker.engines.values()],
             prefill=cfg.mode == "prefill",
@@ -286,7 +286,7 @@ class Server:
             "seed": self.cfg.seed,
             "kv_bytes_per_token": self.cfg.kv_bytes_per_token,
             "inject_offload_race": any(e.offload_race for e in self.worker.engines.values()),
-            # numerics.py: batch-variant greedy output unless --enable-deterministic-inference
+            # model/numerics.py: batch-variant greedy output unless --enable-deterministic-inference
             "deterministic_inference": self.cfg.deterministic_inference,
             "decode_cuda_graph_bs": list(self.cfg.decode_cuda_graph_bs),
             "weights": self.weights,

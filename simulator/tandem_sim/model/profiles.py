@@ -1,4 +1,5 @@
-"""Timing profiles of the simulated GPU (``--sim-profile``): the constants of the step-time model in ``stepper.py``.
+"""Timing profiles of the simulated GPU (``--sim-profile``): the constants of the step-time model in
+``engine/stepper.py``.
 
 A profile's times are per attention-DP group (one SGLang scheduler, i.e. one GPU with ``--enable-dp-attention``,
 or the whole TP group without it), the unit the simulator runs one batch loop for.

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tandem_sim.sglang_fields import SAMPLING_FIELDS
+from tandem_sim.api.sglang_fields import SAMPLING_FIELDS
 
 
 class ContractError(ValueError):

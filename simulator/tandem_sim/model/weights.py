@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from tandem_sim.profiles import LoadProfile
+from tandem_sim.model.profiles import LoadProfile
 
 REMOTE_INSTANCE = "remote_instance"
 INCOMPLETE = "Fallback load_format to 'auto' due to incomplete remote instance weight loader settings."

@@ -11,8 +11,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from tandem_sim import contract, model
-from tandem_sim.sglang_fields import GENERATE_FIELDS, ignored_fields
+from tandem_sim.api import contract
+from tandem_sim.api.sglang_fields import GENERATE_FIELDS, ignored_fields
+from tandem_sim.model import model
 
 MAX_ROOM = 2**63 - 1
 

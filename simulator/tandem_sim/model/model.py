@@ -34,7 +34,7 @@ from functools import cache, lru_cache
 import numpy as np
 import numpy.typing as npt
 
-from tandem_sim.numerics import (
+from tandem_sim.model.numerics import (
     DETERMINISTIC,
     TAIL_STEP,
     Candidate,
