@@ -1,7 +1,8 @@
-"""The import contracts in pyproject.toml [tool.importlinter] hold (router, operator and simulator layers; pure
-layers import no HTTP, etcd or Kubernetes client), and the layers contracts name every module of those packages:
-a module no layer names is under no rule, so a new one must be placed (the simulator's layers contracts are
-exhaustive themselves: import-linter breaks them on a module they leave out)."""
+"""The import contracts in pyproject.toml [tool.importlinter] hold (router, operator, simulator and dev tooling
+layers; pure layers import no HTTP, etcd or Kubernetes client), and the layers contracts name every module of those
+packages: a module no layer names is under no rule, so a new one must be placed (the simulator's and the dev
+tooling's layers contracts are exhaustive themselves: import-linter breaks them on a module they leave out, and every
+tandem_dev package of several modules must be the container of such a contract)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import grimp
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERED = ("tandem_router", "tandem_operator")
+LAYERED = ("tandem_router", "tandem_operator", "tandem_dev")
 
 
 def test_import_contracts_are_kept() -> None:
@@ -25,14 +26,22 @@ def test_import_contracts_are_kept() -> None:
     assert "0 broken" in result.stdout
 
 
-def layered_names() -> set[str]:
-    """Every module or package a layers contract names (a package covers what is under it)."""
+def layers_contracts() -> list[dict[str, object]]:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return [c for c in config["tool"]["importlinter"]["contracts"] if c["type"] == "layers"]
+
+
+def layered_names() -> set[str]:
+    """Every module or package a layers contract names (a package covers what is under it), in full: a contract
+    with containers names its layers relative to each container."""
     names: set[str] = set()
-    for contract in config["tool"]["importlinter"]["contracts"]:
-        if contract["type"] == "layers":
-            for layer in contract["layers"]:
-                names.update(name.strip() for name in re.split(r"[|:]", layer))
+    for contract in layers_contracts():
+        containers = contract.get("containers") or [""]
+        assert isinstance(containers, list)
+        assert isinstance(contract["layers"], list)
+        for layer in contract["layers"]:
+            for name in re.split(r"[|:]", layer):
+                names.update(f"{c}.{name.strip()}" if c else name.strip() for c in containers)
     return names
 
 
@@ -51,3 +60,21 @@ def test_the_layers_name_every_module(package: str) -> None:
 
     unplaced = sorted(m for m in modules if not covered(m) and not container(m))
     assert unplaced == [], f"modules no layers contract in pyproject.toml names: {unplaced}"
+
+
+def test_every_dev_tooling_package_is_layered_exhaustively() -> None:
+    """tandem_dev and each of its packages of several modules is the container of an exhaustive layers contract,
+    so import-linter itself breaks on a new module nobody placed."""
+    graph = grimp.build_graph("tandem_dev")
+    packages = {m for m in graph.modules if m == "tandem_dev" or m.startswith("tandem_dev.")}
+    children = {p: [m for m in graph.modules if m.rpartition(".")[0] == p] for p in packages}
+    several = {p for p, under in children.items() if len(under) > 1}
+    exhaustive: set[str] = set()
+    for contract in layers_contracts():
+        containers = contract.get("containers") or []
+        assert isinstance(containers, list)
+        if contract.get("exhaustive"):
+            exhaustive.update(containers)
+    assert {"tandem_dev", "tandem_dev.chaos"} <= several  # the repository's package (not tests/tandem_dev)
+    missing = sorted(several - exhaustive)
+    assert missing == [], f"tandem_dev packages no exhaustive layers contract has as container: {missing}"
