@@ -5,7 +5,8 @@ with a text prompt, half with ``input_ids``).
 What each kill must show, read from the router's own metrics and from what the clients received:
 
 - it happens while the router counts requests in flight on the victim, streams past their first byte and
-  requests still waiting for it (polled, never after a fixed sleep);
+  requests still waiting for it, and a dying decode itself holds requests waiting for their KV (polled, never
+  after a fixed sleep);
 - every request succeeds: those that had not received a byte are retried on a live pair (counted under the
   victim's role, ``tandem_router_retries_total{reason="<role>_..."}``, none under the other role), and a stream
   cut after its first byte is resumed on a fresh pair (``tandem_router_resumed_streams_total``, on every route
@@ -28,6 +29,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.registry import Role
 from tandem_dev.local_stack import LocalStack, Worker, sim_worker_argv
@@ -54,6 +56,9 @@ STREAMING_BEFORE_KILL = 8  # streams past their first byte (router-wide) when th
 WAITING_BEFORE_KILL = 4  # ... and requests still waiting for theirs (these must be retried)
 # A decode is killed later (right after a burst): streams of every route are cut on it, and some still wait on it.
 BEFORE_DECODE_KILL = (24, 6)
+# ... counted by the router as a whole: the victim decode must itself hold requests waiting for their KV (its
+# sglang:num_decode_transfer_queue_reqs), which its death cuts before their first byte (a retry under "decode_").
+DECODE_WAITING_FOR_KV = 2
 MAX_ROUNDS = 4  # rounds of TOTAL requests started at most before the moment to kill comes
 WAVE = 64  # requests after the kill, CONCURRENCY / 8 at a time: round robin alone would send half to the dead one
 # Trials the breakers may let through to the dead worker during the wave (half-open after each cooldown, which
@@ -78,6 +83,17 @@ def time_to_kill(
     metrics: RouterMetrics, victim: str, streaming: int = STREAMING_BEFORE_KILL, waiting: int = WAITING_BEFORE_KILL
 ) -> bool:
     return metrics.streaming >= streaming and metrics.before_first_byte >= waiting and metrics.in_flight[victim] >= 4
+
+
+async def _waiting_for_kv(http: aiohttp.ClientSession, decode_url: str) -> float:
+    async with http.get(f"{decode_url}/metrics") as response:
+        text = await response.text()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "sglang:num_decode_transfer_queue_reqs"
+    )
 
 
 ROUTES = (Route.CHAT, Route.COMPLETIONS, Route.GENERATE)
@@ -146,7 +162,9 @@ async def _kill_under_load(
     streaming, waiting = (
         BEFORE_DECODE_KILL if victim.role is Role.DECODE else (STREAMING_BEFORE_KILL, WAITING_BEFORE_KILL)
     )
-    while not time_to_kill(await scrape(stack.router_url), victim.url, streaming, waiting):
+    while not time_to_kill(await scrape(stack.router_url), victim.url, streaming, waiting) or (
+        victim.role is Role.DECODE and await _waiting_for_kv(http, victim.url) < DECODE_WAITING_FOR_KV
+    ):
         if all(t.done() for t in tasks):
             assert first < (MAX_ROUNDS - 1) * TOTAL, f"{MAX_ROUNDS} rounds ended before the victim had streams"
             assert all(t.result().ok for t in tasks), [t.result().error for t in tasks if not t.result().ok]
