@@ -63,7 +63,9 @@ def logprobs_asked(path: str, body: dict[str, Any]) -> bool:
     return bool(body.get("return_logprob") if path == "/generate" else body.get("logprobs"))
 
 
-def full_body(path: str, words: list[str], prompt_len: int, logprobs: bool) -> bytes:
+def full_body(path: str, words: list[str], prompt_len: int, logprobs: bool, e2e_latency: float = 0.0) -> bytes:
+    """A complete answer; on ``/generate`` with ``meta_info.e2e_latency`` (SGLang's seconds from the request's
+    arrival at the worker to its end, ``TokenizerManager._handle_batch_output``)."""
     text = "".join(f" {w}" for w in words)
     usage = {"prompt_tokens": prompt_len, "completion_tokens": len(words), "total_tokens": prompt_len + len(words)}
     pairs = [token(w) for w in words] if logprobs else []
@@ -72,6 +74,7 @@ def full_body(path: str, words: list[str], prompt_len: int, logprobs: bool) -> b
             "prompt_tokens": prompt_len,
             "completion_tokens": len(words),
             "finish_reason": {"type": "length", "length": len(words)},
+            "e2e_latency": e2e_latency,
         }
         if logprobs:
             meta["output_token_logprobs"] = [first for first, _ in pairs]

@@ -172,6 +172,7 @@ def _worker(request: web.Request) -> Worker:
 
 
 async def _serve(request: web.Request) -> web.StreamResponse:
+    arrived = time.monotonic()
     fleet, worker = request.app[_FLEET], _worker(request)
     body = orjson.loads(await request.read())
     problem = _bootstrap_problem(body) if isinstance(body, dict) else "body must be a JSON object"
@@ -211,7 +212,7 @@ async def _serve(request: web.Request) -> web.StreamResponse:
         worker.queued -= 1
     req = fleet.admit(worker, prompt, answers.budget(request.path, body), time.monotonic())
     try:
-        return await _answer(request, fleet, req, body, len(prompt))
+        return await _answer(request, fleet, req, body, len(prompt), arrived)
     finally:
         worker.running.discard(req)
         worker.slots.release()
@@ -223,14 +224,13 @@ async def _serve(request: web.Request) -> web.StreamResponse:
 
 
 async def _answer(
-    request: web.Request, fleet: Fleet, req: Running, body: dict[str, Any], prompt_len: int
+    request: web.Request, fleet: Fleet, req: Running, body: dict[str, Any], prompt_len: int, arrived: float
 ) -> web.StreamResponse:
     n = len(req.clean)
     if not body.get("stream"):
         await asyncio.sleep(n * fleet.step_s)
-        full = answers.full_body(
-            request.path, [req.word(i) for i in range(n)], prompt_len, answers.logprobs_asked(request.path, body)
-        )
+        answer, logprobs = [req.word(i) for i in range(n)], answers.logprobs_asked(request.path, body)
+        full = answers.full_body(request.path, answer, prompt_len, logprobs, time.monotonic() - arrived)
         return web.Response(body=full, content_type="application/json")
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)

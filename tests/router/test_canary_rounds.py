@@ -9,9 +9,11 @@ from tandem.registry import Role
 from tandem_router.integrity.divergence import Answer
 from tandem_router.integrity.monitor import IntegrityConfig, IntegrityMonitor
 from tandem_router.integrity.probe_budget import ProbeBudget, ProbeMetrics
+from tandem_router.integrity.probe_plan import ROTATION_BESIDE_BURSTS
 from tandem_router.integrity.quarantine import QuarantinePolicy
 from tandem_router.pool import Pair, WorkerSpec
 from tandem_router.probes.canary import CanaryProber, ProbeScope
+from tandem_router.probes.race import RaceProber
 from tandem_router.transport import Transport
 from tests.router.helpers import ample_budget, lone_router
 
@@ -88,6 +90,16 @@ async def test_a_round_probes_each_worker_through_two_partners_not_every_pair() 
     assert len(prober.probed) == 16  # 2 x max(P, D), not P x D = 64
     for worker in (*FLEET_P, *FLEET_D):
         assert sum(worker.key in pair for pair in prober.probed) >= 2
+
+
+async def test_beside_race_bursts_a_round_probes_suspects_and_a_window_of_the_rotation() -> None:
+    monitor = _monitor()
+    suspect = FLEET[8 * 1 + 5].key
+    prober = Recorded(monitor, _scope("a", {"a"}, frozenset({suspect})))
+    prober.race = RaceProber(monitor, Transport(), lambda: FLEET, prober.budget, "a", lambda: {"a"})
+    await prober.round()
+    assert prober.probed[0] == suspect
+    assert len(prober.probed) == 1 + ROTATION_BESIDE_BURSTS  # not 16: the bursts sweep every decode
 
 
 async def test_routers_of_a_cluster_split_a_round() -> None:

@@ -16,6 +16,7 @@ from tandem_router.integrity.divergence import (
     Token,
     body_answers,
     compare,
+    doc_answers,
     with_logprobs,
 )
 
@@ -352,3 +353,16 @@ def test_a_stored_reference_judges_numerical_answers_as_passing() -> None:
     verdict = judge({("p", "d0"): answer(FLIP), ("p", "d1"): Answer("nonsense")}, reference=answer(REF))
     assert verdict.numerical == {("p", "d0")}
     assert verdict.failed == {("p", "d1")}
+
+
+@pytest.mark.parametrize(
+    ("latency", "worker_s"), [(0.4, 0.4), (2, 2.0), (-1.0, None), ("0.4", None), (True, None), (float("inf"), None)]
+)
+def test_generate_answers_carry_the_workers_own_time_if_a_duration(latency: Any, worker_s: float | None) -> None:
+    doc = {"text": "x", "meta_info": {"e2e_latency": latency}}
+    assert doc_answers("/generate", doc)[0].worker_s == worker_s
+    assert doc_answers("/generate", [doc, {"text": "y"}])[1].worker_s is None
+
+
+def test_openai_answers_carry_no_worker_time() -> None:
+    assert body_answers("/v1/chat/completions", _chat_doc("hi", []))[0].worker_s is None

@@ -7,8 +7,10 @@ import itertools
 import pytest
 from prometheus_client import CollectorRegistry
 
-from tandem_router.integrity.probe_budget import ProbeBudget, ProbeKind, ProbeMetrics
+from tandem_router.integrity.divergence import Answer
+from tandem_router.integrity.probe_budget import ProbeBudget, ProbeKind, ProbeMetrics, held_s
 from tandem_router.integrity.probe_plan import (
+    ROTATION_BESIDE_BURSTS,
     plan_round,
     rendezvous_owner,
     rotation,
@@ -85,6 +87,31 @@ def test_first_pairs_go_before_the_rotation_and_gone_pairs_are_left_out() -> Non
     assert plan[0] == suspect
     assert gone not in plan
     assert len(plan) == 16 + (suspect not in rotation([p for p, _ in pairs], [d for _, d in pairs], 0, 2))
+
+
+def test_beside_race_bursts_a_round_keeps_a_moving_window_of_the_rotation() -> None:
+    pairs = _fleet(125, 125)
+    routers = ["r0", "r1", "r2", "r3"]
+    suspect = ("prefill:003", "decode:006")
+    owner = rendezvous_owner(suspect, routers)
+    assert owner is not None
+    full = plan_round(pairs, 7, 2, [suspect], routers, owner)
+    trimmed = plan_round(pairs, 7, 2, [suspect], routers, owner, ROTATION_BESIDE_BURSTS)
+    assert trimmed[0] == suspect  # the first pairs are not cut
+    assert len(trimmed) == 1 + ROTATION_BESIDE_BURSTS < len(full)
+    assert set(trimmed) <= set(full)
+    # The window moves: over the rounds the routers' windows (12 pairs a round) reach every worker of both roles.
+    fleet = _fleet(40, 40)
+    reached = {w for r in range(30) for who in routers for pair in plan_round(fleet, r, 2, [], routers, who, 3)
+               for w in pair}  # fmt: skip
+    assert reached == {w for pair in fleet for w in pair}
+
+
+def test_a_probe_costs_the_time_the_decode_held_it() -> None:
+    assert held_s(None, 2.6) == 2.6  # no answer: the router's time
+    assert held_s(Answer("x"), 2.6) == 2.6  # no worker time (OpenAI routes): the router's
+    assert held_s(Answer("x", worker_s=0.4), 2.6) == 0.4  # a busy router's own delays are not the cluster's slots
+    assert held_s(Answer("x", worker_s=9.0), 2.6) == 2.6  # never more than the router saw
 
 
 class Clock:

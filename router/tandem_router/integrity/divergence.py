@@ -93,10 +93,13 @@ class Token:
 
 @dataclass(frozen=True)
 class Answer:
-    """An answer's text and, when the worker returned logprobs, its tokens."""
+    """An answer's text, its tokens when the worker returned logprobs, and the seconds the worker itself took over
+    it when it said so (SGLang's ``meta_info.e2e_latency`` on ``/generate``: its tokenizer manager's time from the
+    request's arrival to its end, ``TokenizerManager._handle_batch_output``)."""
 
     text: str
     tokens: tuple[Token, ...] | None = None
+    worker_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -140,12 +143,22 @@ def doc_answers(route: str, doc: Any) -> list[Answer]:
     texts = doc_texts(route, doc)
     if route == GENERATE:
         items = doc if isinstance(doc, list) else [doc]
-        tokens = [_generate_tokens(item.get("meta_info") if isinstance(item, dict) else None) for item in items]
+        metas = [item.get("meta_info") if isinstance(item, dict) else None for item in items]
+        tokens = [_generate_tokens(meta) for meta in metas]
+        took = [_e2e_latency(meta) for meta in metas]
     else:
         choices = [c for c in (doc.get("choices") or []) if isinstance(c, dict)] if isinstance(doc, dict) else []
         parse = _chat_tokens if route == CHAT else _completion_tokens
         tokens = [parse(c.get("logprobs")) for c in choices]
-    return [Answer(text, toks) for text, toks in zip(texts, tokens, strict=False)]
+        took = [None] * len(tokens)
+    return [Answer(text, toks, s) for text, toks, s in zip(texts, tokens, took, strict=False)]
+
+
+def _e2e_latency(meta: Any) -> float | None:
+    value = meta.get("e2e_latency") if isinstance(meta, dict) else None
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+        return None
+    return float(value)
 
 
 def _logprob(value: Any) -> float:

@@ -10,6 +10,12 @@ probe reserves the current estimate of a probe's duration before it is sent and 
 What is not granted is not sent: a round is cut from its end (the plan puts suspects first), a burst is made
 smaller.
 
+A probe's time is the time it held a decode's slot: the decode's own time over it where the worker says (SGLang's
+``meta_info.e2e_latency`` on ``/generate``, from the request's arrival at the decode to its end, which covers the
+wait for the prefill and the KV transfer), never more than the router's; the router's own time otherwise. A busy
+router's event loop stretches its own count of a probe (2.6 s a probe against the workers' 0.4 s in a 125 x 125
+fleet sharing 2 cores), and paying the budget with that would probe a sixth of what the share allows.
+
 Shadows and probation mirrors are not counted here: they re-run a share of live traffic (``--shadow-rate``) or
 mirror it to pairs on probation, so they scale with the traffic, not with the fleet.
 
@@ -30,10 +36,18 @@ from enum import StrEnum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from tandem_router.integrity.divergence import Answer
+
 DEPTH_S = 60.0  # at most this many seconds of allowance saved up
 FIRST_GUESS_S = 1.0  # a probe's duration before one was measured
 SMOOTHING = 0.2  # weight of the newest measured duration
 MIN_PROBES = 3  # the bucket holds at least this many probes: three answers have a majority without a reference
+
+
+def held_s(answer: Answer | None, router_s: float) -> float:
+    """Seconds a probe held a decode's slot: the worker's own time over ``answer`` when it reported one, at most the
+    router's ``router_s``."""
+    return router_s if answer is None or answer.worker_s is None else min(answer.worker_s, router_s)
 
 
 class ProbeKind(StrEnum):

@@ -17,6 +17,13 @@ plan covers *workers*, each round, and *pairs* over rounds:
   move to the others the round after its registration expired (each pair to one of them: rendezvous hashing
   moves only the leaver's pairs).
 
+**Beside race bursts** (``race_plan``: every decode swept through prefills that rotate by burst, so every worker of
+either role is probed under the concurrency the races need), a round keeps only ``rotated_at_most`` pairs of the
+rotation (``ROTATION_BESIDE_BURSTS``): enough answers for a majority, which keeps the canary prompts' references
+(the bursts of probation and confirmation judge against them) up to date. The full rotation costs ``sample x
+max(P, D)`` canaries a round (250 of 32 tokens every 30 s at 125 x 125: 60 % of a 1 % budget) and covers nothing
+the bursts do not.
+
 Detection bound: a decode that garbles every answer it gives while under load is probed
 through ``sample`` pairs every round; it fails ``threshold`` probes in the first round that finds it under load,
 so it is quarantined within one interval plus the probes' own time. A decode that garbles on one specific prefill
@@ -33,6 +40,7 @@ from collections.abc import Collection, Iterable, Sequence
 PairKey = tuple[str, str]
 
 DEFAULT_SAMPLE = 2  # partners per worker per round
+ROTATION_BESIDE_BURSTS = 3  # rotated pairs a router probes a round while race bursts sweep: a majority of answers
 
 
 def round_number(wall_time_s: float, interval_s: float) -> int:
@@ -83,18 +91,21 @@ def plan_round(
     first: Iterable[PairKey],
     routers: Collection[str],
     me: str,
+    rotated_at_most: int | None = None,
 ) -> list[PairKey]:
     """The pairs this router (``me``) probes this round, in order: its share of the ``first`` pairs, then its share
-    of the rotation over the workers of ``pairs``. Pairs the pool cannot form (gone workers) are left out."""
+    of the rotation over the workers of ``pairs`` (at most ``rotated_at_most`` of them, a window that moves by that
+    many every round). Pairs the pool cannot form (gone workers) are left out."""
     members = set(routers) | {me}
     formable = set(pairs)
-    rotated = rotation([p for p, _ in formable], [d for _, d in formable], round_no, sample)
-    plan: list[PairKey] = []
-    seen: set[PairKey] = set()
-    for pair in [*sorted(set(first)), *rotated]:
-        if pair in seen or pair not in formable:
-            continue
-        seen.add(pair)
-        if rendezvous_owner(pair, members) == me:
-            plan.append(pair)
-    return plan
+    firsts = [p for p in sorted(set(first)) if p in formable and rendezvous_owner(p, members) == me]
+    taken = set(firsts)
+    rotated = [
+        p
+        for p in dict.fromkeys(rotation([p for p, _ in formable], [d for _, d in formable], round_no, sample))
+        if p not in taken and rendezvous_owner(p, members) == me
+    ]
+    if rotated_at_most is not None and len(rotated) > rotated_at_most:
+        start = round_no * rotated_at_most
+        rotated = [rotated[(start + i) % len(rotated)] for i in range(rotated_at_most)]
+    return [*firsts, *rotated]

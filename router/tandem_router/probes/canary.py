@@ -3,7 +3,8 @@
 Every ``interval_s`` (rounds start at multiples of it on the wall clock, so the routers of a cluster tick together)
 one canary prompt (temperature 0, fixed seed) goes through this router's share of the round's plan
 (``integrity.probe_plan``): pairs to probe first (under suspicion, a failed request, a worker seen for the first
-time), then a rotation that gives every worker ``sample`` partners a round. The routers split the plan by a
+time), then a rotation that gives every worker ``sample`` partners a round (a window of it while race bursts
+sweep the decodes, ``probe_plan``). The routers split the plan by a
 rendezvous hash over the routers registered in the registry (``members``), and the probing budget
 (``integrity.probe_budget``) cuts what does not fit. Each answer carries the top-two logprobs of every token. The
 reference answer is the answer a strict majority of the round's answers is SAME or NUMERICAL with
@@ -33,8 +34,14 @@ from dataclasses import dataclass
 from tandem_router.integrity.consensus import consensus, judge
 from tandem_router.integrity.divergence import Answer, Kind, compare
 from tandem_router.integrity.monitor import IntegrityMonitor, PairKey
-from tandem_router.integrity.probe_budget import ProbeBudget, ProbeKind
-from tandem_router.integrity.probe_plan import DEFAULT_SAMPLE, plan_round, round_number, rounds_to_cover
+from tandem_router.integrity.probe_budget import ProbeBudget, ProbeKind, held_s
+from tandem_router.integrity.probe_plan import (
+    DEFAULT_SAMPLE,
+    ROTATION_BESIDE_BURSTS,
+    plan_round,
+    round_number,
+    rounds_to_cover,
+)
 from tandem_router.pool import Pair
 from tandem_router.probes.pair_request import known_answer
 from tandem_router.probes.race import RaceProber
@@ -148,7 +155,9 @@ class CanaryProber:
         pairs = {p.key: p for p in self.pairs()}
         first = self._first(list(pairs.values()))
         round_no = round_number(self.wall_clock(), self.cfg.interval_s)
-        plan = plan_round(pairs, round_no, self.cfg.sample, first, self.scope.members(), self.scope.me)
+        beside_bursts = None if self.race is None else ROTATION_BESIDE_BURSTS
+        members = self.scope.members()
+        plan = plan_round(pairs, round_no, self.cfg.sample, first, members, self.scope.me, beside_bursts)
         if len(plan) == 1 and prompt not in self.references:
             await self.known_answer(pairs[plan[0]], prompt)
             return
@@ -285,10 +294,12 @@ class CanaryProber:
     async def timed_probe(self, kind: ProbeKind, pair: Pair, prompt: str) -> Answer | None:
         """``probe``, its time settled with the budget (the probe was granted before)."""
         reserved, started = self.budget.expected_s, time.monotonic()
+        answer = None
         try:
-            return await self.probe(pair, prompt)
+            answer = await self.probe(pair, prompt)
+            return answer
         finally:
-            self.budget.settle(kind, reserved, time.monotonic() - started)
+            self.budget.settle(kind, reserved, held_s(answer, time.monotonic() - started))
 
     async def probe(self, pair: Pair, prompt: str) -> Answer | None:
         """The decode's answer (text and logprobs) for ``prompt`` through exactly this pair, or None if the pair

@@ -24,7 +24,7 @@ from tandem_router.integrity import race_plan
 from tandem_router.integrity.consensus import consensus
 from tandem_router.integrity.divergence import Answer, Kind, compare
 from tandem_router.integrity.monitor import IntegrityMonitor
-from tandem_router.integrity.probe_budget import ProbeBudget, ProbeKind
+from tandem_router.integrity.probe_budget import ProbeBudget, ProbeKind, held_s
 from tandem_router.pool import Pair
 from tandem_router.probes.pair_request import known_answer
 from tandem_router.transport import Transport
@@ -189,7 +189,7 @@ class RaceProber:
             return answer
         finally:
             took = time.monotonic() - started
-            self.budget.settle(ProbeKind.BURST, reserved, took)
+            self.budget.settle(ProbeKind.BURST, reserved, held_s(answer, took))
             if answer is not None:
                 self._times.append(took)
 

@@ -51,7 +51,7 @@ from typing import Any
 from tandem_router.dispatch import ProxyRequest
 from tandem_router.integrity.divergence import Answer, compare
 from tandem_router.integrity.monitor import IntegrityMonitor
-from tandem_router.integrity.probe_budget import ProbeBudget, ProbeKind
+from tandem_router.integrity.probe_budget import ProbeBudget, ProbeKind, held_s
 from tandem_router.pool import Pair, WorkerPool
 from tandem_router.probes.pair_request import answers_from_pair
 from tandem_router.transport import Transport
@@ -204,11 +204,13 @@ class ShadowSampler:
         async def one(i: int, pair: Pair) -> None:
             await asyncio.sleep(i * spacing)
             reserved, started = (0.0 if self.budget is None else self.budget.expected_s), time.monotonic()
+            answer = None
             try:
                 answer = await self._run(pair, req)
             finally:
                 if self.budget is not None:
-                    self.budget.settle(ProbeKind.CONFIRMATION, reserved, time.monotonic() - started)
+                    took = held_s(answer, time.monotonic() - started)
+                    self.budget.settle(ProbeKind.CONFIRMATION, reserved, took)
             if answer is not None and not compare(reference, answer, near_tie).agrees:
                 why = f"shadow: a re-run through the decode differs from two other pairs ({answer.text[:60]!r})"
                 self.monitor.failure(pair.key, why)
