@@ -95,20 +95,21 @@ def error(
 
 
 def integrity_config(settings: RouterSettings) -> IntegrityConfig:
+    s = settings.integrity
     return IntegrityConfig(
-        enabled=settings.integrity,
-        leak_ngram=settings.leak_ngram_words,
-        independent_clients=settings.integrity_independent_clients,
-        near_tie_nats=settings.integrity_near_tie_nats,
+        enabled=s.enabled,
+        leak_ngram=s.leak_ngram_words,
+        independent_clients=s.independent_clients,
+        near_tie_nats=s.near_tie_nats,
         policy=QuarantinePolicy(
-            threshold=settings.quarantine_threshold,
-            window_s=settings.quarantine_window_s,
-            probe_initial_s=settings.quarantine_probe_initial_s,
-            probe_max_s=max(settings.quarantine_probe_max_s, settings.quarantine_probe_initial_s),
-            comparisons_to_release=settings.probation_comparisons,
-            watch_s=settings.quarantine_watch_s,
-            max_detector_share=settings.max_detector_ejection_share,
-            report_after=settings.report_after_quarantines,
+            threshold=s.quarantine_threshold,
+            window_s=s.quarantine_window_s,
+            probe_initial_s=s.quarantine_probe_initial_s,
+            probe_max_s=max(s.quarantine_probe_max_s, s.quarantine_probe_initial_s),
+            comparisons_to_release=s.probation_comparisons,
+            watch_s=s.quarantine_watch_s,
+            max_detector_share=s.max_detector_ejection_share,
+            report_after=s.report_after_quarantines,
         ),
     )
 
@@ -117,20 +118,20 @@ def build_app(settings: RouterSettings, gates: tuple[PairGate, ...] = ()) -> Rou
     transport = Transport(TransportConfig(settings.connect_timeout_s, settings.read_idle_timeout_s))
     monitor: IntegrityMonitor | None = None
     extra_gates: tuple[PairGate, ...] = gates
-    if settings.integrity:
+    if settings.integrity.enabled:
         monitor = IntegrityMonitor(integrity_config(settings), CollectorRegistry())
         extra_gates = (*gates, monitor)
     pool = WorkerPool(
         settings.policy,
         BreakerConfig(settings.breaker_threshold, settings.breaker_cooldown_s),
         gates=extra_gates,
-        cache_cfg=settings.cache_aware_config,
+        cache_cfg=settings.cache_aware.config,
         fabric=settings.fabric_locality,
     )
     metrics = RouterMetrics(pool)
-    retry_cfg = RetryConfig(settings.retry_max_attempts, settings.retry_initial_backoff_s)
-    canary_cfg = CanaryConfig(interval_s=settings.canary_interval_s, sample=settings.canary_sample)
-    flow = FlowControl(settings, pool, metrics.registry) if settings.flow_control else None
+    retry_cfg = RetryConfig(settings.retry.max_attempts, settings.retry.initial_backoff_s)
+    canary_cfg = CanaryConfig(interval_s=settings.integrity.canary_interval_s, sample=settings.integrity.canary_sample)
+    flow = FlowControl(settings, pool, metrics.registry) if settings.flow_control.enabled else None
     me = router_id()
     members = (
         RouterMembers(
@@ -150,8 +151,8 @@ def build_app(settings: RouterSettings, gates: tuple[PairGate, ...] = ()) -> Rou
             transport,
             pool,
             canary_cfg,
-            settings.shadow_rate,
-            budget_share=settings.probe_budget_share,
+            settings.integrity.shadow_rate,
+            budget_share=settings.integrity.probe_budget_share,
             capacity=lambda: probing_capacity(pool, flow),
             scope=ProbeScope(me, lambda: {me}, monitor.probe_first)
             if members is None
@@ -169,7 +170,7 @@ def build_app(settings: RouterSettings, gates: tuple[PairGate, ...] = ()) -> Rou
             retry_cfg,
             observer=monitor,
             on_complete=hooks.completed if hooks is not None else None,
-            resume_cfg=ResumeConfig(settings.resume_max_attempts, settings.resume_deadline_s),
+            resume_cfg=ResumeConfig(settings.retry.resume_max_attempts, settings.retry.resume_deadline_s),
         ),
         HealthChecker(pool, transport, settings.health_interval_s),
         make_discovery(pool, settings),
@@ -315,7 +316,7 @@ def _proxied(state: RouterState, route: Route) -> Endpoint:
                 if isinstance(admitted, Reply):
                     return admitted
                 slot = admitted
-                if s.settings.flow_worker_priority:
+                if s.settings.flow_control.worker_priority:
                     body["priority"] = slot.priority
             req = ProxyRequest(
                 route=route,

@@ -1,17 +1,21 @@
 """Router configuration: one pydantic-settings model, filled from a YAML file, ``TANDEM_ROUTER_*`` environment
-variables and the command line (SGLang-router compatible flags), in increasing priority."""
+variables and the command line (SGLang-router compatible flags), in increasing priority. Each setting is declared
+once, and its flag made from it; the cache-aware policy's, retries', integrity's and flow control's are grouped in
+nested models (``tandem.settings_flags.SettingsGroup``) whose settings keep their flat flags, environment variables
+and ``--config`` keys (``--flow-reserve-share``, ``TANDEM_ROUTER_FLOW_RESERVE_SHARE``: ``flow_control.reserve_share``).
+"""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 from pydantic import BaseModel, Field, FilePath, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from tandem import settings_flags
 from tandem.etcd_settings import EtcdClientSettings
@@ -34,16 +38,11 @@ class PrefillSpec(BaseModel):
     attn_dp_size: int = Field(default=1, ge=1)
 
 
-class RouterSettings(BaseSettings, EtcdClientSettings):
-    """Every setting of the router; the etcd client's TLS settings (``etcd_*_file``, ``etcd_server_name``) are
-    ``EtcdClientSettings``', shared with the operator."""
+class CacheAwareSettings(settings_flags.SettingsGroup):
+    """The cache_aware policy's settings (``policy/cache_aware.py``'s ``CacheAwareConfig``); flags as smg's."""
 
-    model_config = SettingsConfigDict(env_prefix="TANDEM_ROUTER_", env_nested_delimiter="__", extra="forbid")
+    flag_names: ClassVar[Mapping[str, str]] = {"max_tree_units": "cache_max_tree_units"}
 
-    host: str = Field(default="127.0.0.1", description="Address the router listens on.")
-    port: int = Field(default=8000, ge=0, le=65535, description="Port the router listens on (0: any free one).")
-    workers: int = Field(default=1, ge=1, le=64, description="Router processes sharing the port (SO_REUSEPORT).")
-    policy: Policy = Field(default=Policy.CACHE_AWARE, description="How a prefill/decode pair is chosen.")
     cache_threshold: float = Field(
         default=0.5, ge=0, le=1, description="cache_aware: share of the prompt the best prefix match must exceed."
     )
@@ -53,8 +52,145 @@ class RouterSettings(BaseSettings, EtcdClientSettings):
     balance_rel_threshold: float = Field(
         default=1.1, ge=1, description="cache_aware: ...and the ratio to the cheapest prefill's work it must exceed."
     )
-    cache_max_tree_units: int = Field(
+    max_tree_units: int = Field(
         default=1 << 20, ge=1, description="cache_aware: token ids or characters remembered per prefill (LRU)."
+    )
+
+    @property
+    def config(self) -> CacheAwareConfig:
+        return CacheAwareConfig(**self.model_dump())
+
+
+class RetrySettings(settings_flags.SettingsGroup):
+    """Retries before a response's first byte (other pairs) and resumes of a stream after it."""
+
+    flag_names: ClassVar[Mapping[str, str]] = {
+        "max_attempts": "retry_max_attempts",
+        "initial_backoff_s": "retry_initial_backoff_s",
+    }
+
+    max_attempts: int = Field(default=5, ge=1, le=20, description="Pairs tried per request before its first byte.")
+    initial_backoff_s: float = Field(default=0.01, ge=0, description="Wait before the first retry; doubles per retry.")
+    resume_max_attempts: int = Field(
+        default=2, ge=0, le=10, description="Fresh pairs tried per stream after its first byte (0: never resume)."
+    )
+    resume_deadline_s: float = Field(default=30.0, gt=0, description="From a stream's break: no pair tried after.")
+
+
+class IntegritySettings(settings_flags.SettingsGroup):
+    """Output integrity: live detectors, canaries, shadows, quarantine and probation (router/README.md)."""
+
+    flag_names: ClassVar[Mapping[str, str]] = {
+        "enabled": "integrity",
+        "independent_clients": "integrity_independent_clients",
+        "near_tie_nats": "integrity_near_tie_nats",
+    }
+
+    enabled: bool = Field(default=True, description="Run the output-integrity detectors, canaries and quarantine.")
+    canary_interval_s: float = Field(default=30.0, gt=0, description="Seconds between known-answer canary rounds.")
+    canary_sample: int = Field(
+        default=2, ge=1, description="Partners each prefill and decode is probed with per canary round (rotating)."
+    )
+    probe_budget_share: float = Field(
+        default=0.01,
+        gt=0,
+        le=1,
+        description="Share of the cluster's capacity (requests at once) canaries, bursts and confirmations may use.",
+    )
+    quarantine_threshold: int = Field(
+        default=2, ge=1, description="Integrity failures within the window that quarantine a pair."
+    )
+    quarantine_window_s: float = Field(default=60.0, gt=0, description="Window over which integrity failures count.")
+    quarantine_probe_initial_s: float = Field(
+        default=5.0, gt=0, description="Wait before a quarantined pair's first probation; doubles per quarantine."
+    )
+    quarantine_probe_max_s: float = Field(default=300.0, gt=0, description="Longest wait before a probation.")
+    quarantine_watch_s: float = Field(default=300.0, ge=0, description="After release, one failure re-quarantines.")
+    probation_comparisons: int = Field(
+        default=100, ge=1, description="Clean comparisons at live concurrency that release a pair on probation."
+    )
+    max_detector_ejection_share: float = Field(
+        default=0.5, gt=0, le=1, description="Share of pairs detector findings alone may quarantine (min one pair)."
+    )
+    independent_clients: int = Field(
+        default=2, ge=2, description="Clients with disjoint findings that quarantine without a canary/shadow."
+    )
+    report_after_quarantines: int = Field(
+        default=3, ge=1, description="Quarantines of a worker's pairs after which it is reported for recreation."
+    )
+    shadow_rate: float = Field(
+        default=0.01, ge=0, le=1, description="Fraction of deterministic requests re-run on a second pair and compared."
+    )
+    leak_ngram_words: int = Field(default=8, ge=3, le=64, description="Words of another prompt that count as a leak.")
+    near_tie_nats: float = Field(
+        default=NEAR_TIE_NATS,
+        ge=0,
+        le=10,
+        description="Largest top-1 minus runner-up logprob margin at which a flipped token is GPU numerics, not "
+        "corruption (canaries, shadows, probation; 0: only exact ties).",
+    )
+
+
+class FlowControlSettings(settings_flags.SettingsGroup):
+    """Tenant flow control (router/README.md, 'Tenant flow control'); the chart's ``router.flowControl``."""
+
+    flag_prefix: ClassVar[str] = "flow_"
+    flag_names: ClassVar[Mapping[str, str]] = {"enabled": "flow_control"}
+
+    enabled: bool = Field(
+        default=True,
+        description="Tenant flow control: per-tenant queues in front of the pairs, weighted fair sharing of the "
+        "capacity learned from the decodes' gauges, the limits of flow_limits_file (router/README.md).",
+    )
+    limits_file: Path | None = Field(
+        default=None,
+        description="YAML/JSON file of per-tenant weights, priorities and limits, reloaded when it changes "
+        "(a malformed one is refused, naming the field, and the last good one kept). Unset: every tenant equal.",
+    )
+    reserve_share: float = Field(
+        default=0.25,
+        ge=0,
+        le=0.5,
+        description="Share of the learned capacity held for tenants below their fair share (at least 1 request).",
+    )
+    headroom_share: float = Field(
+        default=0.5,
+        ge=0,
+        le=4,
+        description="Requests admitted beyond the learned capacity, as a share of it: a short queue on the workers "
+        "so that prefills overlap decoding (only tenants below their fair share use it).",
+    )
+    share_linger_s: float = Field(
+        default=0.5,
+        ge=0,
+        le=60,
+        description="Seconds a tenant that went idle keeps its share (checked every 0.5 s): a tenant between two "
+        "requests, or whose client stalled a moment, does not hand its share to a flood that would hold it for a "
+        "whole request (0: at once).",
+    )
+    worker_priority: bool = Field(
+        default=False,
+        description="Send each request's effective priority to the workers as SGLang's `priority` field (turn on "
+        "where they run --enable-priority-scheduling).",
+    )
+    metrics_tenants: int = Field(
+        default=20, ge=0, le=1000, description="Tenants with metric series of their own; the rest are 'other'."
+    )
+
+
+class RouterSettings(BaseSettings, EtcdClientSettings):
+    """Every setting of the router; the etcd client's TLS settings (``etcd_*_file``, ``etcd_server_name``) are
+    ``EtcdClientSettings``', shared with the operator; ``cache_aware``, ``retry``, ``integrity`` and ``flow_control``
+    are groups (their settings' flags flat: ``settings_flags.flat_fields``)."""
+
+    model_config = SettingsConfigDict(env_prefix="TANDEM_ROUTER_", env_nested_delimiter="__", extra="forbid")
+
+    host: str = Field(default="127.0.0.1", description="Address the router listens on.")
+    port: int = Field(default=8000, ge=0, le=65535, description="Port the router listens on (0: any free one).")
+    workers: int = Field(default=1, ge=1, le=64, description="Router processes sharing the port (SO_REUSEPORT).")
+    policy: Policy = Field(default=Policy.CACHE_AWARE, description="How a prefill/decode pair is chosen.")
+    cache_aware: CacheAwareSettings = Field(
+        default_factory=CacheAwareSettings, description="The cache_aware policy's thresholds and tree size."
     )
     fabric_locality: FabricLocality = Field(
         default=FabricLocality.AUTO,
@@ -112,16 +248,7 @@ class RouterSettings(BaseSettings, EtcdClientSettings):
     max_concurrent_requests: int = Field(
         default=4096, ge=1, description="Requests in flight beyond which a new one gets 503."
     )
-    retry_max_attempts: int = Field(
-        default=5, ge=1, le=20, description="Pairs tried per request before its first byte."
-    )
-    retry_initial_backoff_s: float = Field(
-        default=0.01, ge=0, description="Wait before the first retry; doubles per retry."
-    )
-    resume_max_attempts: int = Field(
-        default=2, ge=0, le=10, description="Fresh pairs tried per stream after its first byte (0: never resume)."
-    )
-    resume_deadline_s: float = Field(default=30.0, gt=0, description="From a stream's break: no pair tried after.")
+    retry: RetrySettings = Field(default_factory=RetrySettings, description="Retries and stream resumes.")
     breaker_threshold: int = Field(default=5, ge=1, description="Consecutive failures that open a worker's breaker.")
     breaker_cooldown_s: float = Field(default=2.0, gt=0, description="An open breaker's wait before it lets one try.")
     health_interval_s: float = Field(default=2.0, gt=0, description="Seconds between health checks of each worker.")
@@ -131,98 +258,31 @@ class RouterSettings(BaseSettings, EtcdClientSettings):
     )
     drain_timeout_s: float = Field(default=30.0, ge=0, description="On SIGTERM: longest wait for requests in flight.")
 
-    integrity: bool = Field(default=True, description="Run the output-integrity detectors, canaries and quarantine.")
-    canary_interval_s: float = Field(default=30.0, gt=0, description="Seconds between known-answer canary rounds.")
-    canary_sample: int = Field(
-        default=2, ge=1, description="Partners each prefill and decode is probed with per canary round (rotating)."
-    )
-    probe_budget_share: float = Field(
-        default=0.01,
-        gt=0,
-        le=1,
-        description="Share of the cluster's capacity (requests at once) canaries, bursts and confirmations may use.",
-    )
-    quarantine_threshold: int = Field(
-        default=2, ge=1, description="Integrity failures within the window that quarantine a pair."
-    )
-    quarantine_window_s: float = Field(default=60.0, gt=0, description="Window over which integrity failures count.")
-    quarantine_probe_initial_s: float = Field(
-        default=5.0, gt=0, description="Wait before a quarantined pair's first probation; doubles per quarantine."
-    )
-    quarantine_probe_max_s: float = Field(default=300.0, gt=0, description="Longest wait before a probation.")
-    quarantine_watch_s: float = Field(default=300.0, ge=0, description="After release, one failure re-quarantines.")
-    probation_comparisons: int = Field(
-        default=100, ge=1, description="Clean comparisons at live concurrency that release a pair on probation."
-    )
-    max_detector_ejection_share: float = Field(
-        default=0.5, gt=0, le=1, description="Share of pairs detector findings alone may quarantine (min one pair)."
-    )
-    integrity_independent_clients: int = Field(
-        default=2, ge=2, description="Clients with disjoint findings that quarantine without a canary/shadow."
-    )
+    integrity: IntegritySettings = Field(default_factory=IntegritySettings, description="Output integrity.")
     client_id_header: str | None = Field(
         default=None, description="Header naming the client (set by a trusted proxy); else API key or peer address."
     )
-    report_after_quarantines: int = Field(
-        default=3, ge=1, description="Quarantines of a worker's pairs after which it is reported for recreation."
-    )
-    shadow_rate: float = Field(
-        default=0.01, ge=0, le=1, description="Fraction of deterministic requests re-run on a second pair and compared."
-    )
-    leak_ngram_words: int = Field(default=8, ge=3, le=64, description="Words of another prompt that count as a leak.")
-    integrity_near_tie_nats: float = Field(
-        default=NEAR_TIE_NATS,
-        ge=0,
-        le=10,
-        description="Largest top-1 minus runner-up logprob margin at which a flipped token is GPU numerics, not "
-        "corruption (canaries, shadows, probation; 0: only exact ties).",
-    )
-    flow_control: bool = Field(
-        default=True,
-        description="Tenant flow control: per-tenant queues in front of the pairs, weighted fair sharing of the "
-        "capacity learned from the decodes' gauges, the limits of flow_limits_file (router/README.md).",
-    )
-    flow_limits_file: Path | None = Field(
-        default=None,
-        description="YAML/JSON file of per-tenant weights, priorities and limits, reloaded when it changes "
-        "(a malformed one is refused, naming the field, and the last good one kept). Unset: every tenant equal.",
-    )
-    flow_reserve_share: float = Field(
-        default=0.25,
-        ge=0,
-        le=0.5,
-        description="Share of the learned capacity held for tenants below their fair share (at least 1 request).",
-    )
-    flow_headroom_share: float = Field(
-        default=0.5,
-        ge=0,
-        le=4,
-        description="Requests admitted beyond the learned capacity, as a share of it: a short queue on the workers "
-        "so that prefills overlap decoding (only tenants below their fair share use it).",
-    )
-    flow_share_linger_s: float = Field(
-        default=0.5,
-        ge=0,
-        le=60,
-        description="Seconds a tenant that went idle keeps its share (checked every 0.5 s): a tenant between two "
-        "requests, or whose client stalled a moment, does not hand its share to a flood that would hold it for a "
-        "whole request (0: at once).",
-    )
-    flow_worker_priority: bool = Field(
-        default=False,
-        description="Send each request's effective priority to the workers as SGLang's `priority` field (turn on "
-        "where they run --enable-priority-scheduling).",
-    )
-    flow_metrics_tenants: int = Field(
-        default=20, ge=0, le=1000, description="Tenants with metric series of their own; the rest are 'other'."
-    )
+    flow_control: FlowControlSettings = Field(default_factory=FlowControlSettings, description="Tenant flow control.")
     log_level: str = Field(default="info", description="debug, info, warning or error.")
 
-    @property
-    def cache_aware_config(self) -> CacheAwareConfig:
-        return CacheAwareConfig(
-            self.cache_threshold, self.balance_abs_threshold, self.balance_rel_threshold, self.cache_max_tree_units
-        )
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """``TANDEM_ROUTER_<FLAG>`` for every setting, grouped ones included (``settings_flags.FlatEnvSource``)."""
+        return init_settings, settings_flags.FlatEnvSource(settings_cls), dotenv_settings, file_secret_settings
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_names(cls, data: Any) -> Any:
+        """A grouped setting is also taken by its flag's name (``flow_reserve_share: 0.1``, as a ``--config`` file
+        or keyword argument): ``settings_flags.nest``."""
+        return settings_flags.nest(data, cls.model_fields) if isinstance(data, Mapping) else data
 
     @model_validator(mode="after")
     def _verify_key(self) -> RouterSettings:
@@ -254,13 +314,14 @@ _METAVARS = {"prefill": "URL [BOOTSTRAP_PORT]", "decode": "URL", "etcd_endpoints
 
 
 def flag_of(name: str) -> str:
-    """The command-line flag of ``RouterSettings`` field ``name``."""
+    """The command-line flag of the ``RouterSettings`` setting of flat name ``name`` (``settings_flags.flat_fields``:
+    a field's name, or a grouped setting's, ``flow_reserve_share`` for ``flow_control.reserve_share``)."""
     return settings_flags.flag_of(name, _FLAG_NAMES)
 
 
 def parser() -> argparse.ArgumentParser:
-    """One flag per ``RouterSettings`` field (``tandem.settings_flags``; ``--prefill URL [BOOTSTRAP_PORT]``
-    repeated), plus ``--config`` and SGLang router's no-op ``--pd-disaggregation``."""
+    """One flag per ``RouterSettings`` setting, grouped ones included (``tandem.settings_flags``; ``--prefill URL
+    [BOOTSTRAP_PORT]`` repeated), plus ``--config`` and SGLang router's no-op ``--pd-disaggregation``."""
     p = argparse.ArgumentParser(prog="tandem router", description="OpenAI-compatible prefill/decode router.")
     p.add_argument("--config", type=Path, help="YAML file with RouterSettings fields (flags win)")
     p.add_argument("--pd-disaggregation", action="store_true", help="accepted for SGLang-router compatibility")
@@ -285,5 +346,9 @@ def load(argv: Sequence[str]) -> RouterSettings:
         flags["prefill"] = [_prefill_arg(v) for v in flags["prefill"]]
     if "decode" in flags:
         flags["decode"] = [u.rstrip("/") for u in flags["decode"]]
-    values.update(flags)
+    values = settings_flags.nest(values, RouterSettings.model_fields)
+    # a flag wins over the file's value of its setting, also where the file nests it under its group
+    for key, value in settings_flags.nest(flags, RouterSettings.model_fields).items():
+        both = isinstance(value, dict) and isinstance(values.get(key), dict)
+        values[key] = {**values[key], **value} if both else value
     return RouterSettings(**values)  # init values win over TANDEM_ROUTER_* environment variables

@@ -40,18 +40,17 @@ OTHER = "other"
 class FlowControl:
     def __init__(self, settings: RouterSettings, pool: WorkerPool, registry: CollectorRegistry) -> None:
         self.pool = pool
-        self.path = settings.flow_limits_file
+        flow = settings.flow_control
+        self.path = flow.limits_file
         self._stamp: tuple[int, int, int] | None = None
         limits = FlowLimits()
         if self.path is not None:
             self._stamp = _stamp(self.path)
             limits = load_limits(self.path)  # main checked it: a one-line error naming the setting
-        self.core = FairQueue(
-            limits, settings.flow_reserve_share, settings.flow_headroom_share, settings.flow_share_linger_s
-        )
+        self.core = FairQueue(limits, flow.reserve_share, flow.headroom_share, flow.share_linger_s)
         self.learner = CapacityLearner()
         self._waiting: dict[Pending, asyncio.Future[None]] = {}
-        self.counts = _TenantCounts(settings.flow_metrics_tenants)
+        self.counts = _TenantCounts(flow.metrics_tenants)
         self.reloads = {"ok": 0, "refused": 0}
         registry.register(_FlowCollector(self))
 

@@ -73,9 +73,9 @@ def main(argv: Sequence[str]) -> int:
     except pydantic.ValidationError as err:
         print(f"tandem router: invalid configuration:\n{err}", file=sys.stderr)
         return 2
-    if settings.flow_control and settings.flow_limits_file is not None:
+    if settings.flow_control.enabled and settings.flow_control.limits_file is not None:
         try:
-            load_limits(settings.flow_limits_file)
+            load_limits(settings.flow_control.limits_file)
         except LimitsError as err:
             print(f"tandem router: --flow-limits-file: {err}", file=sys.stderr)
             return 2

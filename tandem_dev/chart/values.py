@@ -65,7 +65,13 @@ class Hpa(Values):
     target_cpu_utilization: int = Field(default=70, ge=1, le=100, description="HPA target CPU utilization (%).")
 
 
+CLIENT_ID_HEADER = r"^[A-Za-z0-9-]*$"
+
+
 class FlowControl(Values):
+    """The router's ``flow_control`` settings (``tandem_router.config.FlowControlSettings``), by the same names;
+    ``limits`` is the content of its ``limits_file``."""
+
     enabled: bool = Field(
         default=True,
         description="Tenant flow control: per-tenant queues in front of the pairs, weighted fair sharing of the "
@@ -73,9 +79,9 @@ class FlowControl(Values):
     )
     client_id_header: str = Field(
         default="",
-        pattern=r"^[A-Za-z0-9-]*$",
-        description="Header naming the tenant, set by a trusted proxy in front of the router (clients cannot pick "
-        "their tenant otherwise); empty: the API key when keys are checked, else the peer address.",
+        pattern=CLIENT_ID_HEADER,
+        description="Deprecated: router.clientIdHeader (the router's client identity, for integrity evidence too); "
+        "used where that is empty.",
     )
     limits: FlowLimits | None = Field(
         default=None,
@@ -86,6 +92,11 @@ class FlowControl(Values):
 
 
 class Router(Values):
+    """The router. Its settings (``tandem_router.config.RouterSettings``) keep their names here, camelCase and nested
+    as the settings are (``policy``, ``clientIdHeader``, ``maxConcurrentRequests``, ``flowControl.enabled`` for
+    ``flow_control.enabled``), but ``processes`` (``workers``) and ``drainTimeoutSeconds`` (``drain_timeout_s``, also
+    the pods' grace period); ``templates/_helpers.tpl``'s ``tandem.routerFlags`` maps them all to the router's flags."""
+
     enabled: bool = Field(default=True, description="Deploy the router.")
     replicas: int = Field(default=2, ge=1, description="Router replicas (ignored when the HPA is enabled).")
     cluster_name: str = Field(
@@ -100,6 +111,13 @@ class Router(Values):
     api_keys_secret: str = Field(
         default="",
         description="Secret with a key 'api-keys' (comma-separated Bearer keys); empty means no authentication.",
+    )
+    client_id_header: str = Field(
+        default="",
+        pattern=CLIENT_ID_HEADER,
+        description="Header naming the client (the tenant of flow control, the client of integrity evidence), set "
+        "by a trusted proxy in front of the router (clients cannot pick their identity otherwise); empty: the API "
+        "key when keys are checked, else the peer address.",
     )
     max_concurrent_requests: int = Field(default=4096, ge=1, description="Requests in flight per router before 429.")
     drain_timeout_seconds: int = Field(default=30, ge=0, description="Graceful drain bound on SIGTERM.")

@@ -44,7 +44,7 @@ from tandem_dev.local_stack import CLUSTER, HOST, NAMESPACE, start_etcd
 from tandem_dev.procs import ManagedProcess, ProcessFailedError, free_port
 from tandem_dev.router.bench_integrity import bodies
 from tandem_dev.router.integrity_stack import integrity_state, metric_values, metrics_of
-from tandem_router.config import RouterSettings
+from tandem_router.config import IntegritySettings
 
 SIZES = ((1, 1), (8, 8), (125, 125))
 QUICK_SIZES = ((1, 1), (8, 8))
@@ -53,7 +53,7 @@ CLEAN_S, QUICK_CLEAN_S = 60.0, 15.0  # full: two canary rounds (30 s apart on th
 WARMUP_S = 40.0  # the routers' first rounds and the first allowance of their budgets (up to 60 s of it) are spent
 WATCH_S, QUICK_WATCH_S = 60.0, 30.0
 OUT_WITHIN_S = 10.0
-BUDGET_SHARE = RouterSettings.model_fields["probe_budget_share"].default  # the router's default, for the note
+BUDGET_SHARE = IntegritySettings.model_fields["probe_budget_share"].default  # the router's default, for the note
 MAX_RUNNING = 8  # the fleet's default per decode
 PROBES = "tandem_integrity_probes_total"
 PROBE_SECONDS = "tandem_integrity_probe_seconds_total"

@@ -8,8 +8,11 @@ from typing import Any
 import pytest
 import yaml
 
+from tandem import settings_flags
 from tandem_dev.chart import generate
 from tandem_dev.chart.dashboard import PANELS
+from tandem_dev.chart.values import Router
+from tandem_router.config import RouterSettings, parser
 from tandem_router.flow.limits import FlowLimits, load_limits
 from tests.chart.render import CHART, ROOT, VALUES_FILES, helm, render
 
@@ -55,6 +58,7 @@ def test_lint_and_template(values: Path | None) -> None:
         (["router.service.type=LoadBalancer"], "networkPolicy.routerCidrs: a LoadBalancer router Service"),
         (["router.flowControl.limits.default.weight=-1"], "/router/flowControl/limits/default/weight"),
         (["router.flowControl.limits.defaults.weight=1"], "additional properties 'defaults' not allowed"),
+        (["router.clientIdHeader=X Tenant"], "/router/clientIdHeader"),
         (["router.flowControl.clientIdHeader=X Tenant"], "/router/flowControl/clientIdHeader"),
     ],
 )
@@ -95,7 +99,7 @@ def _router(docs: list[dict[str, Any]]) -> dict[str, Any]:
 def test_flow_limits_come_from_a_configmap_the_router_reads(tmp_path: Path) -> None:
     limits = {"default": {"max_concurrency": 64}, "tenants": {"header:batch": {"weight": 0.5, "priority": -10}}}
     values = tmp_path / "values.yaml"
-    values.write_text(yaml.safe_dump({"router": {"flowControl": {"clientIdHeader": "X-Tenant", "limits": limits}}}))
+    values.write_text(yaml.safe_dump({"router": {"clientIdHeader": "X-Tenant", "flowControl": {"limits": limits}}}))
     docs = render("-f", str(values))
     [config_map] = [
         d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "t-tandem-router-flow-limits"
@@ -133,3 +137,36 @@ def test_a_release_without_flow_control_values_upgrades_to_the_defaults() -> Non
     args = _router(docs)["containers"][0]["args"]
     assert "--flow-control" in args
     assert not [a for a in args if a.startswith(("--flow-limits", "--client-id"))]
+
+
+def _settings_from_flags(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The router's settings its rendered flags give, nested as ``RouterSettings`` nests them."""
+    args = parser().parse_args(_router(docs)["containers"][0]["args"][1:])  # after the subcommand, `router`
+    flags = {k: v for k, v in vars(args).items() if v is not None and k not in {"config", "pd_disaggregation"}}
+    return settings_flags.nest(flags, RouterSettings.model_fields)
+
+
+def test_router_values_keep_the_settings_names_and_reach_them(tmp_path: Path) -> None:
+    """The router values that are router settings have the settings' names (camelCase, nested alike), and the
+    chart's flags (``tandem.routerFlags``) give the router those settings: the router's own parser reads them."""
+    router_values = {
+        "policy": "power_of_two",
+        "clientIdHeader": "X-Tenant",
+        "maxConcurrentRequests": 77,
+        "flowControl": {"enabled": False},
+    }
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({"router": router_values}))
+    settings = _settings_from_flags(render("-f", str(values)))
+    by_alias = {field.alias or name: name for name, field in Router.model_fields.items()}
+    for key, value in router_values.items():
+        name = by_alias[key]
+        assert name in RouterSettings.model_fields, f"router.{key} is not named as a router setting"
+        if isinstance(value, dict):
+            assert {k: settings[name][k] for k in value} == value  # flowControl.enabled is flow_control.enabled
+        else:
+            assert settings[name] == value
+    # the deprecated spelling still reaches the router where router.clientIdHeader is empty
+    old = _settings_from_flags(render("--set", "router.flowControl.clientIdHeader=X-Old"))
+    assert old["client_id_header"] == "X-Old"
+    assert _settings_from_flags(render())["flow_control"] == {"enabled": True}

@@ -98,16 +98,19 @@ async def stack(
     ps = [await serve(instant_worker.build_app("prefill")) for _ in range(prefills)]
     ds = [await serve(instant_worker.build_app("decode")) for _ in range(decodes)]
     ports = list(bootstrap_ports or [8998 + i for i in range(prefills)])
-    cfg = RouterSettings(
-        prefill=[PrefillSpec(url=p.url, bootstrap_port=port) for p, port in zip(ps, ports, strict=True)]
-        + [PrefillSpec(url=u) for u in dead_prefills],
-        decode=[d.url for d in ds],
-        policy=settings.pop("policy", Policy.ROUND_ROBIN),
-        health_interval_s=settings.pop("health_interval_s", 60.0),
-        # Canaries would add requests the instant-worker tests count; the integrity tests turn them on.
-        integrity=settings.pop("integrity", False),
-        retry_initial_backoff_s=settings.pop("retry_initial_backoff_s", 0.001),
-        **settings,
+    # Settings by name, grouped ones by their flat (flag) name: integrity=True, canary_interval_s=5.
+    cfg = RouterSettings.model_validate(
+        {
+            "prefill": [PrefillSpec(url=p.url, bootstrap_port=port) for p, port in zip(ps, ports, strict=True)]
+            + [PrefillSpec(url=u) for u in dead_prefills],
+            "decode": [d.url for d in ds],
+            "policy": settings.pop("policy", Policy.ROUND_ROBIN),
+            "health_interval_s": settings.pop("health_interval_s", 60.0),
+            # Canaries would add requests the instant-worker tests count; the integrity tests turn them on.
+            "integrity": settings.pop("integrity", False),
+            "retry_initial_backoff_s": settings.pop("retry_initial_backoff_s", 0.001),
+            **settings,
+        }
     )
     router = await serve_router(cfg)
     http = aiohttp.ClientSession()

@@ -13,6 +13,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from tandem import settings_flags
 from tandem_dev.procs import ManagedProcess, free_port
 from tandem_router.config import DiscoveryMode, RouterSettings, flag_of, load, parser
 from tandem_router.discovery import pod_spec, static_specs
@@ -40,23 +41,62 @@ def test_flags_sglang_router_compatible(monkeypatch: pytest.MonkeyPatch, tmp_pat
 
 
 def test_every_setting_has_a_flag_with_its_description() -> None:
-    """The flags are made from ``RouterSettings``: none is missing or spelled by hand."""
+    """The flags are made from ``RouterSettings``, its groups' settings included: none is missing or spelled by
+    hand."""
     actions = {a.dest: a for a in parser()._actions}
-    for name, field in RouterSettings.model_fields.items():
+    flat = settings_flags.flat_fields(RouterSettings.model_fields)
+    for name, (_, field) in flat.items():
         assert name in actions, f"no flag for {name}"
         assert flag_of(name) in actions[name].option_strings
         assert field.description
         assert field.description.replace("%", "%%") in (actions[name].help or "")
-    assert set(actions) == {*RouterSettings.model_fields, "help", "config", "pd_disaggregation"}
+    assert set(actions) == {*flat, "help", "config", "pd_disaggregation"}
+    groups = {path[0] for path, _ in flat.values() if len(path) == 2}
+    assert groups == {"cache_aware", "retry", "integrity", "flow_control"}
 
 
-def test_settings_once_without_a_flag_reach_the_router() -> None:
-    s = load(["--breaker-threshold", "7", "--connect-timeout-s", "1.5", "--k8s-worker-port", "31000",
-              "--read-idle-timeout-s", "60", "--no-integrity", "--model-name", "a", "--model-name", "b",
-              "--etcd-endpoint", "10.0.0.1:2379", "--api-key", "k"])  # fmt: skip
-    assert (s.breaker_threshold, s.connect_timeout_s, s.k8s_worker_port, s.read_idle_timeout_s) == (7, 1.5, 31000, 60)
-    assert (s.integrity, s.model_names, s.etcd_endpoints, s.api_keys) == (False, ["a", "b"], ["10.0.0.1:2379"], ["k"])
-    assert load([]).integrity is True
+# The grouped settings' flags, as users and the chart spell them (#37 grouped the settings, not the flags).
+GROUPED_FLAGS = {
+    "--cache-threshold": ("cache_aware", "cache_threshold"),
+    "--cache-max-tree-units": ("cache_aware", "max_tree_units"),
+    "--retry-max-attempts": ("retry", "max_attempts"),
+    "--resume-deadline-s": ("retry", "resume_deadline_s"),
+    "--integrity": ("integrity", "enabled"),
+    "--canary-interval-s": ("integrity", "canary_interval_s"),
+    "--integrity-independent-clients": ("integrity", "independent_clients"),
+    "--integrity-near-tie-nats": ("integrity", "near_tie_nats"),
+    "--flow-control": ("flow_control", "enabled"),
+    "--flow-limits-file": ("flow_control", "limits_file"),
+    "--flow-reserve-share": ("flow_control", "reserve_share"),
+}
+
+
+def test_grouped_settings_keep_their_flat_flags_and_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    flat = settings_flags.flat_fields(RouterSettings.model_fields)
+    assert {flag: flat[flag.removeprefix("--").replace("-", "_")][0] for flag in GROUPED_FLAGS} == GROUPED_FLAGS
+    # The environment: the flag's spelling (a group's own name its switch, any boolean spelling) or nested.
+    monkeypatch.setenv("TANDEM_ROUTER_INTEGRITY", "off")
+    monkeypatch.setenv("TANDEM_ROUTER_CANARY_SAMPLE", "4")
+    monkeypatch.setenv("TANDEM_ROUTER_FLOW_CONTROL__HEADROOM_SHARE", "1.5")
+    monkeypatch.setenv("TANDEM_ROUTER_CACHE_MAX_TREE_UNITS", "99")
+    s = load([])
+    assert (s.integrity.enabled, s.integrity.canary_sample, s.flow_control.headroom_share) == (False, 4, 1.5)
+    assert s.cache_aware.config.max_tree_units == 99
+    # A flag of one setting of a group keeps the environment's others; flags win over a file, flat or nested.
+    cfg_file = tmp_path / "router.yaml"
+    cfg_file.write_text("flow_control: {reserve_share: 0.1, share_linger_s: 2}\nretry_max_attempts: 3\n")
+    s = load(["--config", str(cfg_file), "--integrity", "--flow-share-linger-s", "1", "--no-flow-control"])
+    assert (s.integrity.enabled, s.integrity.canary_sample) == (True, 4)
+    assert (s.flow_control.enabled, s.flow_control.reserve_share, s.flow_control.share_linger_s) == (False, 0.1, 1)
+    assert (s.flow_control.headroom_share, s.retry.max_attempts) == (1.5, 3)
+    # Keyword arguments (and --config files) take a grouped setting by its flat name too.
+    monkeypatch.delenv("TANDEM_ROUTER_INTEGRITY")
+    integrity = RouterSettings.model_validate({"integrity": False, "canary_interval_s": 5}).integrity
+    assert (integrity.enabled, integrity.canary_interval_s) == (False, 5)
+    with pytest.raises(ValueError, match=r"flow_control\.reserve_share"):
+        load(["--flow-reserve-share", "0.9"])
 
 
 @pytest.mark.procs

@@ -126,6 +126,28 @@ Rules values.schema.json cannot express. Each failure names the values key to ch
 {{- end -}}
 {{- end -}}
 
+{{/*
+The router's flags made from its values: the one place where router values become router settings. The values keep
+the settings' names (tandem_router.config.RouterSettings, camelCase, nested alike: router.flowControl.enabled is
+flow_control.enabled, flag --flow-control; tests/chart/test_chart_render.py parses these flags with the router's own
+parser). dig, not field access, for the values a release from before them lacks (`helm upgrade --reuse-values`).
+*/}}
+{{- define "tandem.routerFlags" -}}
+{{- $router := .Values.router }}
+{{- $flow := $router.flowControl | default dict }}
+- --workers={{ $router.processes }}
+- --policy={{ $router.policy }}
+- --max-concurrent-requests={{ $router.maxConcurrentRequests }}
+- --drain-timeout-s={{ $router.drainTimeoutSeconds }}
+{{- with dig "clientIdHeader" "" $router | default (dig "clientIdHeader" "" $flow) }}
+- --client-id-header={{ . }}
+{{- end }}
+- --{{ if not (dig "enabled" true $flow) }}no-{{ end }}flow-control
+{{- if dig "limits" nil $flow }}
+- --flow-limits-file=/etc/tandem/flow/limits.yaml
+{{- end }}
+{{- end -}}
+
 {{/* Flags and mounts that give a component (.user: operator or router) its etcd client certificate. */}}
 {{- define "tandem.etcdClientFlags" -}}
 - --etcd-ca-file=/etc/tandem/etcd/ca.crt
