@@ -1,7 +1,7 @@
 """Command-line flags made from pydantic settings models, so that a setting is declared once: its type, description
 and default make its flag (``--x-y`` for field ``x_y``; repeated for lists, ``--x/--no-x`` for booleans, the
 choices of an enum). The router makes every flag of ``RouterSettings`` here; the operator makes the etcd client's
-(``tandem.etcd_settings.EtcdClientSettings``), the same flags the router has.
+(``tandem.etcd_settings.EtcdClientSettings``, a group), the same flags the router has.
 
 Settings may be grouped: a field whose type is a ``SettingsGroup`` holds a nested model, and its settings keep flat
 flags (``--flow-reserve-share`` for ``flow_control.reserve_share``): the group names each setting's flat name, the
@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic.fields import FieldInfo
-from pydantic_settings import EnvSettingsSource
+from pydantic_settings import EnvSettingsSource, SettingsError
 
 
 def flag_of(name: str, renamed: Mapping[str, str] | None = None) -> str:
@@ -107,11 +107,21 @@ class FlatEnvSource(EnvSettingsSource):
     def __call__(self) -> dict[str, Any]:
         fields = self.settings_cls.model_fields
         flat = {}
-        for flat_name, (path, _) in flat_fields(fields).items():
+        for flat_name, (path, field) in flat_fields(fields).items():
             value = self.env_vars.get(self._apply_case_sensitive(self.env_prefix + flat_name))
             if len(path) == 2 and flat_name not in fields and value is not None:
-                flat[flat_name] = value
+                flat[flat_name] = self._flat_value(flat_name, field, value)
         return nest({**super().__call__(), **flat}, fields)
+
+    def _flat_value(self, flat_name: str, field: FieldInfo, value: str) -> Any:
+        """A grouped setting's variable read as a top-level setting's is: JSON where the setting is a list or a
+        model (``TANDEM_ROUTER_ETCD_ENDPOINTS='["10.0.0.1:2379"]'``), a malformed one a ``SettingsError``."""
+        try:
+            return super().prepare_field_value(flat_name, field, value, value_is_complex=False)
+        except ValueError as err:
+            raise SettingsError(
+                f'error parsing value for field "{flat_name}" from source "{type(self).__name__}"'
+            ) from err
 
 
 def _default(field: FieldInfo) -> str:

@@ -30,7 +30,7 @@ from tandem_operator.act.registrar import Registrar
 from tandem_operator.decide.fencing import StaleKeys
 from tandem_operator.decide.observe import GroupKey
 from tandem_operator.run.main import parse_args as operator_args
-from tandem_router.config import RouterSettings
+from tandem_router.config import RouterEtcdSettings, RouterSettings
 from tests.plumbing.routermetrics import scrape
 from tests.tandem_dev.devcluster.devcluster_fixtures import eventually
 
@@ -76,12 +76,12 @@ def test_signature_binds_the_value_to_its_key(signer: tuple[EndpointSigner, Endp
 
 
 def test_bad_tls_settings_name_the_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(pydantic.ValidationError, match="etcd_ca_file"):
-        RouterSettings(etcd_ca_file=tmp_path / "missing.crt")
+    with pytest.raises(pydantic.ValidationError, match=r"etcd\.ca_file"):
+        RouterSettings.model_validate({"etcd_ca_file": tmp_path / "missing.crt"})  # by the flag's name, as --config
     cert = tmp_path / "c.pem"
     cert.write_text("not a key")
     with pytest.raises(pydantic.ValidationError, match="cert_file and key_file go together"):
-        RouterSettings(etcd_ca_file=cert, etcd_cert_file=cert)
+        RouterSettings(etcd=RouterEtcdSettings(ca_file=cert, cert_file=cert))
     with pytest.raises(pydantic.ValidationError, match="registry_verify_key"):
         RouterSettings(registry_verify_key=cert)
     with pytest.raises(SystemExit):

@@ -136,10 +136,10 @@ def build_app(settings: RouterSettings, gates: tuple[PairGate, ...] = ()) -> Rou
     members = (
         RouterMembers(
             me,
-            settings.etcd_endpoints,
+            settings.etcd.endpoints,
             settings.cluster_namespace,
             settings.cluster_name,
-            tls=settings.etcd_tls,
+            tls=settings.etcd.tls,
         )
         if monitor is not None and settings.discovery is DiscoveryMode.ETCD
         else None
@@ -258,11 +258,11 @@ async def _startup(s: RouterState) -> None:
         s.members.start()
         publisher = IntegrityPublisher(
             s.integrity,
-            s.settings.etcd_endpoints,
+            s.settings.etcd.endpoints,
             s.settings.cluster_namespace,
             s.settings.cluster_name,
             s.members.me,
-            tls=s.settings.etcd_tls,
+            tls=s.settings.etcd.tls,
         )
         s.background.append(asyncio.create_task(publisher.run(s.stop)))
 

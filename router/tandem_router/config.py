@@ -1,8 +1,9 @@
 """Router configuration: one pydantic-settings model, filled from a YAML file, ``TANDEM_ROUTER_*`` environment
 variables and the command line (SGLang-router compatible flags), in increasing priority. Each setting is declared
-once, and its flag made from it; the cache-aware policy's, retries', integrity's and flow control's are grouped in
-nested models (``tandem.settings_flags.SettingsGroup``) whose settings keep their flat flags, environment variables
-and ``--config`` keys (``--flow-reserve-share``, ``TANDEM_ROUTER_FLOW_RESERVE_SHARE``: ``flow_control.reserve_share``).
+once, and its flag made from it; the etcd client's, the cache-aware policy's, retries', integrity's and flow
+control's are grouped in nested models (``tandem.settings_flags.SettingsGroup``) whose settings keep their flat flags,
+environment variables and ``--config`` keys (``--flow-reserve-share``, ``TANDEM_ROUTER_FLOW_RESERVE_SHARE``:
+``flow_control.reserve_share``; ``--etcd-endpoint``, ``TANDEM_ROUTER_ETCD_ENDPOINTS``: ``etcd.endpoints``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,16 @@ class PrefillSpec(BaseModel):
     url: str = Field(pattern=r"^https?://[^/\s]+$")
     bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
     attn_dp_size: int = Field(default=1, ge=1)
+
+
+class RouterEtcdSettings(EtcdClientSettings):
+    """The registry etcd's client: its endpoints and the TLS settings shared with the operator
+    (``tandem.etcd_settings.EtcdClientSettings``); flags ``--etcd-endpoint`` (smg's spelling), ``--etcd-ca-file``..."""
+
+    endpoints: list[str] = Field(
+        default_factory=lambda: ["127.0.0.1:2379"],
+        description="The registry etcd's client endpoints (repeat per member).",
+    )
 
 
 class CacheAwareSettings(settings_flags.SettingsGroup):
@@ -178,10 +189,9 @@ class FlowControlSettings(settings_flags.SettingsGroup):
     )
 
 
-class RouterSettings(BaseSettings, EtcdClientSettings):
-    """Every setting of the router; the etcd client's TLS settings (``etcd_*_file``, ``etcd_server_name``) are
-    ``EtcdClientSettings``', shared with the operator; ``cache_aware``, ``retry``, ``integrity`` and ``flow_control``
-    are groups (their settings' flags flat: ``settings_flags.flat_fields``)."""
+class RouterSettings(BaseSettings):
+    """Every setting of the router; ``etcd`` (its TLS settings shared with the operator), ``cache_aware``, ``retry``,
+    ``integrity`` and ``flow_control`` are groups (their settings' flags flat: ``settings_flags.flat_fields``)."""
 
     model_config = SettingsConfigDict(env_prefix="TANDEM_ROUTER_", env_nested_delimiter="__", extra="forbid")
 
@@ -208,9 +218,8 @@ class RouterSettings(BaseSettings, EtcdClientSettings):
     discovery: DiscoveryMode = Field(
         default=DiscoveryMode.STATIC, description="Where the workers come from: flags, the etcd registry or pods."
     )
-    etcd_endpoints: list[str] = Field(
-        default_factory=lambda: ["127.0.0.1:2379"],
-        description="The registry etcd's client endpoints (repeat per member).",
+    etcd: RouterEtcdSettings = Field(
+        default_factory=RouterEtcdSettings, description="Etcd discovery: the registry etcd's endpoints and TLS."
     )
     registry_verify_key: FilePath | None = Field(
         default=None,

@@ -75,13 +75,13 @@ class EtcdDiscovery:
         self._sessions = SessionHistory()
         self._ticker: asyncio.Task[None] | None = None
         self.watcher = EndpointWatcher(
-            settings.etcd_endpoints,
+            settings.etcd.endpoints,
             settings.cluster_namespace,
             settings.cluster_name,
             on_snapshot=self._snapshot,
             on_put=self._put,
             on_delete=self._delete,
-            tls=settings.etcd_tls,
+            tls=settings.etcd.tls,
         )
         pool.registry_census = self.watcher.census
 

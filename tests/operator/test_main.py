@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import aiohttp
 import kopf
 import pytest
 
+from tandem.registry import EtcdTLS
 from tandem_dev.procs import free_port
 from tandem_operator.act.metrics import FENCES, serve
 from tandem_operator.run.main import CustomResourceDiffBase, parse_args
@@ -19,11 +21,23 @@ def test_chart_flags_parse() -> None:
     args = parse_args(
         ["--etcd-endpoints=tandem-etcd.ops.svc:2379, http://10.0.0.9:2379", "--log-level=info", "--all-namespaces"]
     )
-    assert args.etcd == ["tandem-etcd.ops.svc:2379", "http://10.0.0.9:2379"]
+    assert args.etcd.endpoints == ["tandem-etcd.ops.svc:2379", "http://10.0.0.9:2379"]
     assert args.namespace == []
     assert args.leader_election is True
     assert args.leader_lease_duration + args.leader_retry < args.lease_ttl  # entries outlive a failover
     assert parse_args(["--namespace=a", "--namespace=b", "--no-leader-election"]).namespace == ["a", "b"]
+
+
+def test_etcd_client_flags_make_one_settings_group(tmp_path: Path) -> None:
+    """``--etcd-endpoints`` and the TLS flags shared with the router become ``args.etcd``, one group (#37)."""
+    ca, cert, key = (tmp_path / name for name in ("ca.crt", "tls.crt", "tls.key"))
+    for path in (ca, cert, key):
+        path.write_text("PEM")
+    args = parse_args(["--etcd-ca-file", str(ca), "--etcd-cert-file", str(cert), "--etcd-key-file", str(key),
+                       "--etcd-server-name", "etcd.ops.svc"])  # fmt: skip
+    assert args.etcd.tls == EtcdTLS(ca_file=str(ca), cert_file=str(cert), key_file=str(key), server_name="etcd.ops.svc")
+    assert (args.etcd.endpoints, parse_args([]).etcd.tls) == ([], EtcdTLS())  # spec.etcd.endpoints; plaintext
+    assert not {"etcd_ca_file", "etcd_endpoints"} & set(vars(args))  # the flags' values are the group's only
 
 
 def test_bad_flags_are_named(capsys: pytest.CaptureFixture[str]) -> None:

@@ -52,11 +52,13 @@ def test_every_setting_has_a_flag_with_its_description() -> None:
         assert field.description.replace("%", "%%") in (actions[name].help or "")
     assert set(actions) == {*flat, "help", "config", "pd_disaggregation"}
     groups = {path[0] for path, _ in flat.values() if len(path) == 2}
-    assert groups == {"cache_aware", "retry", "integrity", "flow_control"}
+    assert groups == {"etcd", "cache_aware", "retry", "integrity", "flow_control"}
 
 
 # The grouped settings' flags, as users and the chart spell them (#37 grouped the settings, not the flags).
 GROUPED_FLAGS = {
+    "--etcd-ca-file": ("etcd", "ca_file"),
+    "--etcd-server-name": ("etcd", "server_name"),
     "--cache-threshold": ("cache_aware", "cache_threshold"),
     "--cache-max-tree-units": ("cache_aware", "max_tree_units"),
     "--retry-max-attempts": ("retry", "max_attempts"),
@@ -97,6 +99,26 @@ def test_grouped_settings_keep_their_flat_flags_and_environment(
     assert (integrity.enabled, integrity.canary_interval_s) == (False, 5)
     with pytest.raises(ValueError, match=r"flow_control\.reserve_share"):
         load(["--flow-reserve-share", "0.9"])
+
+
+def test_etcd_client_settings_keep_their_flags_and_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The etcd client's settings (``etcd``, TLS shared with the operator) by their flags, ``--etcd-endpoint``
+    repeated, ``TANDEM_ROUTER_ETCD_*`` variables (a list as JSON) and flat ``--config`` keys, as before #37."""
+    ca = tmp_path / "ca.crt"
+    ca.write_text("a CA")
+    assert load([]).etcd.endpoints == ["127.0.0.1:2379"]
+    monkeypatch.setenv("TANDEM_ROUTER_ETCD_ENDPOINTS", '["10.0.0.1:2379", "10.0.0.2:2379"]')
+    monkeypatch.setenv("TANDEM_ROUTER_ETCD_CA_FILE", str(ca))
+    s = load(["--etcd-server-name", "etcd.ns.svc"])
+    assert s.etcd.endpoints == ["10.0.0.1:2379", "10.0.0.2:2379"]
+    assert (s.etcd.tls.ca_file, s.etcd.tls.server_name, s.etcd.tls.cert_file) == (str(ca), "etcd.ns.svc", None)
+    cfg_file = tmp_path / "router.yaml"
+    cfg_file.write_text("etcd_endpoints: [10.0.0.3:2379]\netcd_server_name: from-file\n")
+    s = load(["--config", str(cfg_file), "--etcd-endpoint", "a:1", "--etcd-endpoint", "b:2"])
+    assert (s.etcd.endpoints, s.etcd.server_name, s.etcd.ca_file) == (["a:1", "b:2"], "from-file", ca)
+    monkeypatch.setenv("TANDEM_ROUTER_ETCD_ENDPOINTS", "10.0.0.1:2379")  # not JSON: refused, as ever
+    with pytest.raises(ValueError, match="etcd_endpoints"):
+        load([])
 
 
 @pytest.mark.procs

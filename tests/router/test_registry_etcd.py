@@ -93,14 +93,17 @@ async def test_watcher_sees_existing_new_changed_and_deleted_endpoints(
 
 
 async def test_router_counts_a_recreated_group_that_reuses_a_mooncake_session(etcd: str) -> None:
-    from tandem_router.config import DiscoveryMode, RouterSettings
+    from tandem_router.config import DiscoveryMode, RouterEtcdSettings, RouterSettings
     from tandem_router.discovery_etcd import EtcdDiscovery
     from tandem_router.pool import WorkerPool
     from tests.tandem.test_registry import incarnation
 
     pool = WorkerPool()
     settings = RouterSettings(
-        discovery=DiscoveryMode.ETCD, etcd_endpoints=[etcd], cluster_namespace="ns", cluster_name="reuse"
+        discovery=DiscoveryMode.ETCD,
+        etcd=RouterEtcdSettings(endpoints=[etcd]),
+        cluster_namespace="ns",
+        cluster_name="reuse",
     )
     discovery = EtcdDiscovery(pool, settings)
     writer = LeasedWriter([etcd], ttl=30)
@@ -174,15 +177,15 @@ async def test_a_registry_that_comes_back_forged_or_empty_takes_no_healthy_worke
     so the four workers (healthy: no check has failed them) stay in routing; the operator's values back end it; gone
     again, they leave once the connected registry has settled without them."""
     from tandem.registry_signing import EndpointSigner, registry_entry, write_keypair
-    from tandem_router.config import DiscoveryMode, RouterSettings
+    from tandem_router.config import DiscoveryMode, RouterEtcdSettings, RouterSettings
     from tandem_router.discovery_etcd import EtcdDiscovery
     from tandem_router.pool import WorkerPool
 
     write_keypair(tmp_path / "signing.pem", tmp_path / "verify.pem")
     signer = EndpointSigner.from_file(tmp_path / "signing.pem")
     settings = RouterSettings(
-        discovery=DiscoveryMode.ETCD, etcd_endpoints=[etcd], cluster_namespace="ns", cluster_name="storm",
-        registry_verify_key=tmp_path / "verify.pem",
+        discovery=DiscoveryMode.ETCD, etcd=RouterEtcdSettings(endpoints=[etcd]), cluster_namespace="ns",
+        cluster_name="storm", registry_verify_key=tmp_path / "verify.pem",
     )  # fmt: skip
     endpoints = [_ep(f"decode-{i}", 2100 + i) for i in range(4)]
     pool = WorkerPool()

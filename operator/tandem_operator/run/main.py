@@ -22,6 +22,8 @@ from typing import Any
 
 import kopf
 import pydantic
+from pydantic import Field
+from pydantic.fields import FieldInfo
 
 from tandem import logs, settings_flags
 from tandem.etcd_settings import EtcdClientSettings
@@ -46,16 +48,29 @@ def _namespace_of_pod() -> str:
         return "default"
 
 
+class OperatorEtcdSettings(EtcdClientSettings):
+    """The registry etcd's client: the endpoints that override the PDClusters' ``spec.etcd.endpoints`` (empty: theirs)
+    and the TLS settings shared with the router (``tandem.etcd_settings``); ``parse_args`` gives it as ``etcd``."""
+
+    endpoints: list[str] = Field(
+        default_factory=list, description="comma-separated etcd endpoints overriding spec.etcd.endpoints"
+    )
+
+
+_ETCD = {"etcd": FieldInfo.from_annotation(OperatorEtcdSettings)}  # the parsed arguments' settings group, args.etcd
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The operator's flags; the etcd client's as one ``OperatorEtcdSettings``, ``etcd`` (``etcd.endpoints``,
+    ``etcd.tls``)."""
     parser = argparse.ArgumentParser(prog="tandem operator", description=__doc__)
     parser.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG"), help="kubeconfig file")
     scope = parser.add_mutually_exclusive_group()
     scope.add_argument("--namespace", action="append", default=[], help="namespace to serve (repeatable)")
     scope.add_argument("--all-namespaces", action="store_true", help="serve every namespace (the default)")
-    parser.add_argument(
-        "--etcd-endpoints", default="", help="comma-separated etcd endpoints overriding spec.etcd.endpoints"
-    )
-    settings_flags.add_flags(parser, EtcdClientSettings.model_fields)  # --etcd-ca-file ... as the router's
+    endpoints = OperatorEtcdSettings.model_fields["endpoints"]
+    parser.add_argument("--etcd-endpoints", default="", help=endpoints.description)  # one flag, comma-separated
+    settings_flags.add_flags(parser, _ETCD, skip={"etcd_endpoints"})  # --etcd-ca-file ... as the router's
     parser.add_argument(
         "--registry-signing-key",
         help="Ed25519 private key (PEM) that signs every registry value; routers verify with its public key",
@@ -93,15 +108,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             "--leader-lease-duration + --leader-retry must stay below --lease-ttl (registry entries would "
             "expire during a failover)"
         )
-    args.etcd = [e.strip() for e in args.etcd_endpoints.split(",") if e.strip()]
+    args.etcd_endpoints = [e.strip() for e in args.etcd_endpoints.split(",") if e.strip()]  # etcd.endpoints
     for flag in ("etcd_ca_file", "etcd_cert_file", "etcd_key_file", "registry_signing_key"):
         path = getattr(args, flag)
         if path is not None and not Path(path).is_file():
             parser.error(f"--{flag.replace('_', '-')}: no such file: {path}")
+    flat = {name: vars(args).pop(name) for name in settings_flags.flat_fields(_ETCD)}  # etcd_ca_file, ...
     try:
-        args.etcd_tls = EtcdClientSettings(
-            **{name: getattr(args, name) for name in EtcdClientSettings.model_fields}
-        ).etcd_tls
+        args.etcd = OperatorEtcdSettings(**settings_flags.nest(flat, _ETCD)["etcd"])
     except pydantic.ValidationError as err:
         parser.error(f"--etcd-*-file: {err.errors()[0]['msg']}")
     return args
@@ -163,9 +177,9 @@ async def _run_operator(args: argparse.Namespace, login: credentials.Credentials
     state = OperatorState(
         kube,
         RuntimeOptions(args.identity, resync_seconds=args.resync),
-        tuple(args.etcd),
+        tuple(args.etcd.endpoints),
         args.lease_ttl,
-        etcd_tls=args.etcd_tls,
+        etcd_tls=args.etcd.tls,
         signer=signer,
     )
     registry = build_registry(state)
