@@ -36,5 +36,5 @@ async def test_a_decode_back_under_its_old_session_id_is_served_again_within_sec
     result = await restart_decode_under_load(tmp_path, RECOVERY_ENV, cap_s=60.0)
     print(result)
     assert result.recovered_s is not None, f"not served again within 60 s: {result}"
-    assert result.recovered_s < 45.0, result  # measured 0.5-14 s: see operator/README.md (bounded, not timed)
+    assert result.recovered_s < 45.0, result  # bounded, not timed: 0.5-14 s in docs/benchmarks/history/operator.md
     assert result.served_after > 10 * result.failed_after, result  # and it keeps serving

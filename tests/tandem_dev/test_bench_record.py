@@ -260,4 +260,7 @@ def test_the_records_readme_index_is_what_the_writer_makes() -> None:
     assert tables("docs/benchmarks/README.md", text) == []
     assert problems("docs/benchmarks/README.md", text) == []
     for md in docs.glob("*/*.md"):
+        if md.parent.name == "history":  # hand-written notes of measurements from before records (issue #37, item 6)
+            assert not record.STAMP.match(md.stem), md
+            continue
         assert md.read_text().startswith("<!-- Produced by `"), md
