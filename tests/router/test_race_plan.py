@@ -81,6 +81,15 @@ def test_burst_prefills_are_distinct_and_rotate_over_every_prefill() -> None:
     assert race_plan.burst_prefills([], 0) == []
 
 
+@pytest.mark.parametrize(("prefills", "decodes"), [(125, 125), (8, 8), (40, 7), (3, 50)])
+def test_one_sweep_of_the_decodes_goes_through_every_prefill(prefills: int, decodes: int) -> None:
+    ps = [f"p{i:03}" for i in range(prefills)]
+    ds = [f"d{i:03}" for i in range(decodes)]
+    first = {p for d in ds for p in race_plan.burst_prefills(ps, race_plan.first_turn(d, ds))}
+    assert len(first) == min(prefills, race_plan.BURST * decodes)
+    assert race_plan.first_turn("d-new", ds) == 0  # a decode not listed yet counts itself
+
+
 def test_sweep_bound() -> None:
     assert race_plan.sweep_s(31, 0.6, 2.5) == pytest.approx(7.44)
     assert race_plan.sweep_s(0, 0.6, 0.0) == 0.0

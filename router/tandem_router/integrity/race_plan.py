@@ -25,7 +25,9 @@ than the one budget, however many they are.
 Detection bound: a router owning ``n`` decodes, whose bursts cost ``c`` request-seconds each and whose budget
 refills at ``r`` request-seconds a second, comes back to a decode within ``sweep_s(n, c, r)`` = ``n x c / r``; a
 decode that starts racing is quarantined within the larger of that and ``interval_s / BURSTS_PER_INTERVAL``, plus
-one burst's time, and every other router adopts it about a second later.
+one burst's time, and every other router adopts it about a second later. A router's budget is its decodes' share
+of the cluster's (``r = share x C x n / D``), so the sweep is ``c / (share x S)`` whatever the fleet's size, ``S``
+the slots of one decode (``C / D``): about 15 s for bursts of 1.2 request-seconds on decodes of 8 slots at 1 %.
 """
 
 from __future__ import annotations
@@ -137,6 +139,13 @@ def next_decode(mine: Sequence[str], suspects: Collection[str], last: str | None
     start = 0 if last is None else bisect.bisect_right(mine, last) % len(mine)
     order = [*mine[start:], *mine[:start]]
     return next((d for d in order if d in suspects), order[0])
+
+
+def first_turn(decode: str, decodes: Collection[str]) -> int:
+    """The turn of ``decode``'s first burst: its place among the cluster's decodes, sorted, so that the decodes'
+    bursts start ``BURST`` prefills apart and one sweep of the decodes goes through every prefill (``BURST x D``
+    probes over ``P`` prefills), not all through the same ``BURST``."""
+    return sorted(set(decodes) | {decode}).index(decode)
 
 
 def burst_prefills(prefills: Sequence[str], turn: int) -> list[str]:
