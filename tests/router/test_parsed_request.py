@@ -12,7 +12,7 @@ import pytest
 
 from tandem_router.app import _parse
 from tandem_router.flow.requests import CHARS_PER_TOKEN, estimated_tokens
-from tandem_router.openai.requests import ParsedRequest, deterministic, greedy, output_limit
+from tandem_router.openai.requests import ParsedRequest
 from tandem_router.openai.schema import ROUTES, Route, item_count
 from tandem_router.server import Reply
 from tests.router.helpers import stack
@@ -34,11 +34,24 @@ BODIES: list[tuple[Route, dict[str, Any]]] = [
 ]
 
 
+def _sampling_before(body: dict[str, Any]) -> tuple[bool, bool]:
+    """``probes.shadow.greedy`` and ``deterministic`` before #37."""
+    params = body.get("sampling_params")
+    if not isinstance(params, dict):
+        params = body
+    greedy = bool(params.get("temperature", 1.0) == 0)
+    if params.get("sampling_seed") is not None or params.get("seed") is not None:
+        return greedy, True
+    return greedy, greedy
+
+
 def _before(route: Route, body: dict[str, Any], prompt_chars: int) -> dict[str, Any]:
-    """What the readers read from the body before #37 (app, flow.requests, resume, probes.shadow)."""
+    """What the readers read from the body before #37 (app, flow.requests, probes.shadow)."""
     model = body.get("model")
     priority = body.get("priority")
-    limit = output_limit(route, body)
+    fields = body.get("sampling_params") if route is Route.GENERATE else body
+    limits = ROUTES[route].output_limits
+    limit = next((fields[k] for k in limits if k in fields), None) if isinstance(fields, dict) else None
     output = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else 0
     choices = body.get("n")
     n = choices if isinstance(choices, int) and not isinstance(choices, bool) and choices > 1 else 1
@@ -48,8 +61,8 @@ def _before(route: Route, body: dict[str, Any], prompt_chars: int) -> dict[str, 
         "items": item_count(route, body),
         "priority": priority if isinstance(priority, int) and not isinstance(priority, bool) else None,
         "estimate": prompt_chars / CHARS_PER_TOKEN + output * n,
-        "greedy": greedy(body),
-        "deterministic": deterministic(body),
+        "greedy": _sampling_before(body)[0],
+        "deterministic": _sampling_before(body)[1],
     }
 
 
