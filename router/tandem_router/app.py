@@ -13,7 +13,6 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import orjson
 import pydantic
@@ -22,14 +21,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from tandem_router.config import DiscoveryMode, RouterSettings
 from tandem_router.discovery import Discovery, make_discovery
 from tandem_router.dispatch import ProxyRequest
-from tandem_router.flow.requests import asked_priority, estimated_tokens
+from tandem_router.flow.requests import estimated_tokens
 from tandem_router.flow_control import FlowControl
 from tandem_router.health import HealthChecker
 from tandem_router.integrity.monitor import IntegrityConfig, IntegrityMonitor
 from tandem_router.integrity.quarantine import QuarantinePolicy
 from tandem_router.metrics import RouterMetrics
 from tandem_router.openai.openapi import document
-from tandem_router.openai.requests import canonical, param_path, refusal
+from tandem_router.openai.requests import ParsedRequest, canonical, param_path, refusal
 from tandem_router.openai.schema import (
     ROUTES,
     ErrorType,
@@ -37,7 +36,6 @@ from tandem_router.openai.schema import (
     ModelList,
     Route,
     error_body,
-    item_count,
     prompt_text,
     routing_key,
 )
@@ -297,14 +295,15 @@ def _proxied(state: RouterState, route: Route) -> Endpoint:
         if s.in_flight >= s.settings.max_concurrent_requests:
             return error(429, "too many concurrent requests", ErrorType.RATE_LIMIT, headers=(("Retry-After", "1"),))
         started = time.monotonic()
-        body, problem = _parse(request.body, route, model_cls)
-        if problem is not None:
-            return problem
-        model = body.get("model")
-        if isinstance(model, str) and not s.pool.serves(model, s.settings.model_names):
+        parsed = _parse(request.body, route, model_cls)
+        if isinstance(parsed, Reply):
+            return parsed
+        model = parsed.model
+        if model is not None and not s.pool.serves(model, s.settings.model_names):
             return error(
                 404, f"The model '{model}' does not exist", ErrorType.NOT_FOUND, code="model_not_found", param="model"
             )
+        body = parsed.body
         # One pass over the prompt: the routing prefix is its start (and all of it the leak detector needs).
         prompt = prompt_text(route, body, limit=PROMPT_CHARS_INSPECTED if s.integrity is not None else PREFIX_UNITS)
         client = client_identity(request, s.settings)
@@ -312,17 +311,14 @@ def _proxied(state: RouterState, route: Route) -> Endpoint:
         flow, slot = s.flow, None
         try:
             if flow is not None:
-                admitted = await flow.enter(client, asked_priority(body), estimated_tokens(route, body, len(prompt)))
+                admitted = await flow.enter(client, parsed.priority, estimated_tokens(parsed, len(prompt)))
                 if isinstance(admitted, Reply):
                     return admitted
                 slot = admitted
                 if s.settings.flow_control.worker_priority:
-                    body["priority"] = slot.priority
+                    parsed = parsed.with_priority(slot.priority)
             req = ProxyRequest(
-                route=route,
-                body=body,
-                stream=body.get("stream") is True,
-                items=item_count(route, body),
+                parsed=parsed,
                 prefix=routing_key(route, body, prompt, PREFIX_UNITS),
                 prompt=prompt if s.integrity is not None else "",
                 request_id=request.header("x-request-id")
@@ -339,27 +335,26 @@ def _proxied(state: RouterState, route: Route) -> Endpoint:
     return handle
 
 
-def _parse(raw: bytes, route: Route, model_cls: type[pydantic.BaseModel]) -> tuple[dict[str, Any], Reply | None]:
-    """The canonical body to forward (``openai.requests.canonical``), or the OpenAI error that refuses it."""
+def _parse(raw: bytes, route: Route, model_cls: type[pydantic.BaseModel]) -> ParsedRequest | Reply:
+    """The request with its canonical body to forward (``openai.requests.canonical``) and the facts the router
+    decides on, read once (``ParsedRequest``); or the OpenAI error that refuses it."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as err:
-        return {}, error(400, f"request body is not valid JSON: {err}", ErrorType.INVALID_REQUEST)
+        return error(400, f"request body is not valid JSON: {err}", ErrorType.INVALID_REQUEST)
     if not isinstance(body, dict):
-        return {}, error(400, "request body must be a JSON object", ErrorType.INVALID_REQUEST)
+        return error(400, "request body must be a JSON object", ErrorType.INVALID_REQUEST)
     body = canonical(route, body)
     try:
         model_cls.model_validate(body)
     except pydantic.ValidationError as err:
         first = err.errors(include_url=False)[0]
         where = param_path(first["loc"])
-        return {}, error(
-            400, f"{where}: {first['msg']}" if where else first["msg"], ErrorType.INVALID_REQUEST, param=where
-        )
+        return error(400, f"{where}: {first['msg']}" if where else first["msg"], ErrorType.INVALID_REQUEST, param=where)
     refused = refusal(route, body)
     if refused is not None:
-        return {}, error(400, refused.message, ErrorType.INVALID_REQUEST, param=refused.param)
-    return body, None
+        return error(400, refused.message, ErrorType.INVALID_REQUEST, param=refused.param)
+    return ParsedRequest.of(route, body)
 
 
 async def _models(s: RouterState, request: ServerRequest) -> Response:

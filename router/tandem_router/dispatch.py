@@ -23,7 +23,7 @@ import orjson
 from tandem.registry import Role
 from tandem_router.metrics import RouterMetrics
 from tandem_router.openai.errors import stream_error_status
-from tandem_router.openai.schema import Route
+from tandem_router.openai.requests import ParsedRequest
 from tandem_router.policy import bootstrap, retry
 from tandem_router.pool import Lease, Pair, WorkerPool
 from tandem_router.transport import Request, Transport, WorkerError, WorkerResponse
@@ -33,12 +33,12 @@ log = logging.getLogger("tandem.router.proxy")
 _ERROR_EVENT = b'data: {"error"'
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ProxyRequest:
-    route: Route
-    body: dict[str, Any]
-    stream: bool
-    items: int  # 0: one sequence; else one bootstrap room per item
+    """A client request on its way to a pair: the request as parsed (its body and facts, ``ParsedRequest``) and
+    what the router adds (the routing prefix, the request id, arrival, the prompt for observers, the client)."""
+
+    parsed: ParsedRequest
     prefix: str | tuple[int, ...]  # prompt prefix (text or token ids), for cache-aware prefill choice
     request_id: str
     started: float  # monotonic time the request arrived
@@ -133,24 +133,25 @@ class Dispatch:
             request_body,
             host=bootstrap.bootstrap_host(pair.prefill.url),
             port=pair.prefill.bootstrap_port,
-            items=req.items,
+            items=req.parsed.items,
             rng=self.rng,
             dp_size=pair.prefill.attn_dp_size,
         )
         headers = {"Content-Type": "application/json", "X-Request-Id": req.request_id}
-        request = Request.build("POST", req.route.value, orjson.dumps(body), headers)
+        path = req.parsed.route.value
+        request = Request.build("POST", path, orjson.dumps(body), headers)
         # The decode's attention-DP rank goes to the decode alone: a prefill would follow it too, against its room.
         rank = pair.decode_dp_rank
         decode_request = (
             request
             if rank is None
-            else Request.build("POST", req.route.value, orjson.dumps({**body, "routed_dp_rank": rank}), headers)
+            else Request.build("POST", path, orjson.dumps({**body, "routed_dp_rank": rank}), headers)
         )
         lease = self.pool.lease(pair, time.monotonic())
         self.metrics.dispatched(pair)
         # The decode's request goes out first: the client's first byte follows the decode's answer, the prefill's
         # only settles the pair (SGLang's workers pair up through the bootstrap room, whichever arrives first).
-        decode_task = asyncio.create_task(self._decode_head(pair, decode_request, req.stream))
+        decode_task = asyncio.create_task(self._decode_head(pair, decode_request, req.parsed.stream))
         prefill_task = asyncio.create_task(self._prefill(pair, request))
         committed = False
         try:

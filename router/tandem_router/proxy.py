@@ -97,7 +97,7 @@ class Proxy:
                 break
             if not retry.should_retry(attempt, self.retry_cfg, first_byte_sent=False):
                 break
-            self.metrics.retries.labels(req.route.value, failure.reason).inc()
+            self.metrics.retries.labels(req.parsed.route.value, failure.reason).inc()
             log.info(
                 "retrying on another pair",
                 extra={
@@ -110,13 +110,13 @@ class Proxy:
             )
             await asyncio.sleep(retry.backoff(attempt, self.retry_cfg, self.rng))
         if failure is None and self.pool.fabric_refuses(time.monotonic()):
-            self.metrics.fabric_refused(req.route)
+            self.metrics.fabric_refused(req.parsed.route)
             return _error(503, FABRIC_REFUSAL, ErrorType.UNAVAILABLE, req.request_id, code="no_fabric_local_pair")
         if failure is None:
             return _error(503, "no healthy prefill/decode pair is available", ErrorType.UNAVAILABLE, req.request_id)
         if failure.client_error:
             return Reply(
-                client_error_body(failure.status, failure.body or b"", req.body),
+                client_error_body(failure.status, failure.body or b"", req.parsed.body),
                 status=failure.status,
                 headers=(("X-Request-Id", req.request_id),),
             )
@@ -126,8 +126,8 @@ class Proxy:
 
     async def _attempt(self, pair: Pair, req: ProxyRequest, http: ServerRequest) -> Response | Failure:
         """One try on one pair: the client's response once relayed, or why this pair could not serve it."""
-        ledger = new_ledger(req.route, req.body) if self.resume_cfg.max_attempts else RESUME_OFF
-        body = ledger.upstream() if isinstance(ledger, StreamLedger) else req.body
+        ledger = new_ledger(req.parsed) if self.resume_cfg.max_attempts else RESUME_OFF
+        body = ledger.upstream() if isinstance(ledger, StreamLedger) else req.parsed.body
         opened = await self.dispatch.open_pair(pair, req, body)
         if isinstance(opened, Failure):
             return opened
@@ -136,15 +136,15 @@ class Proxy:
     async def _relay(
         self, opened: Opened, req: ProxyRequest, http: ServerRequest, ledger: StreamLedger | Refusal
     ) -> Response:
-        if req.stream:
+        if req.parsed.stream:
             return await StreamRelay(self.dispatch, self.resume_cfg, req, http, ledger).run(opened)
-        route = req.route.value
+        route = req.parsed.route.value
         try:
             if self.observer is not None:
                 self.dispatch.report_texts(opened.pair, req, body_texts(route, opened.first))
             self.metrics.route_ttft(route).observe(time.monotonic() - req.started)
             return Reply(
-                conform_body(req.route, opened.first),
+                conform_body(req.parsed.route, opened.first),
                 content_type=opened.resp.headers.get("content-type", "application/json"),
                 headers=(("X-Request-Id", req.request_id),),
             )

@@ -44,12 +44,12 @@ class StreamRelay:
         self.http = http
         self.ledger = ledger if isinstance(ledger, StreamLedger) else None
         self.refusal: Refusal | None = ledger if isinstance(ledger, Refusal) else None  # why a break is final
-        self.texts = StreamTexts(req.route.value) if dispatch.observer is not None else None
+        self.texts = StreamTexts(req.parsed.route.value) if dispatch.observer is not None else None
         if self.texts is not None and self.ledger is not None:
             self.ledger.on_event = self.texts.add  # the ledger parses every event: the texts come with it
-        self.shaped = StreamConformer(req.route) if req.route is not Route.GENERATE else None
+        self.shaped = StreamConformer(req.parsed.route) if req.parsed.route is not Route.GENERATE else None
         if self.shaped is not None and self.ledger is not None:
-            self.ledger.conform = functools.partial(conformed, req.route, stream=True)  # on the ledger's parse
+            self.ledger.conform = functools.partial(conformed, req.parsed.route, stream=True)  # on the ledger's parse
             self.shaped = None
         self.attempts = 0
         self.failed_workers: set[str] = set()
@@ -64,7 +64,7 @@ class StreamRelay:
     async def run(self, opened: Opened) -> ResponseStream:
         dispatch, req = self.dispatch, self.req
         pair, resp, first = opened.pair, opened.resp, opened.first
-        route = req.route.value
+        route = req.parsed.route.value
         metrics = dispatch.metrics
         out = self.http.stream(
             (("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"), ("X-Request-Id", req.request_id))
@@ -173,7 +173,7 @@ class StreamRelay:
             ledger.next_segment()
             opened = await dispatch.open_pair(pair, req, ledger.continuation())
             if isinstance(opened, Opened):
-                dispatch.metrics.resumed.labels(req.route.value, reason).inc()
+                dispatch.metrics.resumed.labels(req.parsed.route.value, reason).inc()
                 dispatch.metrics.resume_gap.observe(time.monotonic() - broke_at)
                 log.info(
                     "resumed the stream on a fresh pair",
@@ -206,6 +206,6 @@ class StreamRelay:
             code, why = "attempts", f"{self.attempts} fresh pair(s) tried, none continued it"
         else:
             code, why = "no_pair", "no fresh pair of its revision was available in time"
-        self.dispatch.metrics.resume_refused.labels(self.req.route.value, code).inc()
+        self.dispatch.metrics.resume_refused.labels(self.req.parsed.route.value, code).inc()
         log.warning("stream not resumed", extra={"request_id": self.req.request_id, "reason": code, "why": why})
         return why

@@ -18,6 +18,7 @@ from tandem_router.integrity.divergence import NEAR_TIE_NATS, Answer
 from tandem_router.integrity.monitor import IntegrityConfig, IntegrityMonitor
 from tandem_router.integrity.probe_budget import ProbeKind
 from tandem_router.integrity.quarantine import QuarantinePolicy
+from tandem_router.openai.requests import ParsedRequest
 from tandem_router.openai.schema import Route
 from tandem_router.pool import Pair, WorkerPool, WorkerSpec
 from tandem_router.probes.canary import CanaryProber
@@ -152,7 +153,7 @@ def _pool(monitor: IntegrityMonitor) -> WorkerPool:
 
 def _request(i: int = 0, **extra: Any) -> ProxyRequest:
     body = {"text": f"prompt {i}", "sampling_params": {"temperature": 0, "max_new_tokens": 16}, **extra}
-    return ProxyRequest(Route.GENERATE, body, False, 0, "p", f"r{i}", 0.0, f"prompt {i}")
+    return ProxyRequest(ParsedRequest.of(Route.GENERATE, body), "p", f"r{i}", 0.0, f"prompt {i}")
 
 
 async def _shadow(
@@ -163,10 +164,10 @@ async def _shadow(
     workers = FakeWorkers(queue=[_body(second), _body(third)])
     sampler = ShadowSampler(monitor, workers, _pool(monitor), rate=1.0)
     req = _request(return_logprob=False, top_logprobs_num=7)
-    before = orjson.dumps(req.body)
+    before = orjson.dumps(req.parsed.body)
     sampler.completed(PAIRS[0], req, [client_text])
     await sampler.drain()
-    assert orjson.dumps(req.body) == before  # the client's body is never changed
+    assert orjson.dumps(req.parsed.body) == before  # the client's body is never changed
     for _, body in workers.asked:  # every re-run asked for the top two logprobs, on a copy
         assert (body["return_logprob"], body["top_logprobs_num"], body["return_text_in_logprobs"]) == (True, 2, True)
     return monitor, workers

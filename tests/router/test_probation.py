@@ -13,6 +13,7 @@ from tandem.registry import Role
 from tandem_router.dispatch import ProxyRequest
 from tandem_router.integrity.monitor import IntegrityConfig, IntegrityMonitor
 from tandem_router.integrity.quarantine import QuarantinePolicy
+from tandem_router.openai.requests import ParsedRequest
 from tandem_router.openai.schema import Route
 from tandem_router.pool import Pair, WorkerPool, WorkerSpec
 from tandem_router.probes.probation import ProbationMirror, load_target, mirror_targets
@@ -81,7 +82,7 @@ class FakeWorkers(Transport):
 
 def _request(i: int) -> ProxyRequest:
     body = {"text": f"prompt {i}", "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
-    return ProxyRequest(Route.GENERATE, body, False, 0, "p", f"r{i}", 0.0, f"prompt {i}")
+    return ProxyRequest(ParsedRequest.of(Route.GENERATE, body), "p", f"r{i}", 0.0, f"prompt {i}")
 
 
 async def _probation_run(decodes: int, bad_text: str) -> tuple[IntegrityMonitor, FakeWorkers]:

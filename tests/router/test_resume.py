@@ -11,6 +11,7 @@ import pytest
 from tandem.registry import Role
 from tandem_router.dispatch import Dispatch, Failure, Opened, ProxyRequest
 from tandem_router.metrics import RouterMetrics
+from tandem_router.openai.requests import ParsedRequest
 from tandem_router.openai.schema import Route
 from tandem_router.policy.selection import Policy
 from tandem_router.pool import Pair, WorkerPool, WorkerSpec
@@ -47,13 +48,13 @@ def _events(raw: bytes) -> list[Any]:
 
 
 def test_the_workers_are_asked_for_usage_on_every_chunk() -> None:
-    sent = ChatLedger({**BODY, "stream_options": {"include_usage": False}}).upstream()
+    sent = ChatLedger(ParsedRequest.of(Route.CHAT, {**BODY, "stream_options": {"include_usage": False}})).upstream()
     assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert "stream_options" not in BODY  # the client's request is not changed
 
 
 def test_continuation_carries_the_relayed_text_and_shrinks_the_limits() -> None:
-    ledger = ChatLedger(BODY)
+    ledger = ChatLedger(ParsedRequest.of(Route.CHAT, BODY))
     ledger.feed(_chunk("a", {"role": "assistant", "content": "Hello"}, None, 1))
     ledger.feed(_chunk("a", {"content": " wor"}, None, 2) + _chunk("a", {"content": "ld"}, None, 3)[:20])
     assert ledger.text == "Hello wor"  # the half event is not the client's yet
@@ -68,13 +69,13 @@ def test_continuation_carries_the_relayed_text_and_shrinks_the_limits() -> None:
 
 def test_a_client_prefix_is_extended_not_repeated() -> None:
     prefixed = {**BODY, "messages": [*BODY["messages"], {"role": "assistant", "content": "Sure: "}]}
-    ledger = ChatLedger({**prefixed, "continue_final_message": True})
+    ledger = ChatLedger(ParsedRequest.of(Route.CHAT, {**prefixed, "continue_final_message": True}))
     ledger.feed(_chunk("a", {"role": "assistant", "content": "one"}, None, 1))
     assert ledger.continuation()["messages"][-1] == {"role": "assistant", "content": "Sure: one"}
 
 
 def test_the_new_stream_looks_like_the_old_one() -> None:
-    ledger = ChatLedger({**BODY, "stream_options": {"include_usage": True}})
+    ledger = ChatLedger(ParsedRequest.of(Route.CHAT, {**BODY, "stream_options": {"include_usage": True}}))
     first = _events(ledger.feed(_chunk("a", {"role": "assistant", "content": "Hello"}, None, 1)))
     assert first[0]["usage"] is None  # continuous usage only when the client asked for it
     ledger.next_segment()
@@ -103,20 +104,20 @@ def test_the_new_stream_looks_like_the_old_one() -> None:
     ids=["reasoning-sent", "finished", "no-tokens-left"],
 )
 def test_what_cannot_be_resumed(delta: dict[str, Any], finish: str | None, tokens: int) -> None:
-    ledger = ChatLedger(BODY)
+    ledger = ChatLedger(ParsedRequest.of(Route.CHAT, BODY))
     ledger.feed(_chunk("a", delta, finish, tokens))
     assert not ledger.can_resume
 
 
 def test_without_token_counts_there_is_no_resume() -> None:
     """A worker that does not report usage per chunk: the limits cannot be shrunk, so the break is final."""
-    ledger = ChatLedger(BODY)
+    ledger = ChatLedger(ParsedRequest.of(Route.CHAT, BODY))
     ledger.feed(b'data: {"id":"a","choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}\n\n')
     assert not ledger.can_resume
 
 
 def test_the_usage_chunk_is_dropped_unless_asked_for() -> None:
-    ledger = ChatLedger(BODY)
+    ledger = ChatLedger(ParsedRequest.of(Route.CHAT, BODY))
     final = b'data: {"id":"a","created":1,"choices":[],"usage":{"prompt_tokens":6,"completion_tokens":2}}\n\n'
     assert ledger.feed(final) == b""
     assert ledger.feed(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"
@@ -124,7 +125,11 @@ def test_the_usage_chunk_is_dropped_unless_asked_for() -> None:
 
 def test_an_event_the_ledger_does_not_change_is_relayed_as_the_worker_spelled_it() -> None:
     """The client asked for every chunk's usage: nothing is stripped, so the bytes stay the worker's own."""
-    ledger = ChatLedger({**BODY, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    ledger = ChatLedger(
+        ParsedRequest.of(
+            Route.CHAT, {**BODY, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        )
+    )
     event = b'data: {"id": "a", "created": 1, "choices": [{"index": 0, "delta": {"content": "\\u00e9"}}]}\n\n'
     assert ledger.feed(event) == event
 
@@ -137,9 +142,9 @@ def test_the_relay_parses_each_event_once_for_ledger_texts_and_conformance(monke
     relay = StreamRelay(
         cast(Dispatch, dispatch),
         ResumeConfig(),
-        ProxyRequest(Route.CHAT, body, True, 0, "", "rid", 0.0),
+        ProxyRequest(ParsedRequest.of(Route.CHAT, body), "", "rid", 0.0),
         cast(ServerRequest, None),
-        ChatLedger(body),
+        ChatLedger(ParsedRequest.of(Route.CHAT, body)),
     )
     loads = orjson.loads
     parsed: list[bytes] = []
@@ -190,8 +195,14 @@ class _FakeDispatch:
 
 
 def _relay(dispatch: _FakeDispatch) -> StreamRelay:
-    req = ProxyRequest(Route.CHAT, BODY, True, 0, "", "rid", 0.0)
-    relay = StreamRelay(cast(Dispatch, dispatch), ResumeConfig(), req, cast(ServerRequest, None), ChatLedger(BODY))
+    req = ProxyRequest(ParsedRequest.of(Route.CHAT, BODY), "", "rid", 0.0)
+    relay = StreamRelay(
+        cast(Dispatch, dispatch),
+        ResumeConfig(),
+        req,
+        cast(ServerRequest, None),
+        ChatLedger(ParsedRequest.of(Route.CHAT, BODY)),
+    )
     assert relay.ledger is not None
     relay.ledger.feed(_chunk("a", {"role": "assistant", "content": "Hello"}, None, 1))
     return relay

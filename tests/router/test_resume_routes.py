@@ -7,6 +7,7 @@ from typing import Any
 import orjson
 import pytest
 
+from tandem_router.openai.requests import ParsedRequest
 from tandem_router.openai.schema import Route
 from tandem_router.resume import Refusal, StreamLedger, new_ledger
 from tandem_router.resume.generate import GenerateLedger
@@ -37,7 +38,7 @@ TOOL = {"type": "function", "function": {"name": "f"}}
     ],
 )
 def test_what_is_refused_and_why(route: Route, body: dict[str, Any], code: str) -> None:
-    refused = new_ledger(route, body)
+    refused = new_ledger(ParsedRequest.of(route, body))
     assert isinstance(refused, Refusal)
     assert refused.code == code
     assert refused.why
@@ -55,7 +56,7 @@ def test_what_is_refused_and_why(route: Route, body: dict[str, Any], code: str) 
     ],
 )
 def test_what_is_resumed(route: Route, body: dict[str, Any], kind: type[StreamLedger]) -> None:
-    assert isinstance(new_ledger(route, body), kind)
+    assert isinstance(new_ledger(ParsedRequest.of(route, body)), kind)
 
 
 def _sse(doc: dict[str, Any]) -> bytes:
@@ -74,7 +75,7 @@ def _completion(rid: str, text: str, completion: int, prompt: int = 3, finish: s
 
 
 def test_a_completion_continues_its_prompt_with_the_relayed_text() -> None:
-    ledger = CompletionLedger({**COMPLETION, "echo": True})
+    ledger = CompletionLedger(ParsedRequest.of(Route.COMPLETIONS, {**COMPLETION, "echo": True}))
     shown = _events(ledger.feed(_completion("a", "Once upon a time", 1) + _completion("a", " there", 2)))
     assert [e["choices"][0]["text"] for e in shown] == ["Once upon a time", " there"]  # the echo reaches the client
     assert ledger.text == " time there"  # ... but it is not output
@@ -94,7 +95,7 @@ def test_a_completion_continues_its_prompt_with_the_relayed_text() -> None:
 
 
 def test_a_completion_without_max_tokens_has_sglangs_16() -> None:
-    ledger = CompletionLedger({"prompt": ["Once"], "stream": True})
+    ledger = CompletionLedger(ParsedRequest.of(Route.COMPLETIONS, {"prompt": ["Once"], "stream": True}))
     ledger.feed(_completion("a", " upon", 1))
     body = ledger.continuation()
     assert (body["prompt"], body["max_tokens"]) == (["Once upon"], 15)
@@ -106,7 +107,7 @@ def _gen(text: str, ids: list[int], rid: str = "r1", prompt: int = 3, finish: An
 
 
 def test_generate_continues_token_for_token_from_the_prompt_ids() -> None:
-    ledger = GenerateLedger(GENERATE)
+    ledger = GenerateLedger(ParsedRequest.of(Route.GENERATE, GENERATE))
     sent = ledger.upstream()
     assert sent["return_prompt_token_ids"] is True  # a text prompt: the worker tells its ids
     shown = _events(ledger.feed(_gen(" time", [9], prompt_token_ids=[1, 2, 3])))
@@ -130,7 +131,9 @@ def test_generate_continues_token_for_token_from_the_prompt_ids() -> None:
 
 def test_generate_with_incremental_streaming_output() -> None:
     """``--incremental-streaming-output``: each event carries only what is new, and so does the resumed stream."""
-    ledger = GenerateLedger({"input_ids": [1, 2], "stream": True, "return_prompt_token_ids": True})
+    ledger = GenerateLedger(
+        ParsedRequest.of(Route.GENERATE, {"input_ids": [1, 2], "stream": True, "return_prompt_token_ids": True})
+    )
     assert ledger.upstream() == ledger.body  # token ids given: nothing to ask for
     ledger.feed(_gen(" a", [9]))
     second = _events(ledger.feed(_sse({"text": " b", "output_ids": [8], "meta_info": {"completion_tokens": 2}})))
@@ -146,7 +149,7 @@ def test_generate_with_incremental_streaming_output() -> None:
 
 
 def test_generate_refuses_without_prompt_ids() -> None:
-    ledger = GenerateLedger(GENERATE)
+    ledger = GenerateLedger(ParsedRequest.of(Route.GENERATE, GENERATE))
     ledger.feed(_gen(" time", [9]))  # a worker that ignored return_prompt_token_ids
     assert ledger.refusal is not None
     assert ledger.refusal.code == "no_prompt_ids"

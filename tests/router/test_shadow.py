@@ -4,7 +4,7 @@ from typing import Any
 
 import pytest
 
-from tandem_router.probes.shadow import deterministic
+from tandem_router.openai.requests import deterministic
 
 
 @pytest.mark.parametrize(

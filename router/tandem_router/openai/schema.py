@@ -156,14 +156,21 @@ def item_count(route: Route, body: dict[str, Any]) -> int:
 
     Returns 0 for a request that is not a batch (a single sequence whose room is a plain integer).
     """
-    n = body.get("n", 1) if route is not Route.GENERATE else _generate_n(body)
-    batch = _batch_size(route, body)
+    return items_of(batch_size(route, body), choices(route, body))
+
+
+def items_of(batch: int | None, n: int) -> int:
+    """``item_count`` from the batch size (None: not a batch) and the choices per prompt."""
     if batch is None:
         return 0 if n == 1 else n
     return batch * n
 
 
-def _generate_n(body: dict[str, Any]) -> int:
+def choices(route: Route, body: dict[str, Any]) -> int:
+    """Choices per prompt: OpenAI's ``n`` (validated), /generate's ``sampling_params.n`` (1 unless an integer >= 1)."""
+    if route is not Route.GENERATE:
+        n: int = body.get("n", 1)
+        return n
     params = body.get("sampling_params")
     if isinstance(params, dict):
         n = params.get("n", 1)
@@ -171,7 +178,8 @@ def _generate_n(body: dict[str, Any]) -> int:
     return 1
 
 
-def _batch_size(route: Route, body: dict[str, Any]) -> int | None:
+def batch_size(route: Route, body: dict[str, Any]) -> int | None:
+    """Prompts in a batch; None: not a batch."""
     if route is Route.CHAT:
         return None
     if route is Route.COMPLETIONS:

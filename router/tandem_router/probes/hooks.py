@@ -25,7 +25,7 @@ from tandem_router.pool import Pair, WorkerPool
 from tandem_router.probes.canary import CanaryConfig, CanaryProber, ProbeScope
 from tandem_router.probes.probation import ProbationMirror, load_target
 from tandem_router.probes.race import RaceProber
-from tandem_router.probes.shadow import ShadowSampler, deterministic
+from tandem_router.probes.shadow import ShadowSampler
 from tandem_router.transport import Transport
 
 MIN_KV_USAGE = 0.01  # below this a decode's KV usage says too little to extrapolate its capacity from
@@ -40,7 +40,7 @@ class IntegrityHooks:
 
     def completed(self, pair: Pair, req: ProxyRequest, outputs: list[str]) -> None:
         suspect = self.monitor.take_suspect(req.request_id)
-        comparable = req.items == 0 and len(outputs) == 1 and deterministic(req.body)
+        comparable = req.parsed.items == 0 and len(outputs) == 1 and req.parsed.deterministic
         if suspect is not None and not (suspect == pair.key and comparable):
             self.canary.confirm_soon(suspect)
         elif comparable and (suspect is not None or self.monitor.under_suspicion(pair.key)):

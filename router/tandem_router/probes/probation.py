@@ -47,7 +47,7 @@ from tandem_router.dispatch import ProxyRequest
 from tandem_router.integrity.divergence import Answer, compare
 from tandem_router.integrity.monitor import IntegrityMonitor, PairKey
 from tandem_router.pool import Pair, WorkerPool
-from tandem_router.probes.shadow import deterministic, rerun
+from tandem_router.probes.shadow import rerun
 from tandem_router.transport import Transport
 
 log = logging.getLogger("tandem.router.probation")
@@ -124,9 +124,9 @@ class ProbationMirror:
         if not self.monitor.probation_pairs():
             self._recent.clear()
             return
-        if req.items != 0 or len(outputs) != 1 or len(req.prompt) >= MAX_KEPT_PROMPT_CHARS:
+        if req.parsed.items != 0 or len(outputs) != 1 or len(req.prompt) >= MAX_KEPT_PROMPT_CHARS:
             return
-        self._recent.append(_Served(trusted, req, outputs[0] if deterministic(req.body) else None))
+        self._recent.append(_Served(trusted, req, outputs[0] if req.parsed.deterministic else None))
         self._fill()
 
     def _fill(self) -> None:

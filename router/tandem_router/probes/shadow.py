@@ -46,7 +46,6 @@ import logging
 import math
 import random
 import time
-from typing import Any
 
 from tandem_router.dispatch import ProxyRequest
 from tandem_router.integrity.divergence import Answer, compare
@@ -62,31 +61,19 @@ CONVICT_RERUNS = 4  # staggered re-runs of a failed request through other pairs 
 CONVICT_INTERVAL_S = 5.0  # at most once per decode per this
 
 
-def greedy(body: dict[str, Any]) -> bool:
-    """Temperature 0, in SGLang's native or the OpenAI spelling."""
-    params = body.get("sampling_params")
-    if not isinstance(params, dict):
-        params = body
-    return bool(params.get("temperature", 1.0) == 0)
-
-
-def deterministic(body: dict[str, Any]) -> bool:
-    """Temperature 0 or a fixed seed, in SGLang's native or the OpenAI spelling."""
-    params = body.get("sampling_params")
-    if not isinstance(params, dict):
-        params = body
-    if params.get("sampling_seed") is not None or params.get("seed") is not None:
-        return True
-    return bool(params.get("temperature", 1.0) == 0)
-
-
 async def rerun(
     transport: Transport, pair: Pair, req: ProxyRequest, tag: str, rng: random.Random, timeout_s: float = 60.0
 ) -> Answer | None:
     """The answer (text and top-two logprobs) of a client request re-run through exactly ``pair`` (None if it
     could not answer, or not one)."""
     answers = await answers_from_pair(
-        transport, pair, req.route.value, req.body, rng=rng, request_id=f"{tag}-{req.request_id}", timeout_s=timeout_s
+        transport,
+        pair,
+        req.parsed.route.value,
+        req.parsed.body,
+        rng=rng,
+        request_id=f"{tag}-{req.request_id}",
+        timeout_s=timeout_s,
     )
     return answers[0] if answers is not None and len(answers) == 1 else None
 
@@ -124,9 +111,9 @@ class ShadowSampler:
         if (
             self.rate <= 0
             or len(self._tasks) >= self.max_in_flight
-            or req.items != 0
+            or req.parsed.items != 0
             or len(outputs) != 1
-            or not deterministic(req.body)
+            or not req.parsed.deterministic
             or self.rng.random() >= self.rate
         ):
             return
@@ -148,7 +135,7 @@ class ShadowSampler:
 
     async def _compare(self, original: Pair, req: ProxyRequest, text: str) -> None:
         second = self._other_pair(req, [original])
-        alone = second is None and greedy(req.body)  # compared with itself (module docstring)
+        alone = second is None and req.parsed.greedy  # compared with itself (module docstring)
         if second is None:
             if not alone:
                 return
@@ -187,7 +174,7 @@ class ShadowSampler:
         """Re-run ``req`` (its agreed answer: ``reference``) through other pairs of ``failed``'s decode,
         staggered over ``took_s`` (module docstring)."""
         decode, now = failed.decode.key, time.monotonic()
-        if not greedy(req.body) or now - self._convicting_at.get(decode, -math.inf) < CONVICT_INTERVAL_S:
+        if not req.parsed.greedy or now - self._convicting_at.get(decode, -math.inf) < CONVICT_INTERVAL_S:
             return
         out = self.monitor.quarantined_keys()
         partners = [p for p in self.pool.all_pairs() if p.decode.key == decode and p.key != failed.key]

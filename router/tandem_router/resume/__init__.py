@@ -21,8 +21,8 @@ Resumed: ``/v1/chat/completions`` and ``/v1/completions`` streams of one choice 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from tandem_router.openai.requests import ParsedRequest
 from tandem_router.openai.schema import Route
 from tandem_router.resume.generate import GenerateLedger
 from tandem_router.resume.ledger import Refusal, StreamLedger
@@ -47,13 +47,15 @@ class ResumeConfig:
     deadline_s: float = 30.0  # from the first break: past this no further pair is tried
 
 
-def new_ledger(route: Route, body: dict[str, Any]) -> StreamLedger | Refusal:
-    """The ledger that relays ``body``'s stream so it can be resumed, or why it cannot be."""
-    if body.get("stream") is not True:
+def new_ledger(request: ParsedRequest) -> StreamLedger | Refusal:
+    """The ledger that relays ``request``'s stream so it can be resumed, or why it cannot be. The stream flag and
+    ``n`` are the parsed request's; what only resume asks about (tools, logprobs, the prompt's form) is read here."""
+    if not request.stream:
         return NOT_STREAMED
+    route, body = request.route, request.body
     if route is Route.GENERATE:
-        return _generate(body)
-    if body.get("n", 1) != 1:
+        return _generate(request)
+    if request.n != 1:
         return MANY_CHOICES
     if route is Route.CHAT:
         if body.get("tools") or body.get("tool_choice") not in (None, "none"):
@@ -61,24 +63,25 @@ def new_ledger(route: Route, body: dict[str, Any]) -> StreamLedger | Refusal:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             return OTHER_INPUT
-        return ChatLedger(body)
+        return ChatLedger(request)
     if body.get("logprobs") is not None:
         return LOGPROBS
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
-        return CompletionLedger(body)
+        return CompletionLedger(request)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return TOKEN_PROMPT
     return BATCH if isinstance(prompt, list) else OTHER_INPUT
 
 
-def _generate(body: dict[str, Any]) -> StreamLedger | Refusal:
+def _generate(request: ParsedRequest) -> StreamLedger | Refusal:
+    body = request.body
     params = body.get("sampling_params")
     if params is not None and not isinstance(params, dict):
         return BATCH  # one sampling_params per item
-    if (params or {}).get("n", 1) != 1:
+    if request.n != 1:
         return MANY_CHOICES
     if body.get("return_logprob"):
         return LOGPROBS
@@ -90,5 +93,5 @@ def _generate(body: dict[str, Any]) -> StreamLedger | Refusal:
     if (isinstance(text, str) and text and ids is None) or (
         text is None and isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids)
     ):
-        return GenerateLedger(body)
+        return GenerateLedger(request)
     return OTHER_INPUT

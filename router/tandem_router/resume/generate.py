@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from tandem_router.openai.requests import ParsedRequest
 from tandem_router.resume.ledger import Refusal, StreamLedger, shrink
 
 NO_PROMPT_IDS = Refusal("no_prompt_ids", "the worker did not return the prompt's token ids")
@@ -32,8 +33,9 @@ SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # sampling/sampling_params.py: SamplingPara
 class GenerateLedger(StreamLedger):
     """A ``/generate`` stream of one sequence (a ``text`` or flat ``input_ids`` prompt, ``n`` = 1)."""
 
-    def __init__(self, body: dict[str, Any]) -> None:
-        super().__init__(body)
+    def __init__(self, request: ParsedRequest) -> None:
+        super().__init__(request)
+        body = request.body
         ids = body.get("input_ids")
         self.prompt_ids: list[int] | None = list(ids) if isinstance(ids, list) else None
         self.output_ids: list[int] = []
@@ -43,6 +45,7 @@ class GenerateLedger(StreamLedger):
         self.incremental: bool | None = None  # --incremental-streaming-output (None: not seen yet)
         self._base_ids = 0  # output ids and text relayed before the current segment
         self._base_text = ""
+        self._client_prompt_ids = body.get("return_prompt_token_ids") is True  # the client asked for them
 
     def upstream(self) -> dict[str, Any]:
         return self.body if self.prompt_ids is not None else {**self.body, "return_prompt_token_ids": True}
@@ -61,7 +64,7 @@ class GenerateLedger(StreamLedger):
         prompt_ids = doc.get("prompt_token_ids")
         if self.segment == 0 and self.prompt_ids is None and isinstance(prompt_ids, list):
             self.prompt_ids = [int(t) for t in prompt_ids]
-        if self.body.get("return_prompt_token_ids") is True:
+        if self._client_prompt_ids:
             doc["prompt_token_ids"] = self.prompt_ids
         else:
             doc.pop("prompt_token_ids", None)
@@ -99,9 +102,8 @@ class GenerateLedger(StreamLedger):
         return dict(params) if isinstance(params, dict) else {}
 
     def _remaining_tokens(self) -> int | None:
-        limit = self._params().get("max_new_tokens")
-        limit = SGLANG_DEFAULT_MAX_NEW_TOKENS if limit is None else limit
-        return max(limit - self.sent_tokens, 0) if isinstance(limit, int) else None
+        limit = self.request.limit_or(SGLANG_DEFAULT_MAX_NEW_TOKENS)
+        return None if limit is None else max(limit - self.sent_tokens, 0)
 
     def continuation(self) -> dict[str, Any]:
         assert self.prompt_ids is not None  # checked by ``refusal``

@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 
+from tandem_router.openai.requests import ParsedRequest
 from tandem_router.openai.responses import EventSplitter
 
 _EVENT_END = b"\n\n"
@@ -38,8 +39,9 @@ NOT_COUNTED = Refusal("no_usage", "the worker reported no token counts, so the o
 class StreamLedger(ABC):
     """One resumable stream as its client saw it."""
 
-    def __init__(self, body: dict[str, Any]) -> None:
-        self.body = body  # the client's request
+    def __init__(self, request: ParsedRequest) -> None:
+        self.request = request  # the client's request: its facts (the output limit) ...
+        self.body = request.body  # ... and its body, which the continuations are made from
         self.segment = 0  # 0: the first pair's stream; n: after the n-th resume
         self.finished = False  # the end of the answer (a finish reason or [DONE]) was relayed
         self.sent_tokens = 0  # output tokens relayed so far

@@ -22,7 +22,7 @@ import copy
 from abc import abstractmethod
 from typing import Any
 
-from tandem_router.openai.requests import output_limit
+from tandem_router.openai.requests import ParsedRequest
 from tandem_router.openai.schema import ROUTES, Route
 from tandem_router.resume.ledger import NOT_COUNTED, Refusal, StreamLedger, shrink
 
@@ -36,8 +36,9 @@ _LIMITS = ROUTES[Route.CHAT].output_limits  # both OpenAI routes' limit fields (
 
 
 class _OpenAIStreamLedger(StreamLedger):
-    def __init__(self, body: dict[str, Any]) -> None:
-        super().__init__(body)
+    def __init__(self, request: ParsedRequest) -> None:
+        super().__init__(request)
+        body = request.body
         self.stream_id: str | None = None
         self.created: int | None = None
         self.prompt_tokens: int | None = None
@@ -109,8 +110,7 @@ class _OpenAIStreamLedger(StreamLedger):
         return True
 
     def _limit(self) -> int | None:
-        limit = output_limit(Route.CHAT, self.body)
-        return limit if isinstance(limit, int) else None
+        return self.request.output_limit
 
     def _remaining_tokens(self) -> int | None:
         limit = self._limit()
@@ -124,8 +124,8 @@ class _OpenAIStreamLedger(StreamLedger):
 class ChatLedger(_OpenAIStreamLedger):
     """A ``/v1/chat/completions`` stream of one choice, without tools."""
 
-    def __init__(self, body: dict[str, Any]) -> None:
-        super().__init__(body)
+    def __init__(self, request: ParsedRequest) -> None:
+        super().__init__(request)
         self.reasoning = False  # reasoning content was relayed
 
     def _refusal(self) -> Refusal | None:
@@ -164,8 +164,9 @@ class ChatLedger(_OpenAIStreamLedger):
 class CompletionLedger(_OpenAIStreamLedger):
     """A ``/v1/completions`` stream of one choice for one text prompt."""
 
-    def __init__(self, body: dict[str, Any]) -> None:
-        super().__init__(body)
+    def __init__(self, request: ParsedRequest) -> None:
+        super().__init__(request)
+        body = request.body
         prompt = body["prompt"]
         self.prompt: str = prompt if isinstance(prompt, str) else prompt[0]
         self._echo_left = bool(body.get("echo"))  # the first text carries the prompt (``echo``): not output
@@ -180,8 +181,7 @@ class CompletionLedger(_OpenAIStreamLedger):
         return True
 
     def _limit(self) -> int | None:
-        limit = output_limit(Route.COMPLETIONS, self.body)
-        return COMPLETIONS_DEFAULT_MAX_TOKENS if limit is None else limit if isinstance(limit, int) else None
+        return self.request.limit_or(COMPLETIONS_DEFAULT_MAX_TOKENS)
 
     def continuation(self) -> dict[str, Any]:
         body = copy.deepcopy(self.body)
