@@ -89,7 +89,8 @@ chaos-dev-cluster: bootstrap
 
 ## generate: rewrite every generated file from its source (one line per generator).
 GENERATED := charts/tandem/crds charts/tandem/values.yaml charts/tandem/values.schema.json charts/tandem/README.md \
-	charts/tandem/dashboards deploy/dashboards tandem/data images/tandem/Dockerfile
+	charts/tandem/templates/_router_settings.tpl charts/tandem/dashboards deploy/dashboards tandem/data \
+	images/tandem/Dockerfile
 generate: bootstrap
 	$(PY) -m tandem_operator.crdgen
 	$(PY) -m tandem_dev.chart.generate

@@ -7,11 +7,15 @@ Cross-field rules a JSON schema cannot say live in ``templates/_helpers.tpl`` (`
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, create_model
 from pydantic.alias_generators import to_camel
+from pydantic.fields import FieldInfo
 
+from tandem.settings_flags import SettingsGroup, kind_of
+from tandem_router import config as router_config
 from tandem_router.flow.limits import FlowLimits
 
 Quantity = str
@@ -68,7 +72,57 @@ class Hpa(Values):
 CLIENT_ID_HEADER = r"^[A-Za-z0-9-]*$"
 
 
-class FlowControl(Values):
+def _shown(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else repr(value)
+
+
+def _setting_value(group: type[SettingsGroup], name: str, field: FieldInfo) -> tuple[Any, Any]:
+    """A router setting as a chart value: its type and constraints or null (the default: the router's own),
+    described by the setting's description, its flag and the router's default."""
+    kind = kind_of(field.annotation)
+    typed = Annotated[(kind, *field.metadata)] if field.metadata else kind
+    flag = router_config.flag_of(group.flat_name(name))
+    default = _shown(field.get_default(call_default_factory=True))
+    description = f"{field.description} Flag {flag}; null: the router's default ({default})."
+    return typed | None, Field(default=None, description=description)
+
+
+# Router values generated from a settings group (``settings_values``): the group and the settings it holds, by the
+# Router field's name; ``router_setting_flags`` gives ``tandem.routerFlags`` their flags.
+SETTINGS_VALUES: dict[str, tuple[type[SettingsGroup], tuple[str, ...]]] = {}
+
+
+def settings_values(
+    field: str, group: type[SettingsGroup], doc: str, *, base: type[Values] = Values, skip: Collection[str] = ()
+) -> type[Values]:
+    """The chart values of the router's settings group ``group`` (``RouterSettings.<field>``): a model of every
+    setting of the group but ``skip`` (on top of ``base``'s values), named as the setting (camelCase), of its type
+    and constraints, or null (the default) for the router's own default: no flag is rendered for it."""
+    names = tuple(name for name in group.model_fields if name not in skip)
+    SETTINGS_VALUES[field] = (group, names)
+    fields: dict[str, Any] = {name: _setting_value(group, name, group.model_fields[name]) for name in names}
+    model: type[Values] = create_model(to_camel(field)[:1].upper() + to_camel(field)[1:], __base__=base, **fields)
+    model.__doc__ = doc
+    return model
+
+
+def router_setting_flags() -> dict[str, dict[str, list[str]]]:
+    """For ``tandem.routerFlags`` (generated into ``templates/_router_settings.tpl``): each generated router value
+    (group, camelCase setting) with its flag and JSON schema type (``boolean``: ``--x``/``--no-x``)."""
+    kinds = {bool: "boolean", int: "integer", float: "number"}
+    flags: dict[str, dict[str, list[str]]] = {}
+    for field, (group, names) in SETTINGS_VALUES.items():
+        flags[to_camel(field)] = {
+            to_camel(name): [
+                router_config.flag_of(group.flat_name(name)),
+                kinds[kind_of(group.model_fields[name].annotation)],
+            ]
+            for name in names
+        }
+    return flags
+
+
+class _FlowControl(Values):
     """The router's ``flow_control`` settings (``tandem_router.config.FlowControlSettings``), by the same names;
     ``limits`` is the content of its ``limits_file``."""
 
@@ -91,11 +145,32 @@ class FlowControl(Values):
     )
 
 
+_FLOW_DOC = _FlowControl.__doc__ or ""
+if TYPE_CHECKING:
+    FlowControl = _FlowControl
+    CacheAware = Values
+    Retry = Values
+    Integrity = Values
+else:
+    FlowControl = settings_values(
+        "flow_control", router_config.FlowControlSettings, _FLOW_DOC, base=_FlowControl, skip={"enabled", "limits_file"}
+    )
+    CacheAware = settings_values(
+        "cache_aware", router_config.CacheAwareSettings, "The router's ``cache_aware`` settings, by the same names."
+    )
+    Retry = settings_values("retry", router_config.RetrySettings, "The router's ``retry`` settings, by the same names.")
+    Integrity = settings_values(
+        "integrity", router_config.IntegritySettings, "The router's ``integrity`` settings, by the same names."
+    )
+
+
 class Router(Values):
     """The router. Its settings (``tandem_router.config.RouterSettings``) keep their names here, camelCase and nested
     as the settings are (``policy``, ``clientIdHeader``, ``maxConcurrentRequests``, ``flowControl.enabled`` for
-    ``flow_control.enabled``), but ``processes`` (``workers``) and ``drainTimeoutSeconds`` (``drain_timeout_s``, also
-    the pods' grace period); ``templates/_helpers.tpl``'s ``tandem.routerFlags`` maps them all to the router's flags."""
+    ``flow_control.enabled``; ``integrity``, ``retry``, ``cacheAware`` and the rest of ``flowControl`` generated from
+    the settings groups, a null one passing no flag: the router's default), but ``processes`` (``workers``) and
+    ``drainTimeoutSeconds`` (``drain_timeout_s``, also the pods' grace period); ``templates/_helpers.tpl``'s
+    ``tandem.routerFlags`` maps them all to the router's flags."""
 
     enabled: bool = Field(default=True, description="Deploy the router.")
     replicas: int = Field(default=2, ge=1, description="Router replicas (ignored when the HPA is enabled).")
@@ -131,6 +206,15 @@ class Router(Values):
     service: RouterService = Field(default_factory=RouterService, description="Router Service.")
     pdb: Pdb = Field(default_factory=Pdb, description="Router PodDisruptionBudget.")
     hpa: Hpa = Field(default_factory=Hpa, description="Router HorizontalPodAutoscaler.")
+    cache_aware: CacheAware = Field(
+        default_factory=CacheAware,
+        description="The cache_aware policy's thresholds and tree size (null: the router's defaults).",
+    )
+    retry: Retry = Field(default_factory=Retry, description="Retries and stream resumes (null: the router's defaults).")
+    integrity: Integrity = Field(
+        default_factory=Integrity,
+        description="Output integrity: detectors, canaries, shadows, quarantine (null: the router's defaults).",
+    )
     flow_control: FlowControl = Field(default_factory=FlowControl, description="Tenant flow control.")
     resources: Resources = Field(
         default_factory=lambda: Resources(requests={"cpu": "1", "memory": "512Mi"}, limits={"memory": "2Gi"}),

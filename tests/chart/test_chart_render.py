@@ -7,11 +7,12 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic.alias_generators import to_camel
 
 from tandem import settings_flags
 from tandem_dev.chart import generate
 from tandem_dev.chart.dashboard import PANELS
-from tandem_dev.chart.values import Router
+from tandem_dev.chart.values import SETTINGS_VALUES, Router, router_setting_flags
 from tandem_router.config import RouterSettings, parser
 from tandem_router.flow.limits import FlowLimits, load_limits
 from tests.chart.render import CHART, ROOT, VALUES_FILES, helm, render
@@ -169,4 +170,46 @@ def test_router_values_keep_the_settings_names_and_reach_them(tmp_path: Path) ->
     # the deprecated spelling still reaches the router where router.clientIdHeader is empty
     old = _settings_from_flags(render("--set", "router.flowControl.clientIdHeader=X-Old"))
     assert old["client_id_header"] == "X-Old"
+    assert _settings_from_flags(render())["flow_control"] == {"enabled": True}
+
+
+def test_router_settings_groups_reach_the_router_as_set(tmp_path: Path) -> None:
+    """router.integrity, router.retry, router.cacheAware and flowControl's settings are the router's settings of the
+    same names (generated from them, ``values.settings_values``): one set in each group lands on that setting through
+    the rendered flags and the router's own parser; unset (null, the defaults) renders no flag of theirs."""
+    router_values: dict[str, dict[str, Any]] = {
+        "integrity": {"enabled": False, "canaryIntervalS": 12.5},
+        "retry": {"maxAttempts": 3},
+        "cacheAware": {"cacheThreshold": 0.75, "maxTreeUnits": 2_000_000},  # a float64 that Go would print as 2e+06
+        "flowControl": {"reserveShare": 0.1, "workerPriority": True, "metricsTenants": 7},
+    }
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({"router": router_values}))
+    settings = _settings_from_flags(render("-f", str(values)))
+    by_alias = {field.alias or name: name for name, field in Router.model_fields.items()}
+    for group, given in router_values.items():
+        name = by_alias[group]
+        assert name in SETTINGS_VALUES, f"router.{group} is not generated from a settings group"
+        group_settings = SETTINGS_VALUES[name][0]
+        assert RouterSettings.model_fields[name].annotation is group_settings
+        setting_names = {to_camel(n): n for n in group_settings.model_fields}
+        assert {setting_names[k]: v for k, v in given.items()} == {
+            setting_names[k]: settings[name][setting_names[k]] for k in given
+        }
+    nested = RouterSettings.model_validate({**settings, "registry_verify_key": None, "etcd": {}})
+    assert nested.integrity.enabled is False
+    assert nested.integrity.canary_interval_s == 12.5
+    assert nested.retry.max_attempts == 3
+    assert nested.cache_aware.max_tree_units == 2_000_000
+    assert nested.flow_control.worker_priority is True
+    assert nested.flow_control.reserve_share == 0.1
+
+    flags = router_setting_flags()
+    generated = {flag for group in flags.values() for flag, _ in group.values()}
+    options = {option for action in parser()._actions for option in action.option_strings}
+    assert generated <= options
+    assert {f"--no-{f[2:]}" for g in flags.values() for f, kind in g.values() if kind == "boolean"} <= options
+    defaults = _router(render())["containers"][0]["args"]
+    assert not [a for a in defaults if a.split("=")[0] in generated or a.removeprefix("--no-") in {
+        f[2:] for f in generated}]  # fmt: skip
     assert _settings_from_flags(render())["flow_control"] == {"enabled": True}

@@ -146,6 +146,24 @@ parser). dig, not field access, for the values a release from before them lacks 
 {{- if dig "limits" nil $flow }}
 - --flow-limits-file=/etc/tandem/flow/limits.yaml
 {{- end }}
+{{- /* router.<group>.<setting> values generated from the router's settings (_router_settings.tpl): a flag for
+       each one set (null: the router's default, no flag); booleans --x/--no-x, integers as integers */}}
+{{- range $group, $settings := include "tandem.routerSettingFlags" . | fromJson }}
+{{- $given := index $router $group | default dict }}
+{{- range $key, $spec := $settings }}
+{{- if and (hasKey $given $key) (not (kindIs "invalid" (index $given $key))) }}
+{{- $value := index $given $key }}
+{{- $flag := index $spec 0 }}
+{{- if eq (index $spec 1) "boolean" }}
+- --{{ if not $value }}no-{{ end }}{{ trimPrefix "--" $flag }}
+{{- else if eq (index $spec 1) "integer" }}
+- {{ $flag }}={{ int64 $value }}
+{{- else }}
+- {{ $flag }}={{ $value }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end -}}
 
 {{/* Flags and mounts that give a component (.user: operator or router) its etcd client certificate. */}}
