@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +148,16 @@ def _settings_from_flags(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return settings_flags.nest(flags, RouterSettings.model_fields)
 
 
+ROUTER_FIELD_OF = {field.alias or name: name for name, field in Router.model_fields.items()}  # value -> field
+
+
+def _rendered_settings(tmp_path: Path, router_values: Mapping[str, Any]) -> dict[str, Any]:
+    """The router's settings from the flags the chart renders with ``router_values``."""
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({"router": dict(router_values)}))
+    return _settings_from_flags(render("-f", str(values)))
+
+
 def test_router_values_keep_the_settings_names_and_reach_them(tmp_path: Path) -> None:
     """The router values that are router settings have the settings' names (camelCase, nested alike), and the
     chart's flags (``tandem.routerFlags``) give the router those settings: the router's own parser reads them."""
@@ -156,12 +167,9 @@ def test_router_values_keep_the_settings_names_and_reach_them(tmp_path: Path) ->
         "maxConcurrentRequests": 77,
         "flowControl": {"enabled": False},
     }
-    values = tmp_path / "values.yaml"
-    values.write_text(yaml.safe_dump({"router": router_values}))
-    settings = _settings_from_flags(render("-f", str(values)))
-    by_alias = {field.alias or name: name for name, field in Router.model_fields.items()}
+    settings = _rendered_settings(tmp_path, router_values)
     for key, value in router_values.items():
-        name = by_alias[key]
+        name = ROUTER_FIELD_OF[key]
         assert name in RouterSettings.model_fields, f"router.{key} is not named as a router setting"
         if isinstance(value, dict):
             assert {k: settings[name][k] for k in value} == value  # flowControl.enabled is flow_control.enabled
@@ -183,12 +191,9 @@ def test_router_settings_groups_reach_the_router_as_set(tmp_path: Path) -> None:
         "cacheAware": {"cacheThreshold": 0.75, "maxTreeUnits": 2_000_000},  # a float64 that Go would print as 2e+06
         "flowControl": {"reserveShare": 0.1, "workerPriority": True, "metricsTenants": 7},
     }
-    values = tmp_path / "values.yaml"
-    values.write_text(yaml.safe_dump({"router": router_values}))
-    settings = _settings_from_flags(render("-f", str(values)))
-    by_alias = {field.alias or name: name for name, field in Router.model_fields.items()}
+    settings = _rendered_settings(tmp_path, router_values)
     for group, given in router_values.items():
-        name = by_alias[group]
+        name = ROUTER_FIELD_OF[group]
         assert name in SETTINGS_VALUES, f"router.{group} is not generated from a settings group"
         group_settings = SETTINGS_VALUES[name][0]
         assert RouterSettings.model_fields[name].annotation is group_settings
