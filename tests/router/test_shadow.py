@@ -4,7 +4,7 @@ from typing import Any
 
 import pytest
 
-from tandem_router.openai.requests import deterministic
+from tandem_router.openai.requests import sampling
 
 
 @pytest.mark.parametrize(
@@ -20,4 +20,4 @@ from tandem_router.openai.requests import deterministic
     ],
 )
 def test_deterministic(body: dict[str, Any], expected: bool) -> None:
-    assert deterministic(body) is expected
+    assert sampling(body)[1] is expected

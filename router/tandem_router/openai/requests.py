@@ -38,22 +38,13 @@ def output_limit(route: Route, body: Mapping[str, Any]) -> Any:
 
 
 def sampling(body: Mapping[str, Any]) -> tuple[bool, bool]:
-    """(``greedy``, ``deterministic``) in one read of the sampling fields."""
+    """(greedy: temperature 0, deterministic: temperature 0 or a fixed seed), in SGLang's native or the OpenAI
+    spelling, in one read of the sampling fields (SGLang's default temperature is 1)."""
     params = body.get("sampling_params")
     if not isinstance(params, dict):
         params = body
     zero = bool(params.get("temperature", 1.0) == 0)
     return zero, zero or params.get("sampling_seed") is not None or params.get("seed") is not None
-
-
-def greedy(body: Mapping[str, Any]) -> bool:
-    """Temperature 0, in SGLang's native or the OpenAI spelling (SGLang's default temperature is 1)."""
-    return sampling(body)[0]
-
-
-def deterministic(body: Mapping[str, Any]) -> bool:
-    """Temperature 0 or a fixed seed, in SGLang's native or the OpenAI spelling."""
-    return sampling(body)[1]
 
 
 def _integer(value: Any) -> int | None:
@@ -79,8 +70,8 @@ class ParsedRequest(NamedTuple):
     output_limit: int | None  # the output-token limit set (the route's first limit field, ``output_limit``), or None
     limit_set: bool  # a limit field is set, integer or not (not set: the worker's default applies)
     priority: int | None  # SGLang's ``priority`` field as the workers get it, when an integer
-    greedy: bool  # temperature 0 (``greedy``)
-    deterministic: bool  # temperature 0 or seeded (``deterministic``)
+    greedy: bool  # temperature 0 (``sampling``)
+    deterministic: bool  # temperature 0 or seeded (``sampling``)
 
     @classmethod
     def of(cls, route: Route, body: dict[str, Any]) -> ParsedRequest:
@@ -105,19 +96,7 @@ class ParsedRequest(NamedTuple):
 
     def with_priority(self, priority: int) -> ParsedRequest:
         """The same request with SGLang's ``priority`` field set for the workers (a new body; this one unchanged)."""
-        return ParsedRequest(
-            self.route,
-            {**self.body, "priority": priority},
-            self.model,
-            self.stream,
-            self.n,
-            self.items,
-            self.output_limit,
-            self.limit_set,
-            priority,
-            self.greedy,
-            self.deterministic,
-        )
+        return self._replace(body={**self.body, "priority": priority}, priority=priority)
 
     def limit_or(self, default: int) -> int | None:
         """The output-token limit the worker applies: the one set, ``default`` when none is (the worker's default);
