@@ -29,7 +29,6 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.registry import Role
 from tandem_dev.local_stack import LocalStack, Worker, sim_worker_argv
@@ -37,6 +36,7 @@ from tandem_dev.stack_fixture import running_stack
 from tandem_router.openai.schema import Route
 from tandem_sim.model.model import COMMON_WORDS_END, VOCAB_SIZE, tokenize, vocabulary
 from tests.plumbing.routermetrics import RouterMetrics, scrape
+from tests.plumbing.simhelpers import metric_sum
 from tests.router.streams import Outcome, reference, stream
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]  # about 50 s alone; CI shares 2 cores
@@ -59,6 +59,7 @@ BEFORE_DECODE_KILL = (24, 6)
 # ... counted by the router as a whole: the victim decode must itself hold requests waiting for their KV (its
 # sglang:num_decode_transfer_queue_reqs), which its death cuts before their first byte (a retry under "decode_").
 DECODE_WAITING_FOR_KV = 2
+WAITING_FOR_KV = "sglang:num_decode_transfer_queue_reqs"
 MAX_ROUNDS = 4  # rounds of TOTAL requests started at most before the moment to kill comes
 WAVE = 64  # requests after the kill, CONCURRENCY / 8 at a time: round robin alone would send half to the dead one
 # Trials the breakers may let through to the dead worker during the wave (half-open after each cooldown, which
@@ -83,17 +84,6 @@ def time_to_kill(
     metrics: RouterMetrics, victim: str, streaming: int = STREAMING_BEFORE_KILL, waiting: int = WAITING_BEFORE_KILL
 ) -> bool:
     return metrics.streaming >= streaming and metrics.before_first_byte >= waiting and metrics.in_flight[victim] >= 4
-
-
-async def _waiting_for_kv(http: aiohttp.ClientSession, decode_url: str) -> float:
-    async with http.get(f"{decode_url}/metrics") as response:
-        text = await response.text()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "sglang:num_decode_transfer_queue_reqs"
-    )
 
 
 ROUTES = (Route.CHAT, Route.COMPLETIONS, Route.GENERATE)
@@ -163,7 +153,7 @@ async def _kill_under_load(
         BEFORE_DECODE_KILL if victim.role is Role.DECODE else (STREAMING_BEFORE_KILL, WAITING_BEFORE_KILL)
     )
     while not time_to_kill(await scrape(stack.router_url), victim.url, streaming, waiting) or (
-        victim.role is Role.DECODE and await _waiting_for_kv(http, victim.url) < DECODE_WAITING_FOR_KV
+        victim.role is Role.DECODE and await metric_sum(victim.url, WAITING_FOR_KV) < DECODE_WAITING_FOR_KV
     ):
         if all(t.done() for t in tasks):
             assert first < (MAX_ROUNDS - 1) * TOTAL, f"{MAX_ROUNDS} rounds ended before the victim had streams"
