@@ -124,7 +124,9 @@ class RaceProber:
         by_prefill = {p.prefill.key: p for p in by_decode[decode] if p.key not in out}
         if not by_prefill:
             return 0.0  # every pair of it is out already: the next one
-        turn = self._turns[decode] = self._turns.get(decode, race_plan.first_turn(decode, by_decode) - 1) + 1
+        if decode not in self._turns:  # sorted once a decode, not at every burst
+            self._turns[decode] = race_plan.first_turn(decode, by_decode) - 1
+        turn = self._turns[decode] = self._turns[decode] + 1
         chosen = [by_prefill[k] for k in race_plan.burst_prefills(list(by_prefill), turn)]
         self.budget.grant(ProbeKind.BURST, len(chosen))
         task = asyncio.create_task(self.burst(chosen))
