@@ -77,6 +77,23 @@ def failed(lease: Lease, failure: Failure, role: Role) -> Failure:
     return failure
 
 
+def blame(prefill: Failure | None, decode: Failure) -> Failure:
+    """Which side a failed attempt is counted against when the decode failed and the prefill's outcome is known.
+
+    The prefill's failure explains a retryable decode failure when it is the client's (a 4xx refusal: nobody's
+    fault) or when the decode is alive and only reported, with an error event, that it got no KV
+    (``decode_stream_error``): a dead prefill's decode aborts the request when it cannot fetch the prefill's
+    bootstrap info (SGLang's ``DecodePreallocQueue._ensure_prefill_info``, ``disaggregation/decode.py``) or when
+    its KV receiver is marked failed (``disaggregation/mooncake/conn.py``). When both finished before
+    the router looked (a busy event loop sees them at once), the order they were read in says nothing. A decode
+    that itself broke (closed, refused, timed out, an HTTP status) is its own failure."""
+    if prefill is None or not decode.retryable:
+        return decode
+    if prefill.client_error or (prefill.retryable and decode.reason == "decode_stream_error"):
+        return prefill
+    return decode
+
+
 def transport_failure(side: str, err: WorkerError) -> Failure:
     """No answer from a worker (retryable); a refused connection is hard: the worker is gone."""
     return Failure(f"{side}_{err.reason.value}", True, hard=err.hard, detail=str(err))
@@ -163,11 +180,9 @@ class Dispatch:
                     return failed(lease, prefill_failure, Role.PREFILL)
             head = await decode_task
             if isinstance(head, Failure):
-                if head.retryable and prefill_task.done():
-                    # The prefill's own refusal explains the decode's failure: the client's mistake, not the pair's.
-                    prefill_failure = prefill_task.result()
-                    if prefill_failure is not None and prefill_failure.client_error:
-                        return prefill_failure
+                blamed = blame(prefill_task.result() if prefill_task.done() else None, head)
+                if blamed is not head:
+                    return blamed if blamed.client_error else failed(lease, blamed, Role.PREFILL)
                 prefill_task.cancel()
                 return failed(lease, head, Role.DECODE)
             committed = True
