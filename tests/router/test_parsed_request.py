@@ -53,14 +53,13 @@ def _before(route: Route, body: dict[str, Any], prompt_chars: int) -> dict[str, 
     limits = ROUTES[route].output_limits
     limit = next((fields[k] for k in limits if k in fields), None) if isinstance(fields, dict) else None
     output = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else 0
-    choices = body.get("n")
-    n = choices if isinstance(choices, int) and not isinstance(choices, bool) and choices > 1 else 1
     return {
         "model": model if isinstance(model, str) else None,
         "stream": body.get("stream") is True,
         "items": item_count(route, body),
         "priority": priority if isinstance(priority, int) and not isinstance(priority, bool) else None,
-        "estimate": prompt_chars / CHARS_PER_TOKEN + output * n,
+        # every sequence generated: a batch's prompts x choices (before: OpenAI's n alone, /generate one choice)
+        "estimate": prompt_chars / CHARS_PER_TOKEN + output * max(item_count(route, body), 1),
         "greedy": _sampling_before(body)[0],
         "deterministic": _sampling_before(body)[1],
     }
@@ -81,6 +80,24 @@ def test_each_fact_is_what_the_readers_read_before(route: Route, body: dict[str,
     assert after == _before(route, body, 40)
     assert parsed.route is route
     assert parsed.body is body  # the body forwarded is the one parsed, not a copy
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "sequences"),
+    [
+        (Route.CHAT, {"model": "m", "messages": MESSAGES, "max_tokens": 10}, 1),
+        (Route.CHAT, {"model": "m", "messages": MESSAGES, "max_tokens": 10, "n": 3}, 3),
+        (Route.COMPLETIONS, {"model": "m", "prompt": ["a", "b"], "max_tokens": 10, "n": 2}, 4),
+        (Route.GENERATE, {"text": "x", "sampling_params": {"max_new_tokens": 10, "n": 8}}, 8),
+        (Route.GENERATE, {"text": ["a", "b", "c"], "sampling_params": {"max_new_tokens": 10}}, 3),
+    ],
+)
+def test_flow_control_charges_every_sequence_a_request_generates(
+    route: Route, body: dict[str, Any], sequences: int
+) -> None:
+    """n choices (on any route) or a batch of prompts cost the output limit once per sequence: one request asking
+    for 8 does not get them at the price of one (#36's flow control, /generate's ``sampling_params.n`` included)."""
+    assert estimated_tokens(ParsedRequest.of(route, body), 40) == 40 / CHARS_PER_TOKEN + 10 * sequences
 
 
 @pytest.mark.parametrize(
