@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,6 +134,12 @@ def group_cpu_seconds(pgid: int) -> float:
     """User + system CPU seconds of every live process in process group ``pgid``."""
     ticks = os.sysconf("SC_CLK_TCK")
     return sum(int(f[11]) + int(f[12]) for f in _group_stats(pgid)) / ticks  # utime, stime
+
+
+def _cpu_reader(target: Target) -> Callable[[], float] | None:
+    """What reads ``target``'s CPU seconds so far (None for direct: the workers are not the target)."""
+    proc = target.proc
+    return None if proc is None else lambda: group_cpu_seconds(proc.pid)
 
 
 def group_rss_mb(pgid: int) -> float:
@@ -303,7 +309,7 @@ def router_cost(args: BenchArgs) -> list[Table]:
         tail_levels = bench_tail.QUICK_LEVELS if args.quick else bench_tail.LEVELS
         tail_targets = [t for t in targets if t.name in TAIL_TARGETS or t.name.startswith("smg")]
         tail_runs = bench_tail.measure(
-            [bench_tail.TailTarget(t.name, t.url, t.body) for t in tail_targets if t.url],
+            [bench_tail.TailTarget(t.name, t.url, t.body, _cpu_reader(t)) for t in tail_targets if t.url],
             PATH,
             tail_levels,
             seconds,

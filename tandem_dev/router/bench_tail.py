@@ -7,6 +7,10 @@ through ``tandem router`` at its defaults, integrity and flow control on, and th
 every target in turn, in ``ROUNDS`` rounds that start with a different target each time; the table gives the
 median over the rounds of each percentile, and the largest max. A wrk connection opens at the start of a run, so
 each run also measures the burst of a thousand clients arriving at once.
+
+Each run also reads what bounds it: the target's own CPU (its process group, from /proc, in cores) and how busy the
+whole machine was (``/proc/stat``). A single-process router at one core while the machine has idle time left is
+bound by its one event loop; a target using more than one core is using threads or processes the other is not.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from __future__ import annotations
 import re
 import statistics
 import subprocess
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +49,8 @@ class Tail:
     pct: dict[float, float]
     max_ms: float
     errors: int  # non-2xx responses, socket errors and timeouts
+    cores: float | None = None  # the target's CPU over the run, in cores (None: not read)
+    machine_busy: float | None = None  # the share of the machine's CPU time that was busy over the run
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,25 @@ class TailTarget:
     name: str
     url: str
     body: dict[str, object]
+    cpu_seconds: Callable[[], float] | None = None  # the target's CPU time so far (None: not read, e.g. direct)
+
+
+def machine_times() -> tuple[int, int]:
+    """All CPUs' time and their idle + iowait time so far (``/proc/stat``, clock ticks)."""
+    with open("/proc/stat") as stat:
+        ticks = [int(x) for x in stat.readline().split()[1:]]
+    return sum(ticks), ticks[3] + ticks[4]
+
+
+def measured(target: TailTarget, connections: int, path: str, seconds: int, workdir: Path) -> Tail:
+    """One wrk run at ``target`` with the target's CPU and the machine's busy share over it."""
+    cpu0 = target.cpu_seconds() if target.cpu_seconds else 0.0
+    (total0, idle0), started = machine_times(), time.monotonic()
+    tail = wrk_tail(target.url, path, target.body, connections, seconds, workdir)
+    (total1, idle1), wall = machine_times(), time.monotonic() - started
+    cores = (target.cpu_seconds() - cpu0) / wall if target.cpu_seconds else None
+    busy = 1 - (idle1 - idle0) / max(total1 - total0, 1)
+    return Tail(tail.rps, tail.pct, tail.max_ms, tail.errors, cores, busy)
 
 
 def wrk_tail(url: str, path: str, body: dict[str, object], connections: int, seconds: int, workdir: Path) -> Tail:
@@ -87,7 +113,7 @@ def measure(
     for r in range(rounds):
         for connections in levels:
             for t in [*targets[r % len(targets) :], *targets[: r % len(targets)]]:
-                runs[t.name][connections].append(wrk_tail(t.url, path, t.body, connections, seconds, workdir))
+                runs[t.name][connections].append(measured(t, connections, path, seconds, workdir))
     return runs
 
 
@@ -95,7 +121,20 @@ def table(runs: dict[str, dict[int, list[Tail]]], levels: Sequence[int], seconds
     """The tail table (medians over the rounds), ``reference``'s p99 as the yardstick, and the distribution PNG."""
     out = Table(
         f"router tail at high concurrency: instant PD workers, wrk --timeout {TIMEOUT_S}s (median of the rounds)",
-        ["connections", "target", "req/s", "p50 ms", "p90 ms", "p99 ms", "p99.9 ms", "max ms", "p99 vs ref", "errors"],
+        [
+            "connections",
+            "target",
+            "req/s",
+            "p50 ms",
+            "p90 ms",
+            "p99 ms",
+            "p99.9 ms",
+            "max ms",
+            "p99 vs ref",
+            "errors",
+            "CPU cores",
+            "machine busy",
+        ],
         figure=lambda png: plot_distribution(runs, levels, png),
     )
     for connections in levels:
@@ -116,6 +155,8 @@ def table(runs: dict[str, dict[int, list[Tail]]], levels: Sequence[int], seconds
                     max(t.max_ms for t in tails),
                     f"{pct[99.0] / ref_p99:.2f}x" if ref_p99 else NOT_MEASURED,
                     sum(t.errors for t in tails),
+                    _median_of(t.cores for t in tails),
+                    f"{statistics.median(t.machine_busy or 0.0 for t in tails):.0%}",
                 ]
             )
     rounds = max((len(v) for by_level in runs.values() for v in by_level.values()), default=0)
@@ -125,8 +166,16 @@ def table(runs: dict[str, dict[int, list[Tail]]], levels: Sequence[int], seconds
         "latency as wrk measures it: from a request's write to its response's end (the 16-chunk stream), per "
         "connection, so a connection that waits shows in the tail; errors: non-2xx, socket errors and timeouts "
         "summed over the rounds",
+        "CPU cores: the target's own CPU time (all its processes, from /proc) over the run's wall time; machine busy: "
+        "the share of all cores' time not idle over the run (wrk and the workers included): a target at 1.0 core "
+        "while the machine has idle time left is bound by its one process",
     ]
     return out
+
+
+def _median_of(values: Iterable[float | None]) -> float | str:
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 2) if known else "-"
 
 
 def plot_distribution(runs: dict[str, dict[int, list[Tail]]], levels: Sequence[int], path: Path) -> None:

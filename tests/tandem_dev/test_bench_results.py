@@ -101,6 +101,10 @@ def test_router_bench_quick_measures_every_target_side_by_side() -> None:
         assert all(isinstance(v, float) and v > 0 for v in latencies), (name, row)
         assert latencies == sorted(latencies), (name, row)  # type: ignore[type-var]
     assert str(tails[router_bench.TANDEM]["p99 vs ref"]).endswith("x")
+    for name, row in tails.items():  # what bounds each run: the target's CPU, the machine's busy share
+        cores = row["CPU cores"]
+        assert (cores == "-") if name == "direct to decode" else (isinstance(cores, float) and cores > 0), (name, row)
+        assert str(row["machine busy"]).endswith("%"), (name, row)
     assert tail.figure is not None
 
 
