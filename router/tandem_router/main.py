@@ -2,6 +2,14 @@
 
 ``--workers N`` forks N router processes that share the port with SO_REUSEPORT (the kernel spreads connections);
 each has its own pool, health checks and metrics registry.
+
+Once serving, a process freezes what start-up built (``gc.freeze``: the settings, tables, compiled models and pools
+live as long as the process, so a full collection need not walk them again) and collects its youngest generation
+every 50,000 net allocations instead of CPython's 700 (``GC_THRESHOLDS``). What a relay allocates, reference counting
+frees; but with many requests in flight the count of live objects passes 700 again and again, and each collection
+walks them all for almost nothing to collect (321 young and 2 full collections over ~12,500 streams at 64
+connections; what that cost at 256 connections: router/README.md). Garbage that only the cycle collector can free
+waits for at most 50,000 allocations, a few MB.
 """
 
 from __future__ import annotations
@@ -9,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import logging
 import os
 import signal
@@ -25,6 +34,8 @@ from tandem_router.flow.limits import LimitsError, load_limits
 
 log = logging.getLogger("tandem.router")
 
+GC_THRESHOLDS = (50_000, 50, 100)  # young generation, then how many of each before the next one is collected
+
 
 class ListenError(Exception):
     """The router cannot listen where its settings say: one line naming the setting."""
@@ -37,6 +48,9 @@ async def serve(settings: RouterSettings, *, reuse_port: bool = False) -> None:
     except OSError as err:
         why = "is in use" if err.errno == errno.EADDRINUSE else f"cannot be used ({err.strerror})"
         raise ListenError(f"{settings.host}:{settings.port} {why}: choose another --port (or --host)") from err
+    gc.collect()
+    gc.freeze()  # what start-up built lives as long as the process
+    gc.set_threshold(*GC_THRESHOLDS)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

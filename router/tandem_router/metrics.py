@@ -1,4 +1,6 @@
-"""Prometheus metrics, all prefixed ``tandem_router_``, in a registry per router instance (tests run several)."""
+"""Prometheus metrics, all prefixed ``tandem_router_``, in a registry per router instance (tests run several), beside
+the process's own that every Prometheus Python exporter has: ``process_*`` (CPU seconds, resident memory, open file
+descriptors) and ``python_gc_*`` (collections per generation: what ``main.GC_THRESHOLDS`` keeps rare)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import time
 from collections.abc import Iterator
 from typing import Generic, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
@@ -49,6 +51,8 @@ class RouterMetrics:
     def __init__(self, pool: WorkerPool) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)
+        GCCollector(registry=r)
         self.requests = Counter(
             "tandem_router_requests", "Requests by route and HTTP status.", ["route", "status"], registry=r
         )

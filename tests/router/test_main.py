@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import re
 import signal
 import subprocess
 import sys
@@ -10,6 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import aiohttp
 import orjson
 import pytest
 
@@ -17,6 +20,7 @@ from tandem import settings_flags
 from tandem_dev.procs import ManagedProcess, free_port
 from tandem_router.config import DiscoveryMode, RouterSettings, flag_of, load, parser
 from tandem_router.discovery import pod_spec, static_specs
+from tandem_router.main import GC_THRESHOLDS
 from tandem_router.policy.selection import Policy
 from tests.router.helpers import start_instant_workers
 
@@ -155,6 +159,50 @@ def _pod(
             "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
         },
     }
+
+
+def _gc_collections(router: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"{router}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {g: float(v) for g, v in re.findall(r'^python_gc_collections_total\{generation="(\d)"\} (\S+)$', text, re.M)}
+
+
+async def _streams(router: str, total: int, concurrency: int) -> int:
+    sem = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession() as http:
+
+        async def one() -> int:
+            async with sem, http.post(f"{router}/generate", json={"text": "hi", "stream": True}) as resp:
+                await resp.read()
+                return resp.status
+
+        return sum(status == 200 for status in await asyncio.gather(*(one() for _ in range(total))))
+
+
+def test_a_serving_router_leaves_its_garbage_to_reference_counting(tmp_path: Path) -> None:
+    """Serving streams runs no cycle collection (``main.GC_THRESHOLDS``; the process's collections per generation
+    are exported as ``python_gc_collections_total``). With CPython's default thresholds the same router ran 321
+    young, 29 middle and 2 full collections over ~12,500 streams at 64 connections (wrk, 5 s)."""
+    procs: list[ManagedProcess] = []
+    try:
+        urls = start_instant_workers(procs, tmp_path)
+        port = free_port()
+        argv = [sys.executable, "-m", "tandem.cli", "router", "--port", str(port), "--prefill", urls["prefill"],
+                "--decode", urls["decode"], "--log-level", "warning"]  # fmt: skip
+        procs.append(ManagedProcess("router", argv, tmp_path / "router.log").start())
+        router = f"http://127.0.0.1:{port}"
+        procs[-1].wait_http(f"{router}/readiness")
+        assert asyncio.run(_streams(router, 64, 64)) == 64  # warm: the first requests' imports and caches
+        before = _gc_collections(router)
+        assert set(before) == {"0", "1", "2"}
+        assert asyncio.run(_streams(router, 2000, 64)) == 2000
+        after = _gc_collections(router)
+        collections = {g: after[g] - before[g] for g in before}
+        assert collections["0"] <= 2, (collections, GC_THRESHOLDS)  # the defaults' rate would be ~50 here
+        assert collections["2"] == 0, collections
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
 
 
 def test_pod_discovery_rules() -> None:
