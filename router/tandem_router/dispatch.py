@@ -54,6 +54,7 @@ class Failure:
     body: bytes | None = None  # the worker's own error body (a client error's message)
     detail: str = ""
     hard: bool = False  # the worker is gone (its connection was refused): open its breaker at once
+    unanswered: bool = False  # no answer came (the connection failed, closed or timed out): not an HTTP status
 
     @property
     def client_error(self) -> bool:
@@ -81,22 +82,25 @@ def blame(prefill: Failure | None, decode: Failure) -> Failure:
     """Which side a failed attempt is counted against when the decode failed and the prefill's outcome is known.
 
     The prefill's failure explains a retryable decode failure when it is the client's (a 4xx refusal: nobody's
-    fault) or when the decode is alive and only reported, with an error event, that it got no KV
+    fault), or when the prefill gave no answer at all (its connection was refused, closed or timed out: it is dead
+    or hung) while the decode is alive and only reported, with an error event, that it got no KV
     (``decode_stream_error``): a dead prefill's decode aborts the request when it cannot fetch the prefill's
     bootstrap info (SGLang's ``DecodePreallocQueue._ensure_prefill_info``, ``disaggregation/decode.py``) or when
-    its KV receiver is marked failed (``disaggregation/mooncake/conn.py``). When both finished before
-    the router looked (a busy event loop sees them at once), the order they were read in says nothing. A decode
-    that itself broke (closed, refused, timed out, an HTTP status) is its own failure."""
+    its KV receiver is marked failed (``disaggregation/mooncake/conn.py``). When both finished before the router
+    looked (a busy event loop sees them at once), the order they were read in says nothing. Two live workers that
+    both report the transfer failed (a prefill's 5xx, the decode's error event: e.g. a decode back under its old
+    Mooncake session) stay the decode's failure, as is any decode that itself broke (closed, refused, timed out,
+    an HTTP status)."""
     if prefill is None or not decode.retryable:
         return decode
-    if prefill.client_error or (prefill.retryable and decode.reason == "decode_stream_error"):
+    if prefill.client_error or (prefill.unanswered and decode.reason == "decode_stream_error"):
         return prefill
     return decode
 
 
 def transport_failure(side: str, err: WorkerError) -> Failure:
     """No answer from a worker (retryable); a refused connection is hard: the worker is gone."""
-    return Failure(f"{side}_{err.reason.value}", True, hard=err.hard, detail=str(err))
+    return Failure(f"{side}_{err.reason.value}", True, hard=err.hard, detail=str(err), unanswered=True)
 
 
 class ResponseObserver(Protocol):
