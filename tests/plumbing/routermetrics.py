@@ -32,6 +32,7 @@ class RouterMetrics:
     available: dict[str, float] = field(default_factory=dict)  # worker url -> 1 if its breaker admits traffic
     schemas: dict[str, float] = field(default_factory=dict)  # relation -> registry entries (older/current/newer/...)
     refused_entries: Counter[str] = field(default_factory=Counter)  # reason -> registry values refused
+    gc_collections: Counter[str] = field(default_factory=Counter)  # generation -> the process's cycle collections
 
     @property
     def streaming(self) -> float:
@@ -66,6 +67,8 @@ async def scrape(router_url: str) -> RouterMetrics:
             elif sample.name == "tandem_router_resumed_streams_total":
                 out.resumed[sample.labels["reason"]] += int(sample.value)
                 out.resumed_routes[sample.labels["route"]] += int(sample.value)
+            elif sample.name == "python_gc_collections_total":
+                out.gc_collections[sample.labels["generation"]] += int(sample.value)
             elif sample.name == "tandem_router_resume_refused_total":
                 out.refused[sample.labels["route"], sample.labels["reason"]] += int(sample.value)
             elif sample.name == "tandem_router_resume_gap_seconds_count":

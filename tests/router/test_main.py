@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from tandem_router.config import DiscoveryMode, RouterSettings, flag_of, load, p
 from tandem_router.discovery import pod_spec, static_specs
 from tandem_router.main import GC_THRESHOLDS
 from tandem_router.policy.selection import Policy
+from tests.plumbing.routermetrics import scrape
 from tests.router.helpers import start_instant_workers
 
 
@@ -161,12 +161,6 @@ def _pod(
     }
 
 
-def _gc_collections(router: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"{router}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return {g: float(v) for g, v in re.findall(r'^python_gc_collections_total\{generation="(\d)"\} (\S+)$', text, re.M)}
-
-
 async def _streams(router: str, total: int, concurrency: int) -> int:
     sem = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession() as http:
@@ -193,11 +187,10 @@ def test_a_serving_router_leaves_its_garbage_to_reference_counting(tmp_path: Pat
         router = f"http://127.0.0.1:{port}"
         procs[-1].wait_http(f"{router}/readiness")
         assert asyncio.run(_streams(router, 64, 64)) == 64  # warm: the first requests' imports and caches
-        before = _gc_collections(router)
+        before = asyncio.run(scrape(router)).gc_collections
         assert set(before) == {"0", "1", "2"}
         assert asyncio.run(_streams(router, 2000, 64)) == 2000
-        after = _gc_collections(router)
-        collections = {g: after[g] - before[g] for g in before}
+        collections = asyncio.run(scrape(router)).gc_collections - before
         assert collections["0"] <= 2, (collections, GC_THRESHOLDS)  # the defaults' rate would be ~50 here
         assert collections["2"] == 0, collections
     finally:
